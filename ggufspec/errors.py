@@ -1,0 +1,31 @@
+"""Errors a user can act on. Each carries a one-line message and the exit code the CLI uses."""
+
+
+class GgufspecError(Exception):
+    """A bad input or an unmet precondition: one line for the user, exit code 2."""
+
+    exit_code = 2
+
+
+class ModelFileError(GgufspecError):
+    """A model path that is missing, not a GGUF file, or that llama.cpp refused to load."""
+
+
+class IncompatibleModelsError(GgufspecError):
+    """Target and draft cannot be paired: their vocabularies differ."""
+
+
+class ContextFullError(GgufspecError):
+    """The prompt does not fit in the context window."""
+
+
+class DecodeError(GgufspecError):
+    """llama_decode returned an error code."""
+
+    exit_code = 1
+
+
+class StoreError(GgufspecError):
+    """A download, verification or cache problem."""
+
+    exit_code = 1

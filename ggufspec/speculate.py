@@ -1,0 +1,251 @@
+"""The speculative decoding loop: prefill, draft, verify, rewind.
+
+Invariant between steps: `tokens` is the whole sequence; its last token has not been evaluated by
+the target yet, everything before it has (target.n_past == len(tokens) - 1). The draft may lag
+behind; it evaluates `tokens[draft.n_past:]` before proposing, so it never re-evaluates a token.
+
+Layers, as in mlx-lm: `speculative_steps` yields (token, from_draft); `SpeculativeDecoder.stream`
+turns them into `Piece` records; `SpeculativeDecoder.generate` collects a `Generation`.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .errors import ContextFullError, GgufspecError
+from .native import Context
+from .report import Stats
+from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample
+
+
+def speculative_steps(target: Context, draft: Context | None, prompt: Sequence[int], *,
+                      n_draft: int, params: SamplingParams, max_tokens: int,
+                      stats: Stats) -> Iterator[tuple[int, bool]]:
+    """Yield (token, from_draft) for each generated token, the target's choice every time."""
+    rng = np.random.default_rng(params.seed)
+    tokens = list(prompt)
+    _prefill(target, draft, tokens, stats)
+    started = time.perf_counter()
+    n_generated = 0
+    try:
+        while True:
+            room = min(target.n_ctx - len(tokens), max_tokens - n_generated)
+            if room <= 0:
+                stats.stop_reason = "n_predict" if n_generated >= max_tokens else "context"
+                return
+            k = min(n_draft, room - 1) if draft is not None else 0  # a step adds up to k + 1 tokens
+            proposals, draft_probs = _draft(draft, tokens, k, params, rng, stats)
+            n_accepted, own_token = _verify(target, tokens, proposals, draft_probs, params, rng, stats)
+            _rewind(target, draft, len(tokens) + n_accepted)
+            for i, token in enumerate(proposals[:n_accepted] + [own_token]):
+                stats.decode_seconds = time.perf_counter() - started
+                if target.is_end_of_generation(token):  # the end marker itself is not output
+                    stats.stop_reason = "eos"
+                    return
+                tokens.append(token)
+                n_generated += 1
+                stats.n_predict = n_generated
+                yield token, i < n_accepted
+    except GeneratorExit:
+        stats.stop_reason = stats.stop_reason or "interrupted"
+        raise
+
+
+def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats) -> None:
+    target.keep(0)
+    t0 = time.perf_counter()
+    target.decode(tokens[:-1], n_logits=0)
+    stats.prompt_seconds = time.perf_counter() - t0
+    stats.n_prompt = len(tokens)
+    if draft is not None:
+        draft.keep(0)
+        t0 = time.perf_counter()
+        draft.decode(tokens[:-1], n_logits=0)
+        stats.draft_seconds += time.perf_counter() - t0
+
+
+def _draft(draft: Context | None, tokens: list[int], k: int, params: SamplingParams,
+           rng: np.random.Generator, stats: Stats) -> tuple[list[int], list[np.ndarray]]:
+    """Up to k proposals from the draft, one token at a time, and (sampling) their distributions q."""
+    proposals: list[int] = []
+    draft_probs: list[np.ndarray] = []
+    if draft is None or k == 0:
+        return proposals, draft_probs
+    t0 = time.perf_counter()
+    draft.decode(tokens[draft.n_past:], n_logits=1)  # catch up on what the draft has not seen
+    while True:
+        if params.greedy:
+            proposals.append(greedy_token(draft.logits(0)))
+        else:
+            q = distribution(draft.logits(0), params)
+            draft_probs.append(q)
+            proposals.append(sample(q, rng))
+        if len(proposals) == k:
+            break
+        draft.decode(proposals[-1:], n_logits=1)
+    stats.draft_seconds += time.perf_counter() - t0
+    stats.n_drafted += len(proposals)
+    return proposals, draft_probs
+
+
+def _verify(target: Context, tokens: list[int], proposals: list[int], draft_probs: list[np.ndarray],
+            params: SamplingParams, rng: np.random.Generator, stats: Stats) -> tuple[int, int]:
+    """One target batch over [last token] + proposals. Returns (accepted count, the target's own token).
+
+    Greedy: accept while the target's argmax equals the proposal; the first disagreement (or, when
+    all are accepted, the position after the last) gives the target's own argmax. Sampling: the
+    rejection rule in `accept_or_resample`, and the bonus token drawn from p after k acceptances.
+    """
+    t0 = time.perf_counter()
+    target.decode(tokens[target.n_past:] + proposals, n_logits=len(proposals) + 1)
+    n_accepted, own_token = len(proposals), None
+    for i, proposed in enumerate(proposals):
+        if params.greedy:
+            best = greedy_token(target.logits(i))
+            own_token = None if best == proposed else best
+        else:
+            own_token = accept_or_resample(proposed, distribution(target.logits(i), params), draft_probs[i], rng)
+        if own_token is not None:
+            n_accepted = i
+            break
+    if own_token is None:  # every proposal kept: the bonus token
+        last = target.logits(len(proposals))
+        own_token = greedy_token(last) if params.greedy else sample(distribution(last, params), rng)
+    stats.target_seconds += time.perf_counter() - t0
+    stats.n_steps += 1
+    stats.n_accept += n_accepted
+    return n_accepted, own_token
+
+
+def _rewind(target: Context, draft: Context | None, n_keep: int) -> None:
+    """Cut both caches back to the sequence's first n_keep tokens (all it holds that was kept)."""
+    target.keep(n_keep)
+    if draft is not None:
+        draft.keep(n_keep)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token: its text (may be empty mid-UTF-8 character), id, and origin."""
+
+    text: str
+    token: int
+    from_draft: bool
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    tokens: list[int]
+    stats: Stats
+
+
+def pieces(target: Context, steps: Iterator[tuple[int, bool]]) -> Iterator[Piece]:
+    """Token ids to text, UTF-8 safe: a character split across tokens comes out whole, once."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for token, from_draft in steps:
+        yield Piece(decoder.decode(target.piece(token)), token, from_draft)
+
+
+def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: int) -> None:
+    if n_draft < 1:
+        raise GgufspecError(f"--draft must be >= 1, got {n_draft} (use --no-draft for the target alone)")
+    if n_predict == 0 or n_predict < -1:
+        raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {n_predict}")
+    if n_prompt == 0:
+        raise GgufspecError("the prompt is empty")
+    if n_prompt >= n_ctx:
+        raise ContextFullError(f"the prompt is {n_prompt} tokens but the context holds {n_ctx}: "
+                               f"raise -c/--ctx-size or shorten the prompt")
+
+
+class SpeculativeDecoder:
+    """A target and (optionally) a draft model, ready to generate.
+
+    >>> with SpeculativeDecoder("target.gguf", "draft.gguf", n_ctx=2048) as dec:
+    ...     out = dec.generate("def quicksort(arr):", n_predict=64, n_draft=3)
+    ...     print(out.text, out.stats.acceptance)
+
+    `target`/`draft` are GGUF paths or `llama_cpp.Llama` objects (left open by `close()` when given
+    as objects). With no draft, generation is the target alone through the same code path.
+    """
+
+    def __init__(self, target, draft=None, *, n_ctx: int = 4096, n_threads: int | None = None,
+                 n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
+                 check_vocab: bool = True):
+        from .load import LoadParams, check_compatible, open_model
+        self._owned: list = []
+        target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict)
+        draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads,
+                                  n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
+        try:
+            self.target_llm = self._open(target, "target", target_params, strict)
+            self.target = Context(self.target_llm, "target")
+            self.draft_llm = self.draft = None
+            if draft is not None:
+                self.draft_llm = self._open(draft, "draft", draft_params, False)
+                self.draft = Context(self.draft_llm, "draft")
+                if check_vocab:
+                    check_compatible(self.target, self.draft)
+        except BaseException:
+            self.close()
+            raise
+        self.last_stats: Stats | None = None
+
+    def _open(self, model, role, params, strict):
+        from .load import open_model
+        if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+            llm = open_model(model, role, params, strict=strict)
+            self._owned.append(llm)
+            return llm
+        return model
+
+    @property
+    def n_ctx(self) -> int:
+        return self.target.n_ctx
+
+    def tokenize(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None) -> list[int]:
+        from .load import chat_prompt, tokenize
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return tokenize(self.target_llm, chat_prompt(self.target_llm, prompt, system) if chat else prompt)
+
+    def steps(self, prompt: str | Sequence[int], *, n_predict: int = 128, n_draft: int = 3,
+              temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+              seed: int | None = None, chat: bool = False, system: str | None = None,
+              use_draft: bool = True) -> Iterator[tuple[int, bool]]:
+        """The step generator: (token id, from_draft) pairs. Statistics land in `last_stats`."""
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        tokens = self.tokenize(prompt, chat=chat, system=system)
+        check_generation_args(len(tokens), self.n_ctx, n_draft, n_predict)
+        draft = self.draft if use_draft else None
+        self.last_stats = Stats(n_draft=n_draft if draft is not None else 0)
+        max_tokens = n_predict if n_predict > 0 else self.n_ctx
+        return speculative_steps(self.target, draft, tokens, n_draft=n_draft, params=params,
+                                 max_tokens=max_tokens, stats=self.last_stats)
+
+    def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Piece]:
+        """Yield a `Piece` per generated token, as soon as the target has decided it."""
+        return pieces(self.target, self.steps(prompt, **options))
+
+    def generate(self, prompt: str | Sequence[int], **options) -> Generation:
+        collected = list(self.stream(prompt, **options))
+        return Generation("".join(p.text for p in collected), [p.token for p in collected], self.last_stats)
+
+    def close(self) -> None:
+        for ctx in (getattr(self, "target", None), getattr(self, "draft", None)):
+            if ctx is not None:
+                ctx.close()
+        for llm in self._owned:
+            llm.close()
+        self._owned = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

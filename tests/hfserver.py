@@ -1,0 +1,125 @@
+"""A Hugging Face-compatible file server on 127.0.0.1 for the store tests.
+
+It answers what huggingface_hub asks: HEAD/GET `/{repo}/resolve/{revision}/{file}` with
+X-Repo-Commit, X-Linked-Etag (the LFS sha256), X-Linked-Size, Range requests (206), the hub's
+X-Error-Code for missing repos, files and gated repos, and `/api/models/{repo}/tree/{revision}`.
+It can cut a download at a byte offset, to test interrupted pulls.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class HubState:
+    def __init__(self):
+        self.repos: dict[str, dict[str, bytes]] = {}
+        self.gated: set[str] = set()
+        self.served_sha: dict[tuple[str, str], str] = {}  # lie about a file's hash (corruption tests)
+        self.cut_at: dict[str, int] = {}                  # file -> byte offset where GETs stop
+        self.requests: list[tuple[str, str, str | None]] = []
+
+    def add(self, repo: str, file: str, data: bytes) -> None:
+        self.repos.setdefault(repo, {})[file] = data
+
+    def sha(self, repo: str, file: str) -> str:
+        return self.served_sha.get((repo, file)) or hashlib.sha256(self.repos[repo][file]).hexdigest()
+
+
+def make_handler(state: HubState):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _error(self, status: int, code: str, message: str):
+            body = json.dumps({"error": message}).encode()
+            self.send_response(status)
+            self.send_header("X-Error-Code", code)
+            self.send_header("X-Error-Message", message)
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _route(self):
+            state.requests.append((self.command, self.path, self.headers.get("Range")))
+            path = self.path.split("?")[0]
+            if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)", path):
+                return self._tree(m[1])
+            m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
+            if not m:
+                return self._error(404, "EntryNotFound", "no such route")
+            repo, _revision, file = m.groups()
+            if repo not in state.repos:
+                return self._error(401, "RepoNotFound", "Repository not found")
+            if repo in state.gated:
+                return self._error(403, "GatedRepo", f"Access to model {repo} is restricted.")
+            if file not in state.repos[repo]:
+                return self._error(404, "EntryNotFound", "Entry not found")
+            self._file(repo, file)
+
+        def _tree(self, repo):
+            if repo not in state.repos:
+                return self._error(401, "RepoNotFound", "Repository not found")
+            body = json.dumps([{"type": "file", "path": f, "size": len(d), "oid": COMMIT}
+                               for f, d in state.repos[repo].items()]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _file(self, repo, file):
+            data = state.repos[repo][file]
+            start = 0
+            if rng := re.match(r"bytes=(\d+)-", self.headers.get("Range") or ""):
+                start = int(rng[1])
+            self.send_response(206 if start else 200)
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("ETag", f'"{COMMIT[:40]}"')
+            self.send_header("X-Linked-Etag", f'"{state.sha(repo, file)}"')
+            self.send_header("X-Linked-Size", str(len(data)))
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("Content-Length", str(len(data) - start))
+            if start:
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.end_headers()
+            if self.command == "HEAD":
+                return
+            stop = state.cut_at.get(file, len(data))
+            self.wfile.write(data[start:max(start, stop)])
+            if stop < len(data):
+                self.wfile.flush()
+                self.close_connection = True  # the connection drops mid-file
+
+        do_GET = do_HEAD = _route
+
+    return Handler
+
+
+class HubServer:
+    def __init__(self):
+        self.state = HubState()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,89 @@
+"""Speculative sampling leaves the target's distribution unchanged (chi-square against the exact p)."""
+import numpy as np
+import pytest
+from llama_cpp import Llama
+from scipy import stats as scipy_stats
+
+import ggufspec.speculate
+from ggufspec import SamplingParams
+from ggufspec.sampling import distribution
+
+PROMPT = [1, 261, 262, 263]
+DRAWS = 3000
+TEMPERATURE = 1.5
+
+
+def exact_first_and_second(path, params):
+    """p(first token), and p(first, second) for every first token, from the plain Llama API."""
+    llm = Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(PROMPT)
+    p1 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
+    joint = {}
+    for a in np.flatnonzero(p1):
+        llm.n_tokens = len(PROMPT)  # rewind the plain Llama to the prompt
+        llm.eval([int(a)])
+        p2 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
+        for b in np.flatnonzero(p2):
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    return p1, joint
+
+
+def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
+    """Pearson chi-square, cells with an expected count below 5 pooled into one."""
+    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
+    for key, prob in expected_probs.items():
+        if prob * n >= 5:
+            observed.append(counts.get(key, 0)); expected.append(prob * n)
+        else:
+            pooled_o += counts.get(key, 0); pooled_e += prob * n
+    pooled_o += sum(c for k, c in counts.items() if k not in expected_probs)  # impossible outcomes
+    if pooled_e > 0 or pooled_o > 0:
+        observed.append(pooled_o); expected.append(max(pooled_e, 1e-9))
+    return scipy_stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue
+
+
+def draw(decoder, params, k):
+    first, pairs = {}, {}
+    for seed in range(DRAWS):
+        tokens = decoder.generate(PROMPT, n_predict=2, n_draft=k, temperature=params.temperature,
+                                  top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed).tokens
+        first[tokens[0]] = first.get(tokens[0], 0) + 1
+        pairs[tuple(tokens)] = pairs.get(tuple(tokens), 0) + 1
+    return first, pairs
+
+
+@pytest.fixture(scope="module")
+def unfiltered():
+    return SamplingParams(temperature=TEMPERATURE, top_k=0, top_p=1.0, min_p=0.0)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_sampling_matches_target(tiny_pair, tiny_decoder, unfiltered, k):
+    p1, joint = exact_first_and_second(tiny_pair[0], unfiltered)
+    first, pairs = draw(tiny_decoder, unfiltered, k)
+    expected_first = {int(t): float(p1[t]) for t in np.flatnonzero(p1)}
+    assert chi_square_pvalue(first, expected_first, DRAWS) > 1e-3
+    assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
+
+
+def test_filters_apply_to_both_models(tiny_pair, tiny_decoder):
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05)
+    p1, joint = exact_first_and_second(tiny_pair[0], params)
+    first, pairs = draw(tiny_decoder, params, 2)
+    assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) > 1e-3
+    assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
+
+
+def test_a_wrong_acceptance_rule_is_caught(tiny_pair, tiny_decoder, unfiltered, monkeypatch):
+    """Negative control: always accepting the draft gives the draft's distribution, and the test sees it."""
+    monkeypatch.setattr(ggufspec.speculate, "accept_or_resample", lambda token, p, q, rng: None)
+    p1, _ = exact_first_and_second(tiny_pair[0], unfiltered)
+    first, _ = draw(tiny_decoder, unfiltered, 1)
+    assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) < 1e-3
+
+
+def test_seed_makes_a_run_reproducible(tiny_decoder):
+    runs = [tiny_decoder.generate("the cat", n_predict=24, n_draft=3, temperature=1.0, seed=42).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = tiny_decoder.generate("the cat", n_predict=24, n_draft=3, temperature=1.0, seed=43).tokens
+    assert other != runs[0]

@@ -1,0 +1,128 @@
+"""Statistics invariants, and bad input: a one-line error and exit code 2."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ggufspec import SpeculativeDecoder
+from ggufspec.cli import main
+from tinymodels import Shape, make_weights, write_model
+
+
+def test_stats_invariants(tiny_decoder):
+    for k in (1, 3, 8):
+        out = tiny_decoder.generate("the dog ran", n_predict=40, n_draft=k)
+        s = out.stats
+        assert 0 <= s.n_accept <= s.n_drafted
+        assert s.n_predict == len(out.tokens)
+        assert s.n_draft == k
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_pair):
+    target, _ = tiny_pair
+    with SpeculativeDecoder(target, target, n_ctx=256, n_threads=1) as decoder:
+        out = decoder.generate([1, 260, 261], n_predict=40, n_draft=4)
+    assert out.stats.n_drafted > 0
+    assert out.stats.acceptance == 1.0
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def one_line_error(output):
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ggufspec: error:"), output
+    return lines[0]
+
+
+def test_cli_runs_and_prints_the_llamacpp_block(tiny_pair):
+    target, draft = tiny_pair
+    code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "the cat", "-n", "16",
+                           "--draft", "3", "--temp", "0", "-c", "128", "-t", "1")
+    assert code == 0, output
+    for field in ("n_draft   = 3", "n_predict =", "n_drafted =", "n_accept  =", "accept    =", "encoded", "decoded"):
+        assert field in output
+
+
+def test_cli_json(tiny_pair):
+    target, draft = tiny_pair
+    result = CliRunner(mix_stderr=False).invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the",
+                                                       "-n", "8", "--json", "-c", "128", "-t", "1"]) \
+        if "mix_stderr" in CliRunner.__init__.__code__.co_varnames else \
+        CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the", "-n", "8", "--json",
+                                  "-c", "128", "-t", "1"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["stats"]["n_predict"] == len(payload["tokens"])
+
+
+def test_missing_file(tiny_pair, tmp_path):
+    code, output = run_cli("run", "-m", str(tmp_path / "nope.gguf"), "-md", str(tiny_pair[1]), "-p", "x")
+    assert code == 2
+    assert "not found" in one_line_error(output)
+
+
+def test_not_a_gguf_file(tiny_pair, tmp_path):
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"<html>not a model</html>")
+    code, output = run_cli("run", "-m", str(tiny_pair[0]), "-md", str(bogus), "-p", "x")
+    assert code == 2
+    assert "not a GGUF file" in one_line_error(output)
+
+
+def test_incompatible_vocabularies(tiny_pair, tmp_path):
+    shape = Shape()
+    from tinymodels import vocabulary
+    tokens, _ = vocabulary()
+    tokens[270] = "▁zebra"
+    other = write_model(tmp_path / "other.gguf", shape, make_weights(shape, 5), tokens=tokens)
+    code, output = run_cli("run", "-m", str(tiny_pair[0]), "-md", str(other), "-p", "x", "-c", "128")
+    assert code == 2
+    line = one_line_error(output)
+    assert "token 270" in line and "zebra" in line
+
+
+def test_vocabulary_size_difference(tiny_pair, tmp_path):
+    shape = Shape(extra_words=200)
+    bigger = write_model(tmp_path / "bigger.gguf", shape, make_weights(shape, 5))
+    code, output = run_cli("run", "-m", str(tiny_pair[0]), "-md", str(bigger), "-p", "x", "-c", "128")
+    assert code == 2
+    assert "vocabulary sizes differ" in one_line_error(output)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "0"], "--draft must be >= 1"),
+    (["--temp", "-0.5"], "--temp must be >= 0"),
+    (["-n", "0"], "-n/--n-predict must be >= 1"),
+    (["--top-p", "0"], "--top-p must be in"),
+])
+def test_bad_generation_options(tiny_pair, args, message):
+    target, draft = tiny_pair
+    code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "the cat", "-c", "128", *args)
+    assert code == 2
+    assert message in one_line_error(output)
+
+
+def test_prompt_longer_than_context(tiny_pair):
+    target, draft = tiny_pair
+    code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "the cat " * 200, "-c", "64")
+    assert code == 2
+    assert "context holds" in one_line_error(output)
+
+
+def test_no_prompt_and_no_draft_model(tiny_pair):
+    code, output = run_cli("run", "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]))
+    assert code == 2 and "no prompt" in one_line_error(output)
+    code, output = run_cli("run", "-m", str(tiny_pair[0]), "-p", "x")
+    assert code == 2 and "-md" in one_line_error(output)
+
+
+def test_escapes_and_chat(tiny_pair):
+    from ggufspec.cli import process_escapes
+    assert process_escapes(r"a\nb\tc\x41\\") == "a\nb\tcA\\"
+    target, draft = tiny_pair
+    code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "hi", "--chat", "--system", "be brief",
+                           "-n", "8", "-c", "128", "-t", "1")
+    assert code == 0, output

@@ -1,0 +1,159 @@
+"""The model store against a Hugging Face-compatible server on 127.0.0.1 (HF_ENDPOINT)."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from ggufspec import store
+from ggufspec.cli import main
+from ggufspec.errors import StoreError
+from ggufspec.registry import ModelEntry, load_registry
+from hfserver import HubServer
+
+DATA = b"GGUF" + os.urandom(300_000)
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    with HubServer() as server:
+        server.state.add("org/model-GGUF", "model-Q4_K_M.gguf", DATA)
+        server.state.add("org/model-GGUF", "model-Q8_0.gguf", DATA[::-1])
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
+        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "2")
+        yield server
+
+
+def entry(file="model-Q4_K_M.gguf", sha=None, repo="org/model-GGUF", files=None):
+    return ModelEntry("m", repo, tuple(files or [file]), sha256={file: sha} if sha else {})
+
+
+def test_pull_verifies_against_the_lfs_sha256(hub):
+    path = store.pull(entry(), progress=False)[0]
+    assert path.read_bytes() == DATA
+    assert store.is_complete(entry())
+
+
+def test_registry_sha256_wins_and_mismatch_deletes(hub):
+    with pytest.raises(StoreError) as exc:
+        store.pull(entry(sha="0" * 64), progress=False)
+    assert "sha256 mismatch" in str(exc.value) and "0" * 64 in str(exc.value) and SHA in str(exc.value)
+    assert not store.final_path(entry(), "model-Q4_K_M.gguf").exists()
+    assert not store.is_complete(entry())
+
+
+def test_corrupted_transfer_is_rejected_and_removed(hub):
+    hub.state.served_sha[("org/model-GGUF", "model-Q4_K_M.gguf")] = hashlib.sha256(b"other").hexdigest()
+    with pytest.raises(StoreError, match="sha256 mismatch"):
+        store.pull(entry(), progress=False)
+    assert not store.is_complete(entry())
+    assert not list(store.downloads_dir().rglob("model-Q4_K_M.gguf"))
+
+
+def test_cut_connection_leaves_nothing_complete_and_next_pull_resumes(hub):
+    hub.state.cut_at["model-Q4_K_M.gguf"] = 100_000
+    with pytest.raises(StoreError, match="run pull again"):
+        store.pull(entry(), progress=False)
+    assert not store.is_complete(entry())
+    assert not store.final_path(entry(), "model-Q4_K_M.gguf").exists()
+    del hub.state.cut_at["model-Q4_K_M.gguf"]
+    path = store.pull(entry(), progress=False)[0]
+    assert path.read_bytes() == DATA
+    ranges = [r for method, p, r in hub.state.requests if method == "GET" and r]
+    assert any(r.startswith("bytes=100000-") for r in ranges), ranges
+
+
+def test_killed_pull_leaves_nothing_complete(hub, ggufspec_home):
+    """A pull killed mid-transfer (SIGKILL) leaves no file that run/list take for complete."""
+    hub.state.cut_at["model-Q4_K_M.gguf"] = 150_000  # the transfer stalls there: kill it meanwhile
+    script = textwrap.dedent(f"""
+        from ggufspec import store
+        from ggufspec.registry import ModelEntry
+        store.pull(ModelEntry("m", "org/model-GGUF", ("model-Q4_K_M.gguf",)), progress=False)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ})
+    try:
+        proc.wait(timeout=1.5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert not store.is_complete(entry())
+    del hub.state.cut_at["model-Q4_K_M.gguf"]
+    assert store.pull(entry(), progress=False)[0].read_bytes() == DATA
+
+
+def test_split_gguf_arrives_whole(hub):
+    shards = [f"big-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    for i, name in enumerate(shards):
+        hub.state.add("org/big-GGUF", name, DATA[i::3])
+    ref = store.entry_from_reference("org/big-GGUF:Q4_K_M")
+    assert ref.files == tuple(shards)
+    paths = store.pull(ref, progress=False)
+    assert [p.read_bytes() for p in paths] == [DATA[i::3] for i in range(3)]
+    assert store.entry_from_reference("hf://org/big-GGUF/" + shards[1]).files == tuple(shards)
+
+
+def test_missing_repo_file_and_gated_repo_messages(hub):
+    with pytest.raises(StoreError, match="repository not found"):
+        store.pull(entry(repo="org/nothing"), progress=False)
+    with pytest.raises(StoreError, match="file not found"):
+        store.pull(entry(file="absent.gguf"), progress=False)
+    hub.state.gated.add("org/model-GGUF")
+    with pytest.raises(StoreError, match="gated.*HF_TOKEN"):
+        store.pull(entry(), progress=False)
+
+
+def test_refuses_early_when_the_disk_is_too_small(hub, monkeypatch):
+    import shutil
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(StoreError, match="not enough disk space.*need 293.0 KiB, 1000 B free"):
+        store.pull(entry(), progress=False)
+    assert not [r for r in hub.state.requests if r[0] == "GET"]
+
+
+def test_cli_pull_dry_run_json_list_and_rm(hub, ggufspec_home):
+    (ggufspec_home).mkdir(parents=True, exist_ok=True)
+    (ggufspec_home / "models.toml").write_text(textwrap.dedent("""
+        [models.mine]
+        repo = "org/model-GGUF"
+        file = "model-Q8_0.gguf"
+        [pairs.minepair]
+        target = "mine"
+        draft = "mine"
+    """))
+    runner = CliRunner()
+    dry = runner.invoke(main, ["pull", "mine", "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.output)[0]["bytes"] == len(DATA)
+    assert not [r for r in hub.state.requests if r[0] == "GET"]
+    done = runner.invoke(main, ["pull", "mine", "--json"])
+    assert done.exit_code == 0, done.output
+    listing = json.loads(runner.invoke(main, ["list", "--json"]).output)
+    assert listing["models"]["mine"]["on_disk"] and listing["pairs"]["minepair"]["on_disk"]
+    assert "llama3-70b-q3" in listing["pairs"]
+    removed = runner.invoke(main, ["rm", "mine"])
+    assert removed.exit_code == 0 and "removed" in removed.output
+    assert not json.loads(runner.invoke(main, ["list", "--json"]).output)["models"]["mine"]["on_disk"]
+
+
+def test_cli_pull_errors_are_one_line(hub):
+    result = CliRunner().invoke(main, ["pull", "org/nothing:Q4_K_M", "-q"])
+    assert result.exit_code != 0
+    assert result.output.strip().count("\n") == 0 and "repository not found" in result.output
+
+
+def test_run_with_a_hub_reference(hub, tiny_pair):
+    hub.state.add("org/tiny-GGUF", "tiny-F32.gguf", tiny_pair[0].read_bytes())
+    hub.state.add("org/tiny-GGUF", "tiny-draft-F32.gguf", tiny_pair[1].read_bytes())
+    result = CliRunner().invoke(main, ["run", "-m", "hf://org/tiny-GGUF/tiny-F32.gguf", "-md",
+                                       "hf://org/tiny-GGUF/tiny-draft-F32.gguf", "-p", "the cat", "-n", "8",
+                                       "-c", "128", "-t", "1", "--json"])
+    assert result.exit_code == 0, result.output

@@ -1,0 +1,118 @@
+"""Tiny llama-architecture GGUF models written with the `gguf` package, for fast tests.
+
+An SPM vocabulary (<unk>, <s>, </s>, 256 byte tokens, a few words) and random F32 weights. A
+"draft" shares the vocabulary and is derived from the target: its first layers and the same
+embeddings, so it agrees with the target often but not always.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁and", "▁ran", "▁def",
+         "▁return", "▁if", "▁else", "▁for", "▁in", "▁x", "▁y", "(", ")", ":", "▁=", "▁+"]
+
+
+def vocabulary(extra_words: int = 0) -> tuple[list[str], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.BYTE] * 256
+    words = WORDS + [f"▁w{i}" for i in range(extra_words)]
+    return tokens + words, types + [gguf.TokenType.NORMAL] * len(words)
+
+
+@dataclass
+class Shape:
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    n_ctx_train: int = 2048
+    extra_words: int = 0
+    weight_scale: float = 0.5
+    eos_bias: float = 0.0
+    tokens: list[str] = field(default_factory=list)
+
+
+def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
+    """Random weights, numpy shapes (rows = output features), as llama.cpp's llama arch wants."""
+    rng = np.random.default_rng(seed)
+    n_vocab = len(vocabulary(shape.extra_words)[0])
+    e, ff = shape.n_embd, shape.n_ff
+    kv = e // shape.n_head * shape.n_head_kv
+
+    def w(*dims, scale=shape.weight_scale):
+        return (rng.standard_normal(dims) * scale / np.sqrt(dims[-1])).astype(np.float32)
+
+    weights = {
+        "token_embd.weight": w(n_vocab, e, scale=1.0) * np.sqrt(e),
+        "output_norm.weight": np.ones(e, np.float32),
+        "output.weight": w(n_vocab, e, scale=8.0),
+    }
+    weights["output.weight"][2] += shape.eos_bias / np.sqrt(e)
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        weights.update({
+            p + "attn_norm.weight": np.ones(e, np.float32),
+            p + "attn_q.weight": w(e, e), p + "attn_k.weight": w(kv, e),
+            p + "attn_v.weight": w(kv, e), p + "attn_output.weight": w(e, e),
+            p + "ffn_norm.weight": np.ones(e, np.float32),
+            p + "ffn_gate.weight": w(ff, e), p + "ffn_up.weight": w(ff, e),
+            p + "ffn_down.weight": w(e, ff),
+        })
+    return weights
+
+
+def write_model(path: Path, shape: Shape, weights: dict[str, np.ndarray],
+                chat_template: str | None = None, tokens: list[str] | None = None) -> Path:
+    vocab, types = vocabulary(shape.extra_words)
+    if tokens is not None:
+        vocab = tokens
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(vocab)
+    writer.add_token_scores([0.0] * 3 + [-1000.0] * 256 + [-float(i) for i in range(len(vocab) - 259)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    for name, tensor in weights.items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def make_pair(directory: Path, seed: int = 0, shape: Shape | None = None) -> tuple[Path, Path]:
+    """A target and a draft (the target's first layer, same embeddings and output)."""
+    shape = shape or Shape()
+    weights = make_weights(shape, seed)
+    target = write_model(directory / "target.gguf", shape, weights, CHAT_TEMPLATE)
+    draft_shape = Shape(**{**shape.__dict__, "n_layer": 1})
+    draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith("blk.0.")}
+    draft = write_model(directory / "draft.gguf", draft_shape, draft_weights, CHAT_TEMPLATE)
+    return target, draft
