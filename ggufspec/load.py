@@ -9,7 +9,7 @@ import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from .errors import IncompatibleModelsError, ModelFileError
-from .native import Context
+from .native import Context, quiet_llama_logs
 
 GGUF_MAGIC = b"GGUF"
 # llama.cpp's speculative example allows this much vocabulary size difference, and compares token
@@ -46,6 +46,7 @@ def check_gguf_file(path: str | os.PathLike, role: str) -> Path:
 def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict: bool = False) -> llama_cpp.Llama:
     path = check_gguf_file(path, role)
     threads = params.n_threads or default_threads()
+    quiet_llama_logs()
     try:
         return llama_cpp.Llama(
             model_path=str(path), n_ctx=params.n_ctx, n_batch=params.n_batch,

@@ -8,6 +8,8 @@ cache, so callers never compute positions themselves.
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 from typing import Sequence
 
 import llama_cpp
@@ -16,6 +18,21 @@ import numpy as np
 from .errors import DecodeError
 
 _SEQ = 0  # one sequence per context
+
+
+@llama_cpp.llama_log_callback
+def _log_to_stderr_if_verbose(level, text, user_data):
+    # llama.cpp logs model loading at length; keep stderr for our own messages unless asked
+    if VERBOSE:
+        sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+
+VERBOSE = os.environ.get("GGUFSPEC_VERBOSE", "") not in ("", "0")
+
+
+def quiet_llama_logs() -> None:
+    """Route llama.cpp's log through our callback (call after llama-cpp-python installed its own)."""
+    llama_cpp.llama_log_set(_log_to_stderr_if_verbose, ctypes.c_void_p(0))
 
 
 class Context:

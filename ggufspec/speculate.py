@@ -177,8 +177,11 @@ class SpeculativeDecoder:
     def __init__(self, target, draft=None, *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
                  check_vocab: bool = True):
-        from .load import LoadParams, check_compatible, open_model
+        from .load import LoadParams, check_compatible, check_gguf_file
         self._owned: list = []
+        for model, role in ((target, "target"), (draft, "draft")):  # fail before loading anything
+            if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+                check_gguf_file(model, role)
         target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict)
         draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads,
                                   n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)

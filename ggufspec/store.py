@@ -153,10 +153,20 @@ def _hub_errors(label: str):
             raise StoreError(f"{label}: revision not found") from None
         except hf_errors.HfHubHTTPError as exc:
             raise StoreError(f"{label}: hub error: {str(exc).splitlines()[0]}") from None
-        except (OSError, hf_errors.LocalEntryNotFoundError) as exc:
+        except Exception as exc:
+            if not _is_transport_error(exc):
+                raise
             raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}); run pull again to resume") from None
     return mapping()
+
+
+def _is_transport_error(exc: Exception) -> bool:
+    """A dropped connection or timeout, whichever HTTP stack this huggingface_hub version uses."""
+    from huggingface_hub import errors as hf_errors
+    module = type(exc).__module__.split(".")[0]
+    return (isinstance(exc, (OSError, hf_errors.LocalEntryNotFoundError))
+            or module.startswith(("httpx", "httpcore", "requests", "urllib3", "h11")))
 
 
 @dataclass(frozen=True)
@@ -164,6 +174,7 @@ class RemoteFile:
     file: str
     size: int | None
     lfs_sha256: str | None
+    url: str  # where the bytes are (the hub's redirect target, when it gives one)
 
 
 def remote_files(entry: ModelEntry) -> list[RemoteFile]:
@@ -171,10 +182,11 @@ def remote_files(entry: ModelEntry) -> list[RemoteFile]:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     found = []
     for file in entry.files:
+        url = hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=_endpoint())
         with _hub_errors(f"{entry.repo}/{file}"):
-            meta = get_hf_file_metadata(hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=_endpoint()))
+            meta = get_hf_file_metadata(url)
         etag = (meta.etag or "").strip('"').lower()
-        found.append(RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None))
+        found.append(RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None, meta.location or url))
     return found
 
 
@@ -185,9 +197,13 @@ def _check_disk_room(needed: int, where: Path) -> None:
         raise StoreError(f"not enough disk space in {where}: need {human_size(needed)}, {human_size(free)} free")
 
 
+def _partial_path(entry: ModelEntry, file: str) -> Path:
+    return downloads_dir() / _slug(entry.repo) / (file + ".incomplete")
+
+
 def _staged_bytes(entry: ModelEntry, file: str) -> int:
-    incomplete = downloads_dir() / _slug(entry.repo) / ".cache" / "huggingface" / "download"
-    return sum(p.stat().st_size for p in incomplete.glob(f"{file}*.incomplete")) if incomplete.is_dir() else 0
+    partial = _partial_path(entry, file)
+    return partial.stat().st_size if partial.is_file() else 0
 
 
 def pull(entry: ModelEntry, *, progress: bool = True, dry_run: bool = False) -> list[Path]:
@@ -205,17 +221,43 @@ def pull(entry: ModelEntry, *, progress: bool = True, dry_run: bool = False) -> 
 
 
 def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    """Download into a persistent `.incomplete` file, resuming from its size, then verify and rename.
+
+    huggingface_hub's `http_get` does the transfer (auth headers, Range, retries within a call);
+    recent `hf_hub_download` versions delete their partial file on failure, so the partial file that
+    survives Ctrl-C, a kill or a dropped connection is kept here, where the next pull finds it.
+    """
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
     label = f"{entry.repo}/{remote.file}"
-    (disable_progress_bars if not progress else enable_progress_bars)()
-    with _hub_errors(label):
-        staged = Path(hf_hub_download(entry.repo, remote.file, revision=entry.revision,
-                                      local_dir=downloads_dir() / _slug(entry.repo), endpoint=_endpoint()))
+    partial = _partial_path(entry, remote.file)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    if remote.size is not None and _staged_bytes(entry, remote.file) > remote.size:
+        partial.unlink()  # not a prefix of this file: start again
+    with partial.open("ab") as out, _hub_errors(label), _progress_bars(progress):
+        resume = out.tell()
+        if remote.size is None or resume < remote.size:
+            http_get(remote.url, out, resume_size=resume, headers=build_hf_headers(), expected_size=remote.size,
+                     displayed_filename=remote.file)
     expected = entry.sha256.get(remote.file) or remote.lfs_sha256
-    with _progress(staged.stat().st_size, f"verifying {remote.file}", progress) as bar:
-        actual = sha256_of(staged, bar)
-    return _install_verified(staged, final_path(entry, remote.file), expected, actual, label)
+    with _progress(partial.stat().st_size, f"verifying {remote.file}", progress) as bar:
+        actual = sha256_of(partial, bar)
+    return _install_verified(partial, final_path(entry, remote.file), expected, actual, label)
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool):
+    from huggingface_hub import constants
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    was_disabled = are_progress_bars_disabled()
+    (enable_progress_bars if enabled else disable_progress_bars)()
+    # a smaller chunk than the library's 10 MB, so that a cut transfer keeps more of what arrived
+    saved_chunk, constants.DOWNLOAD_CHUNK_SIZE = constants.DOWNLOAD_CHUNK_SIZE, 1 << 20
+    try:
+        yield
+    finally:
+        constants.DOWNLOAD_CHUNK_SIZE = saved_chunk
+        (disable_progress_bars if was_disabled else enable_progress_bars)()
 
 
 def ensure_local(entry: ModelEntry, *, progress: bool = True) -> Path:
@@ -247,11 +289,11 @@ def remove(entry: ModelEntry) -> int:
         if path.is_file():
             freed += path.stat().st_size
             path.unlink()
-    staging = downloads_dir() / _slug(entry.repo)
     for file in entry.files:
-        for p in list(staging.glob(file)) + list((staging / ".cache" / "huggingface" / "download").glob(f"{file}*")):
-            freed += p.stat().st_size if p.is_file() else 0
-            p.unlink(missing_ok=True)
+        partial = _partial_path(entry, file)
+        if partial.is_file():
+            freed += partial.stat().st_size
+            partial.unlink()
     return freed
 
 

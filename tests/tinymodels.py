@@ -49,11 +49,11 @@ def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
         return (rng.standard_normal(dims) * scale / np.sqrt(dims[-1])).astype(np.float32)
 
     weights = {
-        "token_embd.weight": w(n_vocab, e, scale=1.0) * np.sqrt(e),
+        "token_embd.weight": w(n_vocab, e, scale=float(np.sqrt(e))),
         "output_norm.weight": np.ones(e, np.float32),
         "output.weight": w(n_vocab, e, scale=8.0),
     }
-    weights["output.weight"][2] += shape.eos_bias / np.sqrt(e)
+    weights["output.weight"][2] += np.float32(shape.eos_bias / np.sqrt(e))
     for i in range(shape.n_layer):
         p = f"blk.{i}."
         weights.update({
