@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import json
 import re
 import sys
@@ -64,8 +65,8 @@ def main():
 @click.option("-s", "--seed", type=int, default=None, help="Sampling seed [default: random].")
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, help="Context size in tokens.")
 @click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads [default: physical cores].")
-@click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=0, help="Target layers on the GPU.")
-@click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None, help="Draft layers on the GPU [default: as -ngl].")
+@click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None, help="Target layers on the GPU [default: planned].")
+@click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None, help="Draft layers on the GPU [default: planned].")
 @click.option("-e", "--escape", is_flag=True, help="Process escapes (\\n, \\t, \\xHH...) in the prompt.")
 @click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
 @click.option("--chat", is_flag=True, help="Apply the target's chat template.")
@@ -82,6 +83,8 @@ def run(pair, model, model_draft, prompt, prompt_file, n_predict, n_draft, tempe
     text = read_prompt(prompt, prompt_file, escape)
     target_path, draft_path, pair_k = resolve_models(pair, model, model_draft, no_draft)
     n_draft = n_draft if n_draft is not None else (pair_k or 3)
+    n_gpu_layers, n_gpu_layers_draft = planned_offload(target_path, None if no_draft else draft_path, n_ctx,
+                                                       n_draft, n_gpu_layers, n_gpu_layers_draft)
     with SpeculativeDecoder(target_path, None if no_draft else draft_path, n_ctx=n_ctx, n_threads=n_threads,
                             n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
                             strict=strict) as decoder:
@@ -99,6 +102,21 @@ def run(pair, model, model_draft, prompt, prompt_file, n_predict, n_draft, tempe
         click.echo(stats.llamacpp_block(), err=True)
     if interrupted:
         sys.exit(130)
+
+
+def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld):
+    """-ngl / -ngld as given, else from the planner (only where this build can offload at all)."""
+    from . import plan as P
+    if (ngl is not None and (ngld is not None or draft_path is None)) or not P.gpu_offload_supported():
+        return ngl or 0, ngld if ngld is not None else (ngl or 0)
+    target = P.read_shape(target_path)
+    draft = P.read_shape(draft_path) if draft_path else None
+    gpu, host = _devices(None, None)
+    result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx, ctx_given=True, n_draft=n_draft)
+    click.echo(result.summary(), err=True)
+    planned_draft = result.draft.n_gpu_layers if result.draft else 0
+    return (ngl if ngl is not None else result.target.n_gpu_layers,
+            ngld if ngld is not None else planned_draft)
 
 
 def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:
@@ -239,3 +257,67 @@ def rm(name):
     for entry in _model_entries(name):
         freed = store.remove(entry)
         click.echo(f"{entry.name}: removed {store.human_size(freed)}")
+
+
+def _shapes_for(pair, model, model_draft):
+    """Model shapes from local files, or from registry entries (headers over HTTP when not on disk)."""
+    from . import plan as P
+    from . import store
+    if model is not None:
+        return P.read_shape(model), (P.read_shape(model_draft) if model_draft else None)
+    from .registry import load_registry
+    registry = load_registry()
+    p = registry.pair(pair)
+    shapes = []
+    for name in (p.target, p.draft):
+        entry = registry.model(name)
+        if store.is_complete(entry):
+            shapes.append(P.read_shape(store.final_path(entry, entry.first_file), name))
+        else:
+            remote = store.remote_files(entry)[0]
+            shapes.append(P.read_remote_shape(remote.url, remote.size or entry.size, name))
+    return shapes[0], shapes[1]
+
+
+def _devices(vram, ram):
+    from . import plan as P
+    if vram is not None:
+        size = P.parse_size(vram)
+        gpu = P.Device("cuda", f"GPU ({vram})", size, size, P.DEFAULT_GPU_BANDWIDTH_GBS)
+    else:
+        gpus = P.detect_gpus() if P.gpu_offload_supported() or os.environ.get("GGUFSPEC_PLAN_ANY_GPU") else []
+        gpu = max(gpus, key=lambda g: g.free) if gpus else None
+    host = P.detect_ram()
+    if ram is not None:
+        host.total = host.free = P.parse_size(ram)
+    return gpu, host
+
+
+@main.command()
+@click.argument("pair", required=False)
+@click.option("-m", "--model", "model", help="Target model (GGUF path).")
+@click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
+@click.option("--vram", default=None, help="Plan for this much GPU memory (e.g. 24GiB) instead of the detected.")
+@click.option("--ram", default=None, help="Plan for this much host memory instead of the detected.")
+@click.option("-c", "--ctx-size", "n_ctx", type=int, default=None, help="Context size [default: 4096, shrunk to fit].")
+@click.option("--draft", "n_draft", type=int, default=3, show_default=True, help="Tokens drafted per step, K.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@friendly_errors
+def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, as_json):
+    """Plan GPU offload (-ngl / -ngld) for a pair from its GGUF headers and this machine."""
+    from . import plan as P
+    target, draft = _shapes_for(pair, model, model_draft)
+    gpu, host = _devices(vram, ram)
+    result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx or 4096, ctx_given=n_ctx is not None,
+                         n_draft=n_draft)
+    if as_json:
+        click.echo(json.dumps({"ngl": result.target.n_gpu_layers,
+                               "ngld": result.draft.n_gpu_layers if result.draft else 0,
+                               "use_draft": result.draft is not None,
+                               "n_ctx": result.n_ctx, "reason": result.reason,
+                               "predicted_tps": result.predicted_tps,
+                               "predicted_target_alone_tps": result.predicted_target_alone_tps,
+                               "plan": result.to_dict()}, default=str))
+        return
+    click.echo(P.plan_table(result, target, draft))
+    click.echo(result.summary())

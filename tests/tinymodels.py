@@ -116,3 +116,46 @@ def make_pair(directory: Path, seed: int = 0, shape: Shape | None = None) -> tup
     draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith("blk.0.")}
     draft = write_model(directory / "draft.gguf", draft_shape, draft_weights, CHAT_TEMPLATE)
     return target, draft
+
+
+def write_header_only(path: Path, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int,
+                      n_vocab: int, layer_type=None, embd_type=None, output_type=None, arch: str = "llama") -> Path:
+    """A GGUF of a real model's shape with no weights: the header, then a sparse hole of the data's size."""
+    Q = gguf.GGMLQuantizationType
+    layer_type, embd_type, output_type = layer_type or Q.Q3_K, embd_type or Q.Q3_K, output_type or Q.Q6_K
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(n_layer)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_vocab_size(n_vocab)  # the size without the token list: headers that read in milliseconds
+    kv = n_embd // n_head * n_head_kv
+
+    def tensor(name, shape, qtype):
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        n = int(np.prod(shape))
+        byte_shape = (*shape[:-1], shape[-1] // block * type_size)  # numpy order, last axis in bytes
+        writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), n // block * type_size, raw_dtype=qtype)
+
+    tensor("token_embd.weight", (n_vocab, n_embd), embd_type)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        tensor(p + "attn_norm.weight", (n_embd,), Q.F32)
+        tensor(p + "ffn_norm.weight", (n_embd,), Q.F32)
+        for name, shape in (("attn_q", (n_embd, n_embd)), ("attn_k", (kv, n_embd)), ("attn_v", (kv, n_embd)),
+                            ("attn_output", (n_embd, n_embd)), ("ffn_gate", (n_ff, n_embd)),
+                            ("ffn_up", (n_ff, n_embd)), ("ffn_down", (n_embd, n_ff))):
+            tensor(p + name + ".weight", shape, layer_type)
+    tensor("output_norm.weight", (n_embd,), Q.F32)
+    tensor("output.weight", (n_vocab, n_embd), output_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    header_end = writer.fout[0].tell()
+    data = sum(ti.nbytes for ti in writer.tensors[0].values())
+    writer.close()
+    with open(path, "r+b") as f:
+        f.truncate(header_end + 32 + data + 32 * len(writer.tensors[0]))  # alignment padding, generously
+    return path

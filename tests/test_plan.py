@@ -1,0 +1,187 @@
+"""The offload planner: estimator vs llama.cpp's own buffer sizes, device parsing, plans for machines."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ggufspec import plan as P
+from ggufspec.cli import main
+from llamacpp_log import buffer_sizes
+from tinymodels import write_header_only
+
+GiB = 1 << 30
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def within(estimate, actual, tolerance=0.05):
+    return abs(estimate - actual) <= tolerance * actual
+
+
+@pytest.mark.parametrize("n_ctx, n_batch", [(256, 512), (2048, 512), (1024, 64)])
+def test_estimator_matches_llamacpp_on_tiny_models(tiny_pair, n_ctx, n_batch):
+    shape = P.read_shape(tiny_pair[0])
+    actual = buffer_sizes(tiny_pair[0], n_ctx, n_batch)
+    assert within(shape.weight_bytes, actual["model"])
+    assert within(shape.kv_bytes(n_ctx), actual["kv"])
+    assert within(shape.compute_bytes(n_ctx, n_batch), actual["compute"]), (shape.compute_bytes(n_ctx, n_batch), actual)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_ctx, n_batch", [(4096, 512), (16384, 512), (4096, 64)])
+def test_estimator_matches_llamacpp_on_the_demo_pair(n_ctx, n_batch):
+    from conftest import demo_pair_paths
+    for path in demo_pair_paths():
+        shape = P.read_shape(path)
+        actual = buffer_sizes(path, n_ctx, n_batch)
+        print(f"{path.name} n_ctx={n_ctx} n_ubatch={n_batch}: estimate/llama.cpp "
+              f"model {shape.weight_bytes / actual['model']:.3f} kv {shape.kv_bytes(n_ctx) / actual['kv']:.3f} "
+              f"compute {shape.compute_bytes(n_ctx, n_batch) / actual['compute']:.3f}")
+        assert within(shape.weight_bytes, actual["model"])
+        assert within(shape.kv_bytes(n_ctx), actual["kv"])
+        assert within(shape.compute_bytes(n_ctx, n_batch), actual["compute"])
+
+
+# ---------------------------------------------------------------- headers of real models' shapes
+
+@pytest.fixture(scope="session")
+def seed_pair(tmp_path_factory):
+    """Meta-Llama-3-70B-Instruct Q3_K_S and Meta-Llama-3-8B-Instruct Q3_K_L shapes, header-only (sparse)."""
+    import gguf
+    Q = gguf.GGMLQuantizationType
+    d = tmp_path_factory.mktemp("seed")
+    target = write_header_only(d / "llama3-70b-q3_k_s.gguf", n_layer=80, n_embd=8192, n_head=64, n_head_kv=8,
+                               n_ff=28672, n_vocab=128256)
+    draft = write_header_only(d / "llama3-8b-q3_k_l.gguf", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8,
+                              n_ff=14336, n_vocab=128256, layer_type=Q.Q4_K)
+    return P.read_shape(target), P.read_shape(draft)
+
+
+def cuda(gib, name="NVIDIA GeForce RTX 4090"):
+    return P.Device("cuda", name, int(gib * GiB), int(gib * GiB), P.bandwidth_for(name))
+
+
+RAM = P.Device("cpu", "system RAM", 128 * GiB, 120 * GiB, 60)
+
+
+def test_seed_setup_puts_the_draft_and_45_target_layers_on_a_24gib_gpu(seed_pair):
+    target, draft = seed_pair
+    assert 30e9 < target.weight_bytes < 32e9 and 4e9 < draft.weight_bytes < 5e9  # the real files' sizes
+    plan = P.make_plan(target, draft, gpu=cuda(24), ram=RAM, n_ctx=4096, ctx_given=True, n_draft=3)
+    assert plan.draft.n_gpu_layers == draft.n_layer + 1          # the whole draft, output layer included
+    assert 45 <= plan.target.n_gpu_layers <= target.n_layer
+    assert plan.target.gpu_bytes + plan.draft.gpu_bytes <= plan.budget
+    assert plan.budget <= 24 * GiB * (1 - P.MARGIN)
+    assert plan.predicted_tps > plan.predicted_target_alone_tps
+
+
+MACHINES = {  # name: (gpu or None, expected (ngl, ngld) for the seed pair at 4k context)
+    "cpu": (None, (0, 0)),
+    "8GiB": (cuda(8, "RTX 3070"), (4, 33)),
+    "12GiB": (cuda(12, "RTX 3060"), (15, 33)),
+    "24GiB": (cuda(24), (46, 33)),
+    "48GiB": (cuda(48, "RTX A6000"), (81, 33)),
+    "80GiB": (cuda(80, "NVIDIA H100 80GB HBM3"), (81, 33)),
+    "apple16": (P.parse_apple_sysctl(str(16 * 10**9), None, "Apple M2"), (9, 33)),
+    "apple36": (P.parse_apple_sysctl(str(36 * 10**9), None, "Apple M3 Pro"), (42, 33)),
+    "apple64": (P.parse_apple_sysctl(str(64 * 10**9), None, "Apple M2 Max"), (81, 33)),
+    "apple128": (P.parse_apple_sysctl(str(128 * 10**9), None, "Apple M4 Max"), (81, 33)),
+}
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_plans_for_a_table_of_machines(seed_pair, machine):
+    gpu, (ngl, ngld) = MACHINES[machine]
+    target, draft = seed_pair
+    plan = P.make_plan(target, draft, gpu=gpu, ram=RAM, n_ctx=4096, ctx_given=True)
+    got = (plan.target.n_gpu_layers, plan.draft.n_gpu_layers if plan.draft else None)
+    print(machine, got, plan.summary())
+    assert got == (ngl, ngld)
+    if gpu is not None:
+        assert plan.target.gpu_bytes + plan.draft.gpu_bytes <= plan.budget
+
+
+def test_shrinks_the_context_only_when_not_given(seed_pair):
+    target, draft = seed_pair
+    tight = cuda(5.6)
+    given = P.make_plan(target, draft, gpu=tight, ram=RAM, n_ctx=32768, ctx_given=True)
+    free = P.make_plan(target, draft, gpu=tight, ram=RAM, n_ctx=32768, ctx_given=False)
+    assert given.n_ctx == 32768 and free.n_ctx < 32768
+    assert "context shrunk" in free.reason
+
+
+def test_a_gpu_too_small_for_the_draft_says_what_to_do(seed_pair):
+    target, draft = seed_pair
+    plan = P.make_plan(target, draft, gpu=cuda(3), ram=RAM, n_ctx=4096, ctx_given=True)
+    assert plan.draft.n_gpu_layers == 0
+    assert "smaller -c" in plan.reason and "--no-draft" in plan.reason
+
+
+# ---------------------------------------------------------------- devices
+
+def test_nvidia_smi_and_rocm_and_sysctl_fixtures():
+    gpus = P.parse_nvidia_smi((FIXTURES / "nvidia-smi.csv").read_text())
+    assert [(g.name, g.total // (1 << 20), g.free // (1 << 20)) for g in gpus] == [
+        ("NVIDIA GeForce RTX 4090", 24564, 23987), ("NVIDIA H100 80GB HBM3", 81559, 80995)]
+    assert gpus[0].bandwidth_gbs == 1008 and gpus[1].bandwidth_gbs == 3350
+    amd = P.parse_rocm_smi((FIXTURES / "rocm-smi.json").read_text())
+    assert amd[0].total == 25753026560 and amd[0].free == 25753026560 - 1054912512
+    apple = P.parse_apple_sysctl("68719476736\n", "0\n", "Apple M2 Max")
+    assert apple.free == int(68719476736 * 0.75)
+    assert P.parse_apple_sysctl("68719476736", "57344").free == 57344 << 20
+
+
+def test_no_gpu_means_a_cpu_plan(tiny_pair, monkeypatch):
+    monkeypatch.setattr(P, "detect_gpus", lambda: [])
+    result = CliRunner().invoke(main, ["plan", "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["ngl"] == 0 and data["ngld"] == 0 and "CPU" in data["reason"]
+
+
+def test_plan_cli_with_overrides(seed_pair, tmp_path):
+    target = write_header_only(tmp_path / "t.gguf", n_layer=80, n_embd=8192, n_head=64, n_head_kv=8,
+                               n_ff=28672, n_vocab=128256)
+    draft = write_header_only(tmp_path / "d.gguf", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8,
+                              n_ff=14336, n_vocab=128256)
+    result = CliRunner().invoke(main, ["plan", "-m", str(target), "-md", str(draft), "--vram", "24GiB", "-c", "4096"])
+    assert result.exit_code == 0, result.output
+    assert "-ngl" in result.output and "KV GPU" in result.output
+
+
+@pytest.mark.parametrize("vram, message", [("lots", "cannot read the size"), ("3GiB", "--no-draft")])
+def test_plan_bad_input(vram, message, tmp_path):
+    target = write_header_only(tmp_path / "t.gguf", n_layer=80, n_embd=8192, n_head=64, n_head_kv=8,
+                               n_ff=28672, n_vocab=128256)
+    draft = write_header_only(tmp_path / "d.gguf", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8,
+                              n_ff=14336, n_vocab=128256)
+    result = CliRunner().invoke(main, ["plan", "-m", str(target), "-md", str(draft), "--vram", vram, "-c", "4096"])
+    assert message in result.output
+
+
+def test_truncated_header_is_a_clear_error(tiny_pair, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_pair[0].read_bytes()[:200])
+    with pytest.raises(P.PlanError, match="truncated"):
+        P.read_shape(cut)
+
+
+def test_unknown_architecture_falls_back_with_a_warning(tmp_path):
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "mystery")
+    w.add_block_count(2)
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.weird.weight", np.zeros((8, 8), np.float32))
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.warns(UserWarning, match="sizing from tensors"):
+        shape = P.read_shape(tmp_path / "odd.gguf")
+    assert shape.layer_bytes == [256, 256]
+
+
+def test_parse_size():
+    assert P.parse_size("24GiB") == 24 * GiB
+    assert P.parse_size("16 GB") == 16 * 10**9
+    assert P.parse_size("8192MiB") == 8 * GiB
