@@ -19,6 +19,7 @@ class Stats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     stop_reason: str = ""       # eos | n_predict | context | interrupted
+    drafter: str = ""           # model | lookup | hybrid, "+auto" when K is chosen per step; none
 
     @property
     def acceptance(self) -> float:
@@ -44,7 +45,7 @@ class Stats:
             f"decoded {self.n_predict:4d} tokens in {self.decode_seconds:8.3f} seconds, "
             f"speed: {self.decode_tps:8.3f} t/s",
             "",
-            f"n_draft   = {self.n_draft}",
+            f"n_draft   = {self.n_draft}" + (f" ({self.drafter})" if self.drafter not in ("", "model") else ""),
             f"n_predict = {self.n_predict}",
             f"n_drafted = {self.n_drafted}",
             f"n_accept  = {self.n_accept}",

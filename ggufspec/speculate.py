@@ -19,16 +19,20 @@ import numpy as np
 from .errors import ContextFullError, GgufspecError
 from .native import Context
 from .report import Stats
+from .drafting import AdaptiveK, FixedK, HybridDrafter, LookupDrafter, ModelDrafter
 from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample
 
 
-def speculative_steps(target: Context, draft: Context | None, prompt: Sequence[int], *,
-                      n_draft: int, params: SamplingParams, max_tokens: int,
-                      stats: Stats) -> Iterator[tuple[int, bool]]:
-    """Yield (token, from_draft) for each generated token, the target's choice every time."""
+def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, controller, params: SamplingParams,
+                      max_tokens: int, stats: Stats) -> Iterator[tuple[int, bool]]:
+    """Yield (token, from_draft) for each generated token, the target's choice every time.
+
+    `drafter` proposes (see `drafting`; None: the target alone), `controller` says how many.
+    """
     rng = np.random.default_rng(params.seed)
     tokens = list(prompt)
-    _prefill(target, draft, tokens, stats)
+    draft_ctx = drafter.context if drafter is not None else None
+    _prefill(target, draft_ctx, tokens, stats)
     started = time.perf_counter()
     n_generated = 0
     try:
@@ -37,10 +41,17 @@ def speculative_steps(target: Context, draft: Context | None, prompt: Sequence[i
             if room <= 0:
                 stats.stop_reason = "n_predict" if n_generated >= max_tokens else "context"
                 return
-            k = min(n_draft, room - 1) if draft is not None else 0  # a step adds up to k + 1 tokens
-            proposals, draft_probs = _draft(draft, tokens, k, params, rng, stats)
+            k = controller.choose(room - 1) if drafter is not None else 0  # a step adds up to k + 1 tokens
+            t0 = time.perf_counter()
+            proposals, draft_probs = drafter.propose(tokens, k, params, rng) if k > 0 else ([], [])
+            t1 = time.perf_counter()
             n_accepted, own_token = _verify(target, tokens, proposals, draft_probs, params, rng, stats)
-            _rewind(target, draft, len(tokens) + n_accepted)
+            t2 = time.perf_counter()
+            _rewind(target, draft_ctx, len(tokens) + n_accepted)
+            if drafter is not None:
+                controller.observe(len(proposals), n_accepted, t1 - t0, t2 - t1)
+            stats.draft_seconds += t1 - t0
+            stats.n_drafted += len(proposals)
             for i, token in enumerate(proposals[:n_accepted] + [own_token]):
                 stats.decode_seconds = time.perf_counter() - started
                 if target.is_end_of_generation(token):  # the end marker itself is not output
@@ -66,30 +77,6 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
         t0 = time.perf_counter()
         draft.decode(tokens[:-1], n_logits=0)
         stats.draft_seconds += time.perf_counter() - t0
-
-
-def _draft(draft: Context | None, tokens: list[int], k: int, params: SamplingParams,
-           rng: np.random.Generator, stats: Stats) -> tuple[list[int], list[np.ndarray]]:
-    """Up to k proposals from the draft, one token at a time, and (sampling) their distributions q."""
-    proposals: list[int] = []
-    draft_probs: list[np.ndarray] = []
-    if draft is None or k == 0:
-        return proposals, draft_probs
-    t0 = time.perf_counter()
-    draft.decode(tokens[draft.n_past:], n_logits=1)  # catch up on what the draft has not seen
-    while True:
-        if params.greedy:
-            proposals.append(greedy_token(draft.logits(0)))
-        else:
-            q = distribution(draft.logits(0), params)
-            draft_probs.append(q)
-            proposals.append(sample(q, rng))
-        if len(proposals) == k:
-            break
-        draft.decode(proposals[-1:], n_logits=1)
-    stats.draft_seconds += time.perf_counter() - t0
-    stats.n_drafted += len(proposals)
-    return proposals, draft_probs
 
 
 def _verify(target: Context, tokens: list[int], proposals: list[int], draft_probs: list[np.ndarray],
@@ -217,19 +204,42 @@ class SpeculativeDecoder:
             return list(prompt)
         return tokenize(self.target_llm, chat_prompt(self.target_llm, prompt, system) if chat else prompt)
 
-    def steps(self, prompt: str | Sequence[int], *, n_predict: int = 128, n_draft: int = 3,
+    def steps(self, prompt: str | Sequence[int], *, n_predict: int = 128, n_draft: int | str = 3,
               temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
               seed: int | None = None, chat: bool = False, system: str | None = None,
-              use_draft: bool = True) -> Iterator[tuple[int, bool]]:
-        """The step generator: (token id, from_draft) pairs. Statistics land in `last_stats`."""
+              use_draft: bool = True, drafter: str = "model", draft_p_min: float = 0.0,
+              draft_max: int = 8) -> Iterator[tuple[int, bool]]:
+        """The step generator: (token id, from_draft) pairs. Statistics land in `last_stats`.
+
+        n_draft: K, or "auto" (K chosen at every step, up to draft_max, 0 included).
+        drafter: "model" (the draft model), "lookup" (n-gram prompt lookup, no draft model needed)
+        or "hybrid" (a lookup match when there is one, else the draft model).
+        """
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         tokens = self.tokenize(prompt, chat=chat, system=system)
-        check_generation_args(len(tokens), self.n_ctx, n_draft, n_predict)
-        draft = self.draft if use_draft else None
-        self.last_stats = Stats(n_draft=n_draft if draft is not None else 0)
+        adaptive = n_draft == "auto"
+        check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
+        wants_draft = use_draft and (self.draft is not None or drafter != "model")
+        chosen = self._drafter(drafter, draft_p_min) if wants_draft else None
+        controller = AdaptiveK(draft_max) if adaptive else FixedK(n_draft)
+        self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),
+                                drafter="none" if chosen is None else drafter + ("+auto" if adaptive else ""))
         max_tokens = n_predict if n_predict > 0 else self.n_ctx
-        return speculative_steps(self.target, draft, tokens, n_draft=n_draft, params=params,
+        return speculative_steps(self.target, chosen, tokens, controller=controller, params=params,
                                  max_tokens=max_tokens, stats=self.last_stats)
+
+    def _drafter(self, kind: str, p_min: float):
+        if kind not in ("model", "lookup", "hybrid"):
+            raise GgufspecError(f"unknown drafter {kind!r}: use model, lookup or hybrid")
+        if not 0.0 <= p_min < 1.0:
+            raise GgufspecError(f"--draft-p-min must be in [0, 1), got {p_min}")
+        lookup = LookupDrafter(self.target.n_vocab, ngram_min=1 if kind == "lookup" else 2)
+        if kind == "lookup":
+            return lookup
+        if self.draft is None:
+            raise GgufspecError(f"the {kind} drafter needs a draft model: give -md, or use --lookup alone")
+        model = ModelDrafter(self.draft, p_min)
+        return model if kind == "model" else HybridDrafter(lookup, model)
 
     def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Piece]:
         """Yield a `Piece` per generated token, as soon as the target has decided it."""

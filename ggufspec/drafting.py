@@ -1,0 +1,195 @@
+"""Where proposals come from (a draft model, n-gram lookup, or both) and how many to ask for.
+
+Drafters only propose; the target's verification in `speculate` decides what is kept, so every
+drafter here leaves the output lossless. For sampling, a drafter also returns q, the distribution
+each proposal was drawn from: the draft model's filtered distribution, or a point mass for a
+lookup proposal (then the acceptance rule keeps it with probability p(x), as it should).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .native import Context
+from .sampling import SamplingParams, distribution, greedy_token, sample
+
+
+def _point_mass(token: int, n_vocab: int) -> np.ndarray:
+    q = np.zeros(n_vocab)
+    q[token] = 1.0
+    return q
+
+
+class ModelDrafter:
+    """The draft model, one token at a time, stopping early when it is unsure of its own next token
+    (llama.cpp's --draft-p-min: its probability of the token it proposes below p_min)."""
+
+    def __init__(self, context: Context, p_min: float = 0.0):
+        self.context = context
+        self.p_min = p_min
+
+    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
+        proposals, draft_probs = [], []
+        if k <= 0:
+            return proposals, draft_probs
+        ctx = self.context
+        ctx.decode(tokens[ctx.n_past:], n_logits=1)  # catch up on what the draft has not seen
+        while True:
+            logits = ctx.logits(0)
+            if params.greedy:
+                token = greedy_token(logits)
+                if self.p_min > 0 and _softmax_at(logits, token) < self.p_min and proposals:
+                    break
+            else:
+                q = distribution(logits, params)
+                token = sample(q, rng)
+                if self.p_min > 0 and q[token] < self.p_min and proposals:
+                    break
+                draft_probs.append(q)
+            proposals.append(token)
+            if len(proposals) == k:
+                break
+            ctx.decode([token], n_logits=1)
+        return proposals, draft_probs
+
+
+def _softmax_at(logits: np.ndarray, token: int) -> float:
+    top = float(logits.max())
+    return float(math.exp(float(logits[token]) - top) / np.exp(logits - top, dtype=np.float64).sum())
+
+
+class LookupDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (longest n
+    first) and propose what followed it. An append-only index of n-gram end positions keeps each
+    lookup O(1)."""
+
+    context = None
+
+    def __init__(self, n_vocab: int, ngram_max: int = 3, ngram_min: int = 1):
+        self.n_vocab = n_vocab
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self._index: dict[tuple, int] = {}
+        self._indexed = 0  # n-grams ending before this position are indexed
+
+    def _extend_index(self, tokens: list[int]) -> None:
+        # index every n-gram that ends before the last token, so the sequence's own suffix never matches itself
+        for end in range(max(self._indexed, 1), len(tokens)):
+            for n in range(self.ngram_min, self.ngram_max + 1):
+                if end - n >= 0:
+                    self._index[tuple(tokens[end - n:end])] = end
+        self._indexed = max(self._indexed, len(tokens))
+
+    def match(self, tokens: list[int], k: int) -> list[int]:
+        self._extend_index(tokens)
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            end = self._index.get(tuple(tokens[-n:])) if len(tokens) > n else None
+            if end is not None and end < len(tokens):
+                return tokens[end:end + k]
+        return []
+
+    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
+        proposals = self.match(tokens, k) if k > 0 else []
+        probs = [] if params.greedy else [_point_mass(t, self.n_vocab) for t in proposals]
+        return proposals, probs
+
+
+class HybridDrafter:
+    """A lookup match when there is one (free to draft), the draft model otherwise."""
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+        self.context = model.context
+
+    def propose(self, tokens, k, params, rng):
+        proposals, probs = self.lookup.propose(tokens, k, params, rng)
+        return (proposals, probs) if proposals else self.model.propose(tokens, k, params, rng)
+
+
+# ---------------------------------------------------------------- how many tokens to draft
+
+class FixedK:
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, max_k: int) -> int:
+        return min(self.k, max_k)
+
+    def observe(self, k: int, n_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        pass
+
+
+class AdaptiveK:
+    """Chooses K at every step, 0 included, to maximise expected tokens per second.
+
+    Model (Leviathan et al. 2023): with per-token acceptance a, a step drafting k tokens yields
+    E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs k * t_draft + T(k + 1), where T(n) is the
+    target's time for a batch of n. Rate(k) = E(k) / (k t_draft + T(k+1)); Rate(0) = 1 / T(1).
+    a, t_draft and T(n) are running averages of what this generation measured; T(n) for sizes not
+    yet seen is a straight line through the sizes seen. When K=0 wins, a probe (K=2) now and then
+    keeps the estimates fresh, less and less often while K=0 keeps winning.
+    """
+
+    DECAY = 0.85
+
+    def __init__(self, k_max: int = 8, k_first: int = 3):
+        self.k_max, self.k_first = k_max, k_first
+        self.accepted = 0.0
+        self.rejected = 0.0
+        self.t_draft: float | None = None
+        self.t_batch: dict[int, float] = {}
+        self.steps = 0
+        self.probe_interval = 8
+        self.since_probe = 0
+
+    @property
+    def acceptance(self) -> float:
+        # a beta(1, 1) prior keeps the estimate off 0 and 1
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+
+    def observe(self, k, n_accepted, draft_seconds, verify_seconds):
+        self.steps += 1
+        n = k + 1
+        old = self.t_batch.get(n)
+        self.t_batch[n] = verify_seconds if old is None else 0.7 * old + 0.3 * verify_seconds
+        if k > 0:
+            self.accepted = self.DECAY * self.accepted + n_accepted
+            self.rejected = self.DECAY * self.rejected + (1 if n_accepted < k else 0)
+            per_token = draft_seconds / k
+            self.t_draft = per_token if self.t_draft is None else 0.7 * self.t_draft + 0.3 * per_token
+
+    def batch_seconds(self, n: int) -> float:
+        if n in self.t_batch:
+            return self.t_batch[n]
+        sizes = sorted(self.t_batch)
+        if len(sizes) == 1:  # one size seen: assume a memory-bound target (a batch costs about one token)
+            return self.t_batch[sizes[0]]
+        xs = np.array(sizes, dtype=float)
+        ys = np.array([self.t_batch[s] for s in sizes])
+        slope, intercept = np.polyfit(xs, ys, 1)
+        return max(float(intercept + slope * n), 1e-6)
+
+    def rate(self, k: int) -> float:
+        if k == 0:
+            return 1.0 / self.batch_seconds(1)
+        a = min(self.acceptance, 0.999)
+        expected = (1 - a ** (k + 1)) / (1 - a)
+        return expected / (k * (self.t_draft or 0.0) + self.batch_seconds(k + 1))
+
+    def choose(self, max_k: int) -> int:
+        limit = min(self.k_max, max_k)
+        if self.steps == 0:
+            return min(self.k_first, limit)
+        if 1 not in self.t_batch:
+            return 0  # measure the target alone once
+        best = max(range(limit + 1), key=self.rate)
+        if best > 0:
+            self.since_probe, self.probe_interval = 0, 8
+            return best
+        self.since_probe += 1
+        if self.since_probe >= self.probe_interval and limit > 0:
+            self.since_probe = 0
+            self.probe_interval = min(self.probe_interval * 2, 128)
+            return min(2, limit)
+        return 0
