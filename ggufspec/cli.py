@@ -57,7 +57,11 @@ def main():
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("-f", "--file", "prompt_file", type=click.File("r", encoding="utf-8"), help="Read the prompt from a file.")
 @click.option("-n", "--n-predict", default=128, help="Tokens to generate (-1: until EOS or the context is full).")
-@click.option("--draft", "n_draft", type=int, default=None, help="Tokens drafted per step, K [default: the pair's, else 3].")
+@click.option("--draft", "n_draft", default="auto", help="Tokens drafted per step, K, or 'auto' (chosen every step, 0 included).")
+@click.option("--draft-max", default=8, show_default=True, help="Largest K for --draft auto.")
+@click.option("--draft-p-min", default=0.0, help="Stop drafting when the draft's probability of its token is below this.")
+@click.option("--lookup", is_flag=True, help="Draft by n-gram lookup in the prompt and output (no draft model needed).")
+@click.option("--hybrid", is_flag=True, help="A lookup match when there is one, else the draft model.")
 @click.option("--temp", "temperature", default=0.0, help="Temperature (0 or -1: greedy).")
 @click.option("--top-k", default=40, help="Top-k (0: off).")
 @click.option("--top-p", default=0.95, help="Top-p (1: off).")
@@ -75,21 +79,26 @@ def main():
 @click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and statistics as one JSON object on stdout.")
 @friendly_errors
-def run(pair, model, model_draft, prompt, prompt_file, n_predict, n_draft, temperature, top_k, top_p,
-        min_p, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, escape, color, chat, system,
-        no_draft, strict, as_json):
+def run(pair, model, model_draft, prompt, prompt_file, n_predict, n_draft, draft_max, draft_p_min, lookup, hybrid,
+        temperature, top_k, top_p, min_p, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, escape, color,
+        chat, system, no_draft, strict, as_json):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
     from .speculate import SpeculativeDecoder
     text = read_prompt(prompt, prompt_file, escape)
-    target_path, draft_path, pair_k = resolve_models(pair, model, model_draft, no_draft)
-    n_draft = n_draft if n_draft is not None else (pair_k or 3)
-    n_gpu_layers, n_gpu_layers_draft = planned_offload(target_path, None if no_draft else draft_path, n_ctx,
-                                                       n_draft, n_gpu_layers, n_gpu_layers_draft)
-    with SpeculativeDecoder(target_path, None if no_draft else draft_path, n_ctx=n_ctx, n_threads=n_threads,
+    n_draft = parse_draft(n_draft)
+    if lookup and hybrid:
+        raise GgufspecError("choose one of --lookup and --hybrid")
+    drafter = "lookup" if lookup else "hybrid" if hybrid else "model"
+    target_path, draft_path, pair_k = resolve_models(pair, model, model_draft, no_draft or lookup)
+    n_gpu_layers, n_gpu_layers_draft = planned_offload(target_path, None if no_draft or lookup else draft_path,
+                                                       n_ctx, pair_k or 3, n_gpu_layers, n_gpu_layers_draft)
+    with SpeculativeDecoder(target_path, None if no_draft or lookup else draft_path, n_ctx=n_ctx, n_threads=n_threads,
                             n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
                             strict=strict) as decoder:
         stream = decoder.stream(text, n_predict=n_predict, n_draft=n_draft, temperature=temperature,
-                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat=chat, system=system)
+                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat=chat, system=system,
+                                use_draft=not no_draft, drafter=drafter, draft_p_min=draft_p_min,
+                                draft_max=draft_max)
         interrupted, pieces = write_stream(stream, color=color, quiet=as_json)
         stats = decoder.last_stats
         if interrupted:
@@ -102,6 +111,15 @@ def run(pair, model, model_draft, prompt, prompt_file, n_predict, n_draft, tempe
         click.echo(stats.llamacpp_block(), err=True)
     if interrupted:
         sys.exit(130)
+
+
+def parse_draft(value: str):
+    if value == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise GgufspecError(f"--draft takes a number K >= 1 or 'auto', got {value!r}") from None
 
 
 def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld):
@@ -321,3 +339,48 @@ def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, as_json):
         return
     click.echo(P.plan_table(result, target, draft))
     click.echo(result.summary())
+
+
+@main.command()
+@click.argument("pair", required=False)
+@click.option("-m", "--model", "model", help="Target model (GGUF path).")
+@click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
+@click.option("--prompts", "prompts_file", default=None, help="JSONL prompts (id, kind chat|raw, prompt) [default: the seed set].")
+@click.option("--draft", "drafts", default="1,2,3,4,6,8,auto", show_default=True, help="Configurations: K values and 'auto'.")
+@click.option("--lookup", is_flag=True, help="Also run the n-gram lookup drafter.")
+@click.option("--hybrid", is_flag=True, help="Also run the hybrid (lookup, else draft model) drafter.")
+@click.option("--draft-p-min", default=0.0, help="Confidence gating for the draft model.")
+@click.option("-n", "--n-predict", default=256, show_default=True)
+@click.option("--repeat", default=1, show_default=True, help="Runs of each configuration per prompt.")
+@click.option("--temp", "temperature", default=0.0, show_default=True)
+@click.option("-s", "--seed", default=1, show_default=True)
+@click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True)
+@click.option("-t", "--threads", "n_threads", type=int, default=None)
+@click.option("--limit", type=int, default=None, help="Only the first N prompts.")
+@click.option("--against-llamacpp", "llamacpp", default=None, help="Path to llama-speculative-simple: race it too.")
+@click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
+@click.option("--plot", "plot_file", default=None, help="Write a PNG of speedup and acceptance against K.")
+@friendly_errors
+def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
+          temperature, seed, n_ctx, n_threads, limit, llamacpp, as_json, plot_file):
+    """Measure the target alone against speculative configurations, interleaved, per prompt."""
+    from tqdm.auto import tqdm
+
+    from . import bench as B
+    from .speculate import SpeculativeDecoder
+    target_path, draft_path, _ = resolve_models(pair, model, model_draft, False)
+    if llamacpp and not os.access(llamacpp, os.X_OK):
+        raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
+    configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
+    prompts = B.load_prompts(prompts_file)[:limit]
+    with SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=n_threads) as decoder:
+        with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
+                  disable=as_json) as progress:
+            result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
+                                 temperature=temperature, seed=seed, progress=progress, llamacpp=llamacpp,
+                                 n_threads=n_threads)
+        ks = [int(c.name[2:]) for c in configs if c.name.startswith("K=")]
+        B.add_cost_model(result, B.measure_costs(decoder, max(ks, default=3)))
+    if plot_file:
+        B.plot(result, plot_file)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))

@@ -8,7 +8,8 @@ lookup proposal (then the acceptance rule keeps it with probability p(x), as it 
 from __future__ import annotations
 
 import math
-import time
+import statistics
+from collections import deque
 
 import numpy as np
 
@@ -126,9 +127,11 @@ class AdaptiveK:
     Model (Leviathan et al. 2023): with per-token acceptance a, a step drafting k tokens yields
     E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs k * t_draft + T(k + 1), where T(n) is the
     target's time for a batch of n. Rate(k) = E(k) / (k t_draft + T(k+1)); Rate(0) = 1 / T(1).
-    a, t_draft and T(n) are running averages of what this generation measured; T(n) for sizes not
-    yet seen is a straight line through the sizes seen. When K=0 wins, a probe (K=2) now and then
-    keeps the estimates fresh, less and less often while K=0 keeps winning.
+    a is a decaying count of acceptances and rejections; t_draft and T(n) are medians of the last
+    few measurements (a batch size's first run includes llama.cpp building its graph: the median
+    forgets it). T(n) for sizes not yet seen is a straight line through the sizes seen. When K=0
+    wins, a probe (K = k_first) now and then keeps the estimates fresh, less and less often while
+    K=0 keeps winning.
     """
 
     DECAY = 0.85
@@ -137,8 +140,8 @@ class AdaptiveK:
         self.k_max, self.k_first = k_max, k_first
         self.accepted = 0.0
         self.rejected = 0.0
-        self.t_draft: float | None = None
-        self.t_batch: dict[int, float] = {}
+        self.draft_times: deque = deque(maxlen=5)
+        self.batch_times: dict[int, deque] = {}
         self.steps = 0
         self.probe_interval = 8
         self.since_probe = 0
@@ -150,40 +153,46 @@ class AdaptiveK:
 
     def observe(self, k, n_accepted, draft_seconds, verify_seconds):
         self.steps += 1
-        n = k + 1
-        old = self.t_batch.get(n)
-        self.t_batch[n] = verify_seconds if old is None else 0.7 * old + 0.3 * verify_seconds
+        self.batch_times.setdefault(k + 1, deque(maxlen=5)).append(verify_seconds)
         if k > 0:
             self.accepted = self.DECAY * self.accepted + n_accepted
             self.rejected = self.DECAY * self.rejected + (1 if n_accepted < k else 0)
-            per_token = draft_seconds / k
-            self.t_draft = per_token if self.t_draft is None else 0.7 * self.t_draft + 0.3 * per_token
+            self.draft_times.append(draft_seconds / k)
 
-    def batch_seconds(self, n: int) -> float:
-        if n in self.t_batch:
-            return self.t_batch[n]
-        sizes = sorted(self.t_batch)
+    @property
+    def t_draft(self) -> float:
+        return statistics.median(self.draft_times) if self.draft_times else 0.0
+
+    @property
+    def t_batch(self) -> dict[int, float]:
+        return {n: statistics.median(times) for n, times in self.batch_times.items()}
+
+    def _batch_model(self):
+        """T(n) for every n: the measured median where there is one, else a line through them."""
+        measured = self.t_batch
+        sizes = sorted(measured)
         if len(sizes) == 1:  # one size seen: assume a memory-bound target (a batch costs about one token)
-            return self.t_batch[sizes[0]]
-        xs = np.array(sizes, dtype=float)
-        ys = np.array([self.t_batch[s] for s in sizes])
-        slope, intercept = np.polyfit(xs, ys, 1)
-        return max(float(intercept + slope * n), 1e-6)
+            only = measured[sizes[0]]
+            return lambda n: measured.get(n, only)
+        slope, intercept = np.polyfit(np.array(sizes, dtype=float), [measured[s] for s in sizes], 1)
+        return lambda n: measured[n] if n in measured else max(float(intercept + slope * n), 1e-6)
 
-    def rate(self, k: int) -> float:
-        if k == 0:
-            return 1.0 / self.batch_seconds(1)
+    def rates(self, max_k: int) -> list[float]:
+        """Expected tokens per second for k = 0..max_k."""
+        batch = self._batch_model()
         a = min(self.acceptance, 0.999)
-        expected = (1 - a ** (k + 1)) / (1 - a)
-        return expected / (k * (self.t_draft or 0.0) + self.batch_seconds(k + 1))
+        t_draft = self.t_draft
+        return [1.0 / batch(1)] + [((1 - a ** (k + 1)) / (1 - a)) / (k * t_draft + batch(k + 1))
+                                   for k in range(1, max_k + 1)]
 
     def choose(self, max_k: int) -> int:
         limit = min(self.k_max, max_k)
         if self.steps == 0:
             return min(self.k_first, limit)
-        if 1 not in self.t_batch:
+        if 1 not in self.batch_times:
             return 0  # measure the target alone once
-        best = max(range(limit + 1), key=self.rate)
+        rates = self.rates(limit)
+        best = max(range(limit + 1), key=rates.__getitem__)
         if best > 0:
             self.since_probe, self.probe_interval = 0, 8
             return best
@@ -191,5 +200,5 @@ class AdaptiveK:
         if self.since_probe >= self.probe_interval and limit > 0:
             self.since_probe = 0
             self.probe_interval = min(self.probe_interval * 2, 128)
-            return min(2, limit)
+            return min(self.k_first, limit)
         return 0

@@ -1,0 +1,286 @@
+"""`ggufspec bench`: the target alone and each speculative configuration, interleaved, per prompt.
+
+Runs alternate A B C ... then ... C B A on the next repeat, so that slow drift of the machine
+(thermal, other load) falls on every configuration alike. A cost model (Leviathan et al. 2023)
+predicts each configuration's speedup from the measured acceptance, draft cost and target batch
+costs, printed next to the measured speedup.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .errors import GgufspecError
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    options: dict
+    llamacpp_k: int | None = None  # set for a native llama-speculative-simple run
+
+
+def parse_configs(draft: str, lookup: bool = False, hybrid: bool = False, against_llamacpp: str | None = None,
+                  draft_p_min: float = 0.0) -> list[Config]:
+    configs = [Config("target", {"use_draft": False})]
+    for item in [d.strip() for d in draft.split(",") if d.strip()]:
+        if item == "auto":
+            configs.append(Config("auto", {"n_draft": "auto", "draft_p_min": draft_p_min}))
+        elif item.isdigit() and int(item) >= 1:
+            configs.append(Config(f"K={item}", {"n_draft": int(item), "draft_p_min": draft_p_min}))
+            if against_llamacpp:
+                configs.append(Config(f"llama.cpp K={item}", {}, llamacpp_k=int(item)))
+        else:
+            raise GgufspecError(f"--draft takes a comma-separated list of K >= 1 and 'auto', got {item!r}")
+    if lookup:
+        configs.append(Config("lookup", {"n_draft": "auto", "drafter": "lookup"}))
+    if hybrid:
+        configs.append(Config("hybrid", {"n_draft": "auto", "drafter": "hybrid"}))
+    return configs
+
+
+def load_prompts(path: str | None) -> list[dict]:
+    """JSONL prompts (id, kind: chat|raw, prompt, optional system); default: the seed and copy sets."""
+    if path:
+        sources = [(path, Path(path).read_text(encoding="utf-8"))]
+    else:
+        data = resources.files("ggufspec").joinpath("data")
+        sources = [(name, data.joinpath(name).read_text(encoding="utf-8"))
+                   for name in ("seed-prompts.jsonl", "copy-prompts.jsonl")]
+    prompts = []
+    for source, text in sources:
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                assert isinstance(item["prompt"], str) and item.get("kind", "raw") in ("chat", "raw")
+            except (ValueError, KeyError, AssertionError, TypeError):
+                raise GgufspecError(f"{source}:{number}: expected a JSON object with a string 'prompt' and "
+                                    f"kind 'chat' or 'raw'") from None
+            item.setdefault("id", f"p{len(prompts)}")
+            prompts.append(item)
+    return prompts
+
+
+@dataclass
+class Run:
+    prompt: str
+    config: str
+    repeat: int
+    n_prompt: int
+    n_predict: int
+    prompt_tps: float
+    decode_tps: float
+    decode_seconds: float
+    acceptance: float
+    tokens_per_step: float
+    n_drafted: int
+    n_accept: int
+    same_text: bool | None = None
+    text: str = ""
+
+
+@dataclass
+class BenchResult:
+    runs: list[Run]
+    configs: list[str]
+    summary: list[dict] = field(default_factory=list)
+    overall: dict = field(default_factory=dict)
+    cost_model: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"configs": self.configs, "summary": self.summary, "overall": self.overall,
+                "cost_model": self.cost_model, "runs": [asdict(r) for r in self.runs]}
+
+
+def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict: int = 256, repeat: int = 1,
+              temperature: float = 0.0, seed: int = 1, progress=None, llamacpp: str | None = None,
+              n_threads: int | None = None) -> BenchResult:
+    runs = []
+    for item in prompts:
+        chat = item.get("kind") == "chat"
+        for r in range(repeat):
+            order = configs if r % 2 == 0 else configs[::-1]  # A B C, then C B A: drift cancels
+            for config in order:
+                if config.llamacpp_k is not None:
+                    runs.append(_run_llamacpp(llamacpp, decoder, item, config, r, n_predict, n_threads))
+                else:
+                    gen = decoder.generate(item["prompt"], n_predict=n_predict, temperature=temperature, seed=seed,
+                                           chat=chat, system=item.get("system"), **config.options)
+                    s = gen.stats
+                    runs.append(Run(item["id"], config.name, r, s.n_prompt, s.n_predict, s.prompt_tps, s.decode_tps,
+                                    s.decode_seconds, s.acceptance, s.n_predict / max(s.n_steps, 1), s.n_drafted,
+                                    s.n_accept, text=gen.text))
+                if progress is not None:
+                    progress.update(1)
+    result = BenchResult(runs, [c.name for c in configs])
+    _compare_texts(result, temperature)
+    _summarise(result)
+    return result
+
+
+def _compare_texts(result: BenchResult, temperature: float) -> None:
+    if temperature > 0:
+        return
+    reference = {(r.prompt, r.repeat): r.text for r in result.runs if r.config == "target"}
+    for r in result.runs:
+        if r.config != "target" and (r.prompt, r.repeat) in reference:
+            r.same_text = r.text == reference[(r.prompt, r.repeat)]
+
+
+def _summarise(result: BenchResult) -> None:
+    by_key: dict[tuple, list[Run]] = {}
+    for r in result.runs:
+        by_key.setdefault((r.prompt, r.config), []).append(r)
+    prompts = list(dict.fromkeys(r.prompt for r in result.runs))
+    for prompt in prompts:
+        base = statistics.median(r.decode_tps for r in by_key[(prompt, "target")])
+        for config in result.configs:
+            rs = by_key.get((prompt, config), [])
+            if not rs:
+                continue
+            tps = statistics.median(r.decode_tps for r in rs)
+            same = [r.same_text for r in rs if r.same_text is not None]
+            result.summary.append({
+                "prompt": prompt, "config": config, "decode_tps": tps,
+                "prompt_tps": statistics.median(r.prompt_tps for r in rs),
+                "seconds": statistics.median(r.decode_seconds for r in rs),
+                "speedup": tps / base if base else 0.0,
+                "acceptance": statistics.median(r.acceptance for r in rs),
+                "tokens_per_step": statistics.median(r.tokens_per_step for r in rs),
+                "same_text": all(same) if same else None})
+    for config in result.configs:
+        rows = [s for s in result.summary if s["config"] == config]
+        result.overall[config] = {
+            "median_speedup": statistics.median(s["speedup"] for s in rows),
+            "min_speedup": min(s["speedup"] for s in rows),
+            "median_decode_tps": statistics.median(s["decode_tps"] for s in rows),
+            "median_acceptance": statistics.median(s["acceptance"] for s in rows),
+            "all_same_text": (all(s["same_text"] for s in rows if s["same_text"] is not None)
+                              if any(s["same_text"] is not None for s in rows) else None)}
+
+
+# ---------------------------------------------------------------- cost model
+
+def measure_costs(decoder, k_max: int, repeats: int = 5) -> dict:
+    """Target seconds for a batch of n = 1..k_max+1 tokens, and the draft's seconds per token."""
+    tokens = decoder.tokenize("def fibonacci(n):\n    ")
+    costs = {}
+    for name, ctx, sizes in (("target", decoder.target, range(1, k_max + 2)), ("draft", decoder.draft, [1])):
+        if ctx is None:
+            continue
+        ctx.keep(0)
+        ctx.decode(tokens, n_logits=1)
+        base = ctx.n_past
+        for n in sizes:
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                ctx.decode(tokens[:1] * n, n_logits=n)
+                samples.append(time.perf_counter() - t0)
+                ctx.keep(base)
+            costs[f"{name}_{n}"] = statistics.median(samples)
+    return costs
+
+
+def acceptance_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
+    """Per-token acceptance a with E(a, k) = (1 - a^(k+1)) / (1 - a) equal to the measured mean."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        expected = (1 - mid ** (k + 1)) / (1 - mid) if mid < 1 else k + 1
+        lo, hi = (mid, hi) if expected < tokens_per_step else (lo, mid)
+    return (lo + hi) / 2
+
+
+def predicted_speedup(costs: dict, k: int, a: float) -> float:
+    expected = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+    step = k * costs["draft_1"] + costs[f"target_{k + 1}"]
+    return expected * costs["target_1"] / step
+
+
+def add_cost_model(result: BenchResult, costs: dict) -> None:
+    result.cost_model = {"costs": costs, "predicted": {}}
+    for config in result.configs:
+        m = re.fullmatch(r"K=(\d+)", config)
+        if not m or f"target_{int(m[1]) + 1}" not in costs or "draft_1" not in costs:
+            continue
+        k = int(m[1])
+        rows = [s for s in result.summary if s["config"] == config]
+        a = acceptance_from_tokens_per_step(statistics.median(s["tokens_per_step"] for s in rows), k)
+        result.cost_model["predicted"][config] = {"acceptance_per_token": a,
+                                                  "predicted_speedup": predicted_speedup(costs, k, a),
+                                                  "measured_speedup": result.overall[config]["median_speedup"]}
+
+
+# ---------------------------------------------------------------- llama.cpp's own speculative example
+
+def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int, n_predict: int,
+                  n_threads: int | None) -> Run:
+    from .load import chat_prompt
+    text = chat_prompt(decoder.target_llm, item["prompt"], item.get("system")) if item.get("kind") == "chat" \
+        else item["prompt"]
+    cmd = [binary, "-m", decoder.target_llm.model_path, "-md", decoder.draft_llm.model_path, "-p", text,
+           "-n", str(n_predict), "--spec-type", "draft-simple", "--spec-draft-n-max", str(config.llamacpp_k),
+           "--spec-draft-n-min", "0", "-c", str(decoder.n_ctx), "--temp", "0", "-t", str(n_threads or 2)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
+    log = proc.stderr
+    if proc.returncode != 0 or "decoded" not in log:
+        last = log.strip().splitlines()[-1] if log.strip() else "no output"
+        raise GgufspecError(f"llama-speculative-simple failed ({proc.returncode}): {last}")
+    grab = lambda pattern, cast=float: cast(re.search(pattern, log).group(1))
+    n_dec, secs = grab(r"decoded\s+(\d+) tokens", int), grab(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds")
+    n_enc, enc_secs = grab(r"encoded\s+(\d+) tokens", int), grab(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds")
+    drafted, accepted = grab(r"n_drafted = (\d+)", int), grab(r"n_accept\s+= (\d+)", int)
+    steps = max(n_dec - accepted, 1)
+    return Run(item["id"], config.name, repeat, n_enc, n_dec, n_enc / enc_secs if enc_secs else 0.0,
+               n_dec / secs if secs else 0.0, secs, accepted / drafted if drafted else 0.0, n_dec / steps,
+               drafted, accepted)
+
+
+# ---------------------------------------------------------------- output
+
+def markdown(result: BenchResult) -> str:
+    lines = ["| prompt | config | seconds | tok/s | speedup | accept | tokens/step | same text |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for s in result.summary:
+        same = "" if s["same_text"] is None else ("yes" if s["same_text"] else "no")
+        lines.append(f"| {s['prompt']} | {s['config']} | {s['seconds']:.2f} | {s['decode_tps']:.2f} | "
+                     f"{s['speedup']:.2f}x ({100 * (s['speedup'] - 1):+.0f}%) | {100 * s['acceptance']:.1f}% | "
+                     f"{s['tokens_per_step']:.2f} | {same} |")
+    lines += ["", "| config | median tok/s | median speedup | min speedup | median accept | predicted speedup |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for config, o in result.overall.items():
+        predicted = result.cost_model.get("predicted", {}).get(config, {}).get("predicted_speedup")
+        lines.append(f"| {config} | {o['median_decode_tps']:.2f} | {o['median_speedup']:.2f}x | {o['min_speedup']:.2f}x "
+                     f"| {100 * o['median_acceptance']:.1f}% | {'' if predicted is None else f'{predicted:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def plot(result: BenchResult, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise GgufspecError("--plot needs matplotlib: pip install 'ggufspec[plot]'") from None
+    ks = sorted(int(c[2:]) for c in result.overall if re.fullmatch(r"K=\d+", c))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(ks, [result.overall[f"K={k}"]["median_speedup"] for k in ks], "o-", label="speedup (measured)")
+    predicted = result.cost_model.get("predicted", {})
+    if predicted:
+        ax.plot(ks, [predicted.get(f"K={k}", {}).get("predicted_speedup", float("nan")) for k in ks], "x--",
+                label="speedup (cost model)")
+    ax.plot(ks, [result.overall[f"K={k}"]["median_acceptance"] for k in ks], "s-", label="acceptance")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("K (tokens drafted per step)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
