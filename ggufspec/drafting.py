@@ -134,7 +134,7 @@ class AdaptiveK:
     K=0 keeps winning.
     """
 
-    DECAY = 0.85
+    DECAY = 0.95  # about the last 20 steps count
 
     def __init__(self, k_max: int = 8, k_first: int = 3):
         self.k_max, self.k_first = k_max, k_first
@@ -165,7 +165,13 @@ class AdaptiveK:
 
     @property
     def t_batch(self) -> dict[int, float]:
-        return {n: statistics.median(times) for n, times in self.batch_times.items()}
+        # a size's first run pays for llama.cpp building its graph: leave it out once there are others
+        return {n: statistics.median(list(times)[1:] if len(times) > 1 and self._first_kept(times) else times)
+                for n, times in self.batch_times.items()}
+
+    @staticmethod
+    def _first_kept(times: deque) -> bool:
+        return len(times) < (times.maxlen or 0)  # the first run is still in the window
 
     def _batch_model(self):
         """T(n) for every n: the measured median where there is one, else a line through them."""
