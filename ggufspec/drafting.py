@@ -8,7 +8,6 @@ lookup proposal (then the acceptance rule keeps it with probability p(x), as it 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 
 import numpy as np
@@ -127,11 +126,10 @@ class AdaptiveK:
     Model (Leviathan et al. 2023): with per-token acceptance a, a step drafting k tokens yields
     E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs k * t_draft + T(k + 1), where T(n) is the
     target's time for a batch of n. Rate(k) = E(k) / (k t_draft + T(k+1)); Rate(0) = 1 / T(1).
-    a is a decaying count of acceptances and rejections; t_draft and T(n) are medians of the last
-    few measurements (a batch size's first run includes llama.cpp building its graph: the median
-    forgets it). T(n) for sizes not yet seen is a straight line through the sizes seen. When K=0
+    a is a decaying count of acceptances and rejections; t_draft and T(n) are the least of the last
+    few measurements. T(n) for sizes not yet seen is a straight line through the sizes seen. When K=0
     wins, a probe (K = k_first) now and then keeps the estimates fresh, less and less often while
-    K=0 keeps winning.
+    K=0 keeps winning; when some K > 0 wins, K + 1 is tried now and then until its cost is known.
     """
 
     DECAY = 0.95  # about the last 20 steps count
@@ -140,10 +138,10 @@ class AdaptiveK:
         self.k_max, self.k_first = k_max, k_first
         self.accepted = 0.0
         self.rejected = 0.0
-        self.draft_times: deque = deque(maxlen=5)
+        self.draft_times: deque = deque(maxlen=8)
         self.batch_times: dict[int, deque] = {}
         self.steps = 0
-        self.probe_interval = 8
+        self.probe_interval = 2  # the first probe comes soon: the first runs' timings are the noisiest
         self.since_probe = 0
 
     @property
@@ -153,25 +151,21 @@ class AdaptiveK:
 
     def observe(self, k, n_accepted, draft_seconds, verify_seconds):
         self.steps += 1
-        self.batch_times.setdefault(k + 1, deque(maxlen=5)).append(verify_seconds)
+        self.batch_times.setdefault(k + 1, deque(maxlen=8)).append(verify_seconds)
         if k > 0:
             self.accepted = self.DECAY * self.accepted + n_accepted
             self.rejected = self.DECAY * self.rejected + (1 if n_accepted < k else 0)
             self.draft_times.append(draft_seconds / k)
 
+    # Interference on a shared machine only ever adds time, and a batch size's first run also pays
+    # for llama.cpp building its graph: the least of the recent measurements is the cost estimate.
     @property
     def t_draft(self) -> float:
-        return statistics.median(self.draft_times) if self.draft_times else 0.0
+        return min(self.draft_times) if self.draft_times else 0.0
 
     @property
     def t_batch(self) -> dict[int, float]:
-        # a size's first run pays for llama.cpp building its graph: leave it out once there are others
-        return {n: statistics.median(list(times)[1:] if len(times) > 1 and self._first_kept(times) else times)
-                for n, times in self.batch_times.items()}
-
-    @staticmethod
-    def _first_kept(times: deque) -> bool:
-        return len(times) < (times.maxlen or 0)  # the first run is still in the window
+        return {n: min(times) for n, times in self.batch_times.items()}
 
     def _batch_model(self):
         """T(n) for every n: the measured median where there is one, else a line through them."""
@@ -200,7 +194,14 @@ class AdaptiveK:
         rates = self.rates(limit)
         best = max(range(limit + 1), key=rates.__getitem__)
         if best > 0:
-            self.since_probe, self.probe_interval = 0, 8
+            self.probe_interval = 2
+            # now and then try one more, where that batch size has few measurements: a line through
+            # noisy early timings must not pin K low
+            self.since_probe += 1
+            up = best + 1
+            if up <= limit and len(self.batch_times.get(up + 1, ())) < 3 and self.since_probe >= 4:
+                self.since_probe = 0
+                return up
             return best
         self.since_probe += 1
         if self.since_probe >= self.probe_interval and limit > 0:
