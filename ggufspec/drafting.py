@@ -185,6 +185,18 @@ class AdaptiveK:
         return [1.0 / batch(1)] + [((1 - a ** (k + 1)) / (1 - a)) / (k * t_draft + batch(k + 1))
                                    for k in range(1, max_k + 1)]
 
+    def could_pay(self, max_k: int) -> bool:
+        """Whether some K beats the target alone by 5% even with every draft token accepted. On a
+        CPU where a batch of n costs about n single tokens, none does, and probing (which also
+        makes the draft catch up on everything it skipped) would only cost time."""
+        if max_k < 1:
+            return False
+        if len(self.batch_times) < 2:
+            return True  # not enough measured to rule drafting out
+        batch = self._batch_model()
+        best_possible = max((k + 1) / (k * self.t_draft + batch(k + 1)) for k in range(1, max_k + 1))
+        return best_possible > 1.05 / batch(1)
+
     def choose(self, max_k: int) -> int:
         limit = min(self.k_max, max_k)
         if self.steps == 0:
@@ -193,6 +205,8 @@ class AdaptiveK:
             return 0  # measure the target alone once
         rates = self.rates(limit)
         best = max(range(limit + 1), key=rates.__getitem__)
+        if best == 0 and not self.could_pay(limit):
+            return 0  # not even a draft that is always right would beat the target alone here: no probes
         if best > 0:
             self.probe_interval = 2
             # now and then try one more, where that batch size has few measurements: a line through

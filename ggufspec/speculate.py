@@ -233,7 +233,7 @@ class SpeculativeDecoder:
             raise GgufspecError(f"unknown drafter {kind!r}: use model, lookup or hybrid")
         if not 0.0 <= p_min < 1.0:
             raise GgufspecError(f"--draft-p-min must be in [0, 1), got {p_min}")
-        lookup = LookupDrafter(self.target.n_vocab, ngram_min=1 if kind == "lookup" else 2)
+        lookup = LookupDrafter(self.target.n_vocab, ngram_min=2)  # one-token matches are mostly noise
         if kind == "lookup":
             return lookup
         if self.draft is None:

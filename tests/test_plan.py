@@ -185,3 +185,26 @@ def test_parse_size():
     assert P.parse_size("24GiB") == 24 * GiB
     assert P.parse_size("16 GB") == 16 * 10**9
     assert P.parse_size("8192MiB") == 8 * GiB
+
+
+def test_plan_for_a_registry_pair_reads_only_the_headers_over_http(tmp_path, ggufspec_home, monkeypatch):
+    """A pair not on disk: the planner asks the hub for the first bytes of each file, never the file."""
+    from hfserver import HubServer
+    target = write_header_only(tmp_path / "t.gguf", n_layer=8, n_embd=1024, n_head=8, n_head_kv=8, n_ff=4096,
+                               n_vocab=32000)
+    draft = write_header_only(tmp_path / "d.gguf", n_layer=2, n_embd=512, n_head=8, n_head_kv=8, n_ff=2048,
+                              n_vocab=32000)
+    ggufspec_home.mkdir(parents=True, exist_ok=True)
+    (ggufspec_home / "models.toml").write_text(
+        '[models.t]\nrepo = "org/t-GGUF"\nfile = "t.gguf"\n[models.d]\nrepo = "org/d-GGUF"\nfile = "d.gguf"\n'
+        '[pairs.td]\ntarget = "t"\ndraft = "d"\n')
+    with HubServer() as hub:
+        hub.state.add("org/t-GGUF", "t.gguf", target.read_bytes())
+        hub.state.add("org/d-GGUF", "d.gguf", draft.read_bytes())
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        result = CliRunner().invoke(main, ["plan", "td", "--vram", "8GiB", "--json"])
+        gets = [r for r in hub.state.requests if r[0] == "GET" and "/resolve/" in r[1]]
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["ngl"] == 9
+    assert gets and all(r[2] and r[2].startswith("bytes=0-") for r in gets)  # ranges only
+    assert target.stat().st_size > 8 << 20  # bigger than what was asked for
