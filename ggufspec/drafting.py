@@ -191,8 +191,8 @@ class AdaptiveK:
         makes the draft catch up on everything it skipped) would only cost time."""
         if max_k < 1:
             return False
-        if len(self.batch_times) < 2:
-            return True  # not enough measured to rule drafting out
+        if len(self.batch_times.get(1, ())) < 2 or sum(len(t) for n, t in self.batch_times.items() if n > 1) < 3:
+            return True  # too few (and too cold) measurements to rule drafting out
         batch = self._batch_model()
         best_possible = max((k + 1) / (k * self.t_draft + batch(k + 1)) for k in range(1, max_k + 1))
         return best_possible > 1.05 / batch(1)
