@@ -120,26 +120,76 @@ class FixedK:
         pass
 
 
+class Costs:
+    """Measured step costs of one drafter on one pair: T(n), the target's time for a batch of n, and
+    the draft's time per proposed token. They depend on the machine and the models, not on the
+    prompt, so a decoder keeps them from one generation to the next.
+
+    Interference on a shared machine only ever adds time, and a batch size's first run also pays
+    for llama.cpp building its graph: the least of the recent measurements is the estimate.
+    """
+
+    def __init__(self):
+        self.draft_times: deque = deque(maxlen=8)
+        self.batch_times: dict[int, deque] = {}
+
+    def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
+        self.batch_times.setdefault(k + 1, deque(maxlen=8)).append(verify_seconds)
+        if k > 0:
+            self.draft_times.append(draft_seconds / k)
+
+    @property
+    def t_draft(self) -> float:
+        return min(self.draft_times) if self.draft_times else 0.0
+
+    def batch_model(self):
+        """T(n) for every n: the measured least where there is one, else a line through them."""
+        measured = {n: min(times) for n, times in self.batch_times.items()}
+        sizes = sorted(measured)
+        if len(sizes) == 1:  # one size seen: assume a memory-bound target (a batch costs about one token)
+            only = measured[sizes[0]]
+            return lambda n: measured.get(n, only)
+        slope, intercept = np.polyfit(np.array(sizes, dtype=float), [measured[s] for s in sizes], 1)
+        return lambda n: measured[n] if n in measured else max(float(intercept + slope * n), 1e-6)
+
+    @property
+    def warm(self) -> bool:
+        """Enough measurements (beyond each size's cold first run) to judge."""
+        return (len(self.batch_times.get(1, ())) >= 2
+                and sum(len(t) for n, t in self.batch_times.items() if n > 1) >= 3)
+
+    def could_pay(self, max_k: int) -> bool:
+        """Whether some K beats the target alone by 5% even with every draft token accepted. On a
+        CPU where a batch of n costs about n single tokens, none does, and probing (which also
+        makes the draft catch up on everything it skipped) would only cost time."""
+        if max_k < 1:
+            return False
+        if not self.warm:
+            return True  # too few measurements to rule drafting out
+        batch = self.batch_model()
+        best_possible = max((k + 1) / (k * self.t_draft + batch(k + 1)) for k in range(1, max_k + 1))
+        return best_possible > 1.05 / batch(1)
+
+
 class AdaptiveK:
     """Chooses K at every step, 0 included, to maximise expected tokens per second.
 
     Model (Leviathan et al. 2023): with per-token acceptance a, a step drafting k tokens yields
     E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs k * t_draft + T(k + 1), where T(n) is the
     target's time for a batch of n. Rate(k) = E(k) / (k t_draft + T(k+1)); Rate(0) = 1 / T(1).
-    a is a decaying count of acceptances and rejections; t_draft and T(n) are the least of the last
-    few measurements. T(n) for sizes not yet seen is a straight line through the sizes seen. When K=0
-    wins, a probe (K = k_first) now and then keeps the estimates fresh, less and less often while
-    K=0 keeps winning; when some K > 0 wins, K + 1 is tried now and then until its cost is known.
+    a is a decaying count of this generation's acceptances and rejections; the costs come from
+    `Costs`, shared across generations. When K=0 wins, a probe (K = k_first) now and then keeps
+    the estimates fresh, less and less often while K=0 keeps winning, and never once the costs say
+    no draft could pay; when some K > 0 wins, K + 1 is tried now and then until its cost is known.
     """
 
     DECAY = 0.95  # about the last 20 steps count
 
-    def __init__(self, k_max: int = 8, k_first: int = 3):
+    def __init__(self, k_max: int = 8, k_first: int = 3, costs: Costs | None = None):
         self.k_max, self.k_first = k_max, k_first
+        self.costs = costs if costs is not None else Costs()
         self.accepted = 0.0
         self.rejected = 0.0
-        self.draft_times: deque = deque(maxlen=8)
-        self.batch_times: dict[int, deque] = {}
         self.steps = 0
         self.probe_interval = 2  # the first probe comes soon: the first runs' timings are the noisiest
         self.since_probe = 0
@@ -151,69 +201,36 @@ class AdaptiveK:
 
     def observe(self, k, n_accepted, draft_seconds, verify_seconds):
         self.steps += 1
-        self.batch_times.setdefault(k + 1, deque(maxlen=8)).append(verify_seconds)
+        self.costs.observe(k, draft_seconds, verify_seconds)
         if k > 0:
             self.accepted = self.DECAY * self.accepted + n_accepted
             self.rejected = self.DECAY * self.rejected + (1 if n_accepted < k else 0)
-            self.draft_times.append(draft_seconds / k)
-
-    # Interference on a shared machine only ever adds time, and a batch size's first run also pays
-    # for llama.cpp building its graph: the least of the recent measurements is the cost estimate.
-    @property
-    def t_draft(self) -> float:
-        return min(self.draft_times) if self.draft_times else 0.0
-
-    @property
-    def t_batch(self) -> dict[int, float]:
-        return {n: min(times) for n, times in self.batch_times.items()}
-
-    def _batch_model(self):
-        """T(n) for every n: the measured median where there is one, else a line through them."""
-        measured = self.t_batch
-        sizes = sorted(measured)
-        if len(sizes) == 1:  # one size seen: assume a memory-bound target (a batch costs about one token)
-            only = measured[sizes[0]]
-            return lambda n: measured.get(n, only)
-        slope, intercept = np.polyfit(np.array(sizes, dtype=float), [measured[s] for s in sizes], 1)
-        return lambda n: measured[n] if n in measured else max(float(intercept + slope * n), 1e-6)
 
     def rates(self, max_k: int) -> list[float]:
         """Expected tokens per second for k = 0..max_k."""
-        batch = self._batch_model()
+        batch = self.costs.batch_model()
         a = min(self.acceptance, 0.999)
-        t_draft = self.t_draft
+        t_draft = self.costs.t_draft
         return [1.0 / batch(1)] + [((1 - a ** (k + 1)) / (1 - a)) / (k * t_draft + batch(k + 1))
                                    for k in range(1, max_k + 1)]
 
-    def could_pay(self, max_k: int) -> bool:
-        """Whether some K beats the target alone by 5% even with every draft token accepted. On a
-        CPU where a batch of n costs about n single tokens, none does, and probing (which also
-        makes the draft catch up on everything it skipped) would only cost time."""
-        if max_k < 1:
-            return False
-        if len(self.batch_times.get(1, ())) < 2 or sum(len(t) for n, t in self.batch_times.items() if n > 1) < 3:
-            return True  # too few (and too cold) measurements to rule drafting out
-        batch = self._batch_model()
-        best_possible = max((k + 1) / (k * self.t_draft + batch(k + 1)) for k in range(1, max_k + 1))
-        return best_possible > 1.05 / batch(1)
-
     def choose(self, max_k: int) -> int:
         limit = min(self.k_max, max_k)
-        if self.steps == 0:
+        if self.costs.warm and not self.costs.could_pay(limit):
+            return 0  # not even a draft that is always right would beat the target alone here
+        if not self.costs.batch_times:
             return min(self.k_first, limit)
-        if 1 not in self.batch_times:
+        if 1 not in self.costs.batch_times:
             return 0  # measure the target alone once
         rates = self.rates(limit)
         best = max(range(limit + 1), key=rates.__getitem__)
-        if best == 0 and not self.could_pay(limit):
-            return 0  # not even a draft that is always right would beat the target alone here: no probes
         if best > 0:
             self.probe_interval = 2
             # now and then try one more, where that batch size has few measurements: a line through
             # noisy early timings must not pin K low
             self.since_probe += 1
             up = best + 1
-            if up <= limit and len(self.batch_times.get(up + 1, ())) < 3 and self.since_probe >= 4:
+            if up <= limit and len(self.costs.batch_times.get(up + 1, ())) < 3 and self.since_probe >= 4:
                 self.since_probe = 0
                 return up
             return best

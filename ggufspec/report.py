@@ -21,6 +21,13 @@ class Stats:
     stop_reason: str = ""       # eos | n_predict | context | interrupted
     drafter: str = ""           # model | lookup | hybrid, "+auto" when K is chosen per step; none
 
+    def add_step(self, n_drafted: int, n_accepted: int, draft_seconds: float, target_seconds: float) -> None:
+        self.n_steps += 1
+        self.n_drafted += n_drafted
+        self.n_accept += n_accepted
+        self.draft_seconds += draft_seconds
+        self.target_seconds += target_seconds
+
     @property
     def acceptance(self) -> float:
         return self.n_accept / self.n_drafted if self.n_drafted else 0.0

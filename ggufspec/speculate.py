@@ -19,7 +19,7 @@ import numpy as np
 from .errors import ContextFullError, GgufspecError
 from .native import Context
 from .report import Stats
-from .drafting import AdaptiveK, FixedK, HybridDrafter, LookupDrafter, ModelDrafter
+from .drafting import AdaptiveK, Costs, FixedK, HybridDrafter, LookupDrafter, ModelDrafter
 from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample
 
 
@@ -45,13 +45,12 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             t0 = time.perf_counter()
             proposals, draft_probs = drafter.propose(tokens, k, params, rng) if k > 0 else ([], [])
             t1 = time.perf_counter()
-            n_accepted, own_token = _verify(target, tokens, proposals, draft_probs, params, rng, stats)
+            n_accepted, own_token = _verify(target, tokens, proposals, draft_probs, params, rng)
             t2 = time.perf_counter()
             _rewind(target, draft_ctx, len(tokens) + n_accepted)
             if drafter is not None:
                 controller.observe(len(proposals), n_accepted, t1 - t0, t2 - t1)
-            stats.draft_seconds += t1 - t0
-            stats.n_drafted += len(proposals)
+            stats.add_step(len(proposals), n_accepted, t1 - t0, t2 - t1)
             for i, token in enumerate(proposals[:n_accepted] + [own_token]):
                 stats.decode_seconds = time.perf_counter() - started
                 if target.is_end_of_generation(token):  # the end marker itself is not output
@@ -80,14 +79,13 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
 
 
 def _verify(target: Context, tokens: list[int], proposals: list[int], draft_probs: list[np.ndarray],
-            params: SamplingParams, rng: np.random.Generator, stats: Stats) -> tuple[int, int]:
+            params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
     """One target batch over [last token] + proposals. Returns (accepted count, the target's own token).
 
     Greedy: accept while the target's argmax equals the proposal; the first disagreement (or, when
     all are accepted, the position after the last) gives the target's own argmax. Sampling: the
     rejection rule in `accept_or_resample`, and the bonus token drawn from p after k acceptances.
     """
-    t0 = time.perf_counter()
     target.decode(tokens[target.n_past:] + proposals, n_logits=len(proposals) + 1)
     n_accepted, own_token = len(proposals), None
     for i, proposed in enumerate(proposals):
@@ -102,9 +100,6 @@ def _verify(target: Context, tokens: list[int], proposals: list[int], draft_prob
     if own_token is None:  # every proposal kept: the bonus token
         last = target.logits(len(proposals))
         own_token = greedy_token(last) if params.greedy else sample(distribution(last, params), rng)
-    stats.target_seconds += time.perf_counter() - t0
-    stats.n_steps += 1
-    stats.n_accept += n_accepted
     return n_accepted, own_token
 
 
@@ -185,6 +180,7 @@ class SpeculativeDecoder:
             self.close()
             raise
         self.last_stats: Stats | None = None
+        self._costs: dict[str, Costs] = {}
 
     def _open(self, model, role, params, strict):
         from .load import open_model
@@ -221,7 +217,8 @@ class SpeculativeDecoder:
         check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
         wants_draft = use_draft and (self.draft is not None or drafter != "model")
         chosen = self._drafter(drafter, draft_p_min) if wants_draft else None
-        controller = AdaptiveK(draft_max) if adaptive else FixedK(n_draft)
+        costs = self._costs.setdefault(drafter, Costs())  # the machine's costs outlive a generation
+        controller = AdaptiveK(draft_max, costs=costs) if adaptive else FixedK(n_draft)
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),
                                 drafter="none" if chosen is None else drafter + ("+auto" if adaptive else ""))
         max_tokens = n_predict if n_predict > 0 else self.n_ctx

@@ -169,5 +169,5 @@ def test_no_probes_when_even_perfect_drafts_cannot_pay():
     for _ in range(3):
         c.observe(3, 3, 0.075, 0.176)   # K=3, all accepted, batch of 4 ~ 4 single tokens
         c.observe(0, 0, 0.0, 0.044)
-    assert not c.could_pay(8)
+    assert not c.costs.could_pay(8)
     assert [c.choose(8) for _ in range(300)] == [0] * 300
