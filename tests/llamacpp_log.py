@@ -26,6 +26,8 @@ def buffer_sizes(path, n_ctx, n_batch=512):
 
     def total(pattern):
         return sum(float(v) for v in re.findall(pattern, log)) * MiB
-    return {"model": total(r"model buffer size =\s+([\d.]+) MiB"),
+    # CPU_REPACK is a second, re-laid-out copy of some CPU-resident matrices (host RAM only), not weights
+    return {"model": total(r"(?<!REPACK) model buffer size =\s+([\d.]+) MiB"),
+            "repack": total(r"REPACK model buffer size =\s+([\d.]+) MiB"),
             "kv": total(r"KV buffer size =\s+([\d.]+) MiB"),
             "compute": total(r"compute buffer size =\s+([\d.]+) MiB\n")}
