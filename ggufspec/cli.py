@@ -384,3 +384,7 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
+
+
+if __name__ == "__main__":
+    main()

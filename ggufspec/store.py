@@ -278,7 +278,12 @@ def pair_paths(name: str | None, progress: bool = True) -> tuple[Path, Path, int
     """For `run`: the pair's target and draft paths (first shards) and its recommended K."""
     registry = load_registry()
     pair = registry.pair(name)
-    target, draft = (ensure_local(registry.model(m), progress=progress) for m in (pair.target, pair.draft))
+    try:
+        target, draft = (ensure_local(registry.model(m), progress=progress) for m in (pair.target, pair.draft))
+    except DemoPairMissing:
+        raise
+    except StoreError:
+        raise StoreError(f"pair {pair.name} is not on disk: run `ggufspec pull {pair.name}` first") from None
     return target, draft, pair.draft_k
 
 

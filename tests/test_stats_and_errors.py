@@ -126,3 +126,42 @@ def test_escapes_and_chat(tiny_pair):
     code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "hi", "--chat", "--system", "be brief",
                            "-n", "8", "-c", "128", "-t", "1")
     assert code == 0, output
+
+
+def test_utf8_pieces_never_split_a_character():
+    from ggufspec.speculate import pieces
+
+    class Bytes:
+        def piece(self, token):
+            return bytes([token])
+    euro = "€ ok".encode()
+    out = list(pieces(Bytes(), ((b, False) for b in euro)))
+    assert [p.text for p in out] == ["", "", "€", " ", "o", "k"]
+
+
+def test_ctrl_c_stops_cleanly_and_prints_the_statistics(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from tinymodels import Shape, make_weights, write_model
+    shape = Shape(n_layer=16, n_embd=256, n_ff=768)
+    weights = make_weights(shape, seed=2)
+    weights["output.weight"][2] = 0  # no EOS: it runs until interrupted
+    target = write_model(tmp_path / "slow.gguf", shape, weights)
+    proc = subprocess.Popen([sys.executable, "-m", "ggufspec.cli", "run", "-m", str(target), "--no-draft", "-p", "x",
+                             "-n", "-1", "-c", "2048", "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            errors="replace")
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "n_predict =" in err and "stop:   interrupted" in err
+    assert "Traceback" not in err
+
+
+def test_color_marks_accepted_draft_tokens(tiny_pair):
+    target, draft = tiny_pair
+    code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "the cat", "-n", "24", "--draft", "3",
+                           "--color", "-c", "128", "-t", "1")
+    assert code == 0 and "\x1b[36m" in output

@@ -158,3 +158,9 @@ def test_run_with_a_hub_reference(hub, tiny_pair):
                                        "hf://org/tiny-GGUF/tiny-draft-F32.gguf", "-p", "the cat", "-n", "8",
                                        "-c", "128", "-t", "1", "--json"])
     assert result.exit_code == 0, result.output
+
+
+def test_run_a_pair_that_is_not_on_disk_says_how_to_get_it():
+    result = CliRunner().invoke(main, ["run", "llama3-70b-q3", "-p", "hi"])
+    assert result.exit_code == 1
+    assert "ggufspec pull llama3-70b-q3" in result.output and result.output.count("\n") == 1
