@@ -133,6 +133,17 @@ class Costs:
         self.draft_times: deque = deque(maxlen=8)
         self.batch_times: dict[int, deque] = {}
 
+    def to_dict(self) -> dict:
+        return {"draft": list(self.draft_times), "batch": {str(n): list(t) for n, t in self.batch_times.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Costs":
+        costs = cls()
+        costs.draft_times.extend(float(t) for t in data.get("draft", []))
+        for n, times in data.get("batch", {}).items():
+            costs.batch_times[int(n)] = deque((float(t) for t in times), maxlen=8)
+        return costs
+
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
         self.batch_times.setdefault(k + 1, deque(maxlen=8)).append(verify_seconds)
         if k > 0:

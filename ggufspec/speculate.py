@@ -180,7 +180,8 @@ class SpeculativeDecoder:
             self.close()
             raise
         self.last_stats: Stats | None = None
-        self._costs: dict[str, Costs] = {}
+        self._costs_key = _costs_key(target, draft, n_threads, n_gpu_layers, n_gpu_layers_draft)
+        self._costs: dict[str, Costs] = _load_costs(self._costs_key)
 
     def _open(self, model, role, params, strict):
         from .load import open_model
@@ -247,6 +248,9 @@ class SpeculativeDecoder:
         return Generation("".join(p.text for p in collected), [p.token for p in collected], self.last_stats)
 
     def close(self) -> None:
+        if getattr(self, "_costs", None):
+            _save_costs(self._costs_key, self._costs)
+            self._costs = {}
         for ctx in (getattr(self, "target", None), getattr(self, "draft", None)):
             if ctx is not None:
                 ctx.close()
@@ -259,3 +263,53 @@ class SpeculativeDecoder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ---------------------------------------------------------------- step costs remembered between runs
+# The adaptive controller learns what a draft token and a target batch cost on this machine. That
+# takes a few probing steps, which on a CPU where drafting cannot pay are pure loss; remembering the
+# figures (per pair, threads and offload) lets the next run start from what is known.
+
+def _costs_key(target, draft, n_threads, ngl, ngld) -> str | None:
+    import os
+    paths = [m for m in (target, draft) if isinstance(m, (str, bytes)) or hasattr(m, "__fspath__")]
+    if len(paths) != sum(m is not None for m in (target, draft)):
+        return None  # Llama objects given: no stable identity to remember them by
+    ident = [f"{os.path.abspath(os.fspath(p))}:{os.path.getsize(p)}" for p in paths]
+    return "|".join(ident + [f"t{n_threads}", f"ngl{ngl}", f"ngld{ngld}"])
+
+
+def _costs_file():
+    from .registry import home
+    return home() / "costs.json"
+
+
+def _load_costs(key: str | None) -> dict[str, Costs]:
+    import json
+    if key is None or not _costs_file().is_file():
+        return {}
+    try:
+        entry = json.loads(_costs_file().read_text()).get(key, {})
+        return {drafter: Costs.from_dict(data) for drafter, data in entry.items()}
+    except (ValueError, TypeError, AttributeError):
+        return {}  # a damaged file only costs the remembered figures
+
+
+def _save_costs(key: str | None, costs: dict[str, Costs]) -> None:
+    import json
+    import os
+    if key is None:
+        return
+    path = _costs_file()
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        data = {}
+    data[key] = {drafter: c.to_dict() for drafter, c in costs.items() if c.batch_times}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"costs.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+    except OSError:
+        pass  # remembering is an optimisation; never fail a run over it

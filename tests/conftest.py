@@ -31,16 +31,28 @@ def tiny_decoder(tiny_pair):
 
 
 # The demo pair is assembled once per machine into the real ggufspec home (not the per-test one).
-REAL_HOME = os.environ.get("GGUFSPEC_HOME")
+from ggufspec.registry import home as _home  # noqa: E402
+
+REAL_HOME = str(_home())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_home(tmp_path_factory):
+    """Whatever outlives a test (session fixtures closing at the end) writes here, not to the real home."""
+    saved = os.environ.get("GGUFSPEC_HOME")
+    os.environ["GGUFSPEC_HOME"] = str(tmp_path_factory.mktemp("session-home"))
+    yield
+    if saved is None:
+        os.environ.pop("GGUFSPEC_HOME", None)
+    else:
+        os.environ["GGUFSPEC_HOME"] = saved
 
 
 def demo_pair_paths():
     """The real demo pair, or skip when its parts are not installed (pip install .[demo])."""
-    from ggufspec import registry, store
+    from ggufspec import store
     saved = os.environ.pop("GGUFSPEC_HOME", None)
-    if REAL_HOME:
-        os.environ["GGUFSPEC_HOME"] = REAL_HOME
-    os.environ["GGUFSPEC_HOME"] = str(registry.home())
+    os.environ["GGUFSPEC_HOME"] = REAL_HOME
     try:
         return store.demo_pair_paths(progress=False)
     except store.DemoPairMissing as exc:

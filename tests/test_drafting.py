@@ -171,3 +171,22 @@ def test_no_probes_when_even_perfect_drafts_cannot_pay():
         c.observe(0, 0, 0.0, 0.044)
     assert not c.costs.could_pay(8)
     assert [c.choose(8) for _ in range(300)] == [0] * 300
+
+
+def test_costs_are_remembered_between_runs(tiny_pair, ggufspec_home):
+    """The controller's measured costs outlive the decoder (in $GGUFSPEC_HOME/costs.json)."""
+    from ggufspec.drafting import Costs
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as decoder:
+        decoder.generate([1, 260, 261], n_predict=60, n_draft="auto")
+        learned = decoder._costs["model"].to_dict()
+    assert (ggufspec_home / "costs.json").is_file()
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as decoder:
+        assert decoder._costs["model"].to_dict() == learned
+    # a machine where no draft can pay, remembered: the next run drafts nothing from its first step
+    hopeless = Costs()
+    for _ in range(3):
+        hopeless.observe(3, 0.075, 0.176)
+        hopeless.observe(0, 0.0, 0.044)
+    controller = AdaptiveK(8, costs=Costs.from_dict(hopeless.to_dict()))
+    assert controller.choose(8) == 0
