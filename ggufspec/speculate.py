@@ -298,14 +298,15 @@ def _load_costs(key: str | None) -> dict[str, Costs]:
 def _save_costs(key: str | None, costs: dict[str, Costs]) -> None:
     import json
     import os
-    if key is None:
+    learned = {drafter: c.to_dict() for drafter, c in costs.items() if c.batch_times}
+    if key is None or not learned:
         return
     path = _costs_file()
     try:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except ValueError:
         data = {}
-    data[key] = {drafter: c.to_dict() for drafter, c in costs.items() if c.batch_times}
+    data[key] = learned
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"costs.{os.getpid()}.tmp")

@@ -152,7 +152,8 @@ def test_ctrl_c_stops_cleanly_and_prints_the_statistics(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "ggufspec.cli", "run", "-m", str(target), "--no-draft", "-p", "x",
                              "-n", "-1", "-c", "2048", "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             errors="replace")
-    time.sleep(2.0)
+    assert proc.stdout.read(1)  # generation has started (text streams as it is decided)
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
