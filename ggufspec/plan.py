@@ -14,6 +14,7 @@ The memory model, per model and context (n_ctx, n_ubatch), F16 KV cache, no flas
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -41,7 +42,7 @@ GPU_BANDWIDTH_GBS = {         # memory bandwidth, GB/s (vendor figures)
     "M2 Ultra": 800, "M3": 100, "M3 Pro": 150, "M3 Max": 400, "M4": 120, "M4 Pro": 273, "M4 Max": 546,
 }
 DEFAULT_GPU_BANDWIDTH_GBS = 300
-DEFAULT_RAM_BANDWIDTH_GBS = 40
+DEFAULT_RAM_BANDWIDTH_GBS = 40  # when a measurement fails
 
 
 class PlanError(GgufspecError):
@@ -256,7 +257,24 @@ def detect_gpus() -> list[Device]:
 def detect_ram() -> Device:
     import psutil
     mem = psutil.virtual_memory()
-    return Device("cpu", "system RAM", mem.total, mem.available, DEFAULT_RAM_BANDWIDTH_GBS)
+    return Device("cpu", "system RAM", mem.total, mem.available, measure_ram_bandwidth())
+
+
+@functools.lru_cache(maxsize=1)
+def measure_ram_bandwidth(size: int = 64 * MiB) -> float:
+    """GB/s of a large memory copy (read + write counted), best of three: what decoding on the CPU
+    can stream weights at, give or take the kernels' efficiency."""
+    import time
+
+    import numpy as np
+    src = np.ones(size // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size / best / 1e9 if best > 0 else DEFAULT_RAM_BANDWIDTH_GBS
 
 
 def gpu_offload_supported() -> bool:

@@ -208,3 +208,7 @@ def test_plan_for_a_registry_pair_reads_only_the_headers_over_http(tmp_path, ggu
     assert json.loads(result.output)["ngl"] == 9
     assert gets and all(r[2] and r[2].startswith("bytes=0-") for r in gets)  # ranges only
     assert target.stat().st_size > 8 << 20  # bigger than what was asked for
+
+
+def test_ram_bandwidth_is_measured():
+    assert 1 < P.measure_ram_bandwidth() < 2000  # GB/s: some real figure, not the fallback constant
