@@ -293,7 +293,7 @@ def _devices(vram, ram):
         size = P.parse_size(vram)
         gpu = P.Device("cuda", f"GPU ({vram})", size, size, P.DEFAULT_GPU_BANDWIDTH_GBS)
     else:
-        gpus = P.detect_gpus() if P.gpu_offload_supported() or os.environ.get("GGUFSPEC_PLAN_ANY_GPU") else []
+        gpus = P.detect_gpus()
         gpu = max(gpus, key=lambda g: g.free) if gpus else None
     host = P.detect_ram()
     if ram is not None:
@@ -329,6 +329,9 @@ def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, as_json):
         return
     click.echo(P.plan_table(result, target, draft))
     click.echo(result.summary())
+    if gpu is not None and vram is None and not P.gpu_offload_supported():
+        click.echo("note: this llama-cpp-python build cannot offload to a GPU; rebuild it with "
+                   "CMAKE_ARGS=\"-DGGML_CUDA=on\" (see the README) to use this plan", err=True)
 
 
 @main.command()

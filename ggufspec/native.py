@@ -20,14 +20,14 @@ from .errors import DecodeError
 _SEQ = 0  # one sequence per context
 
 
+VERBOSE = os.environ.get("GGUFSPEC_VERBOSE", "") not in ("", "0")
+
+
 @llama_cpp.llama_log_callback
 def _log_to_stderr_if_verbose(level, text, user_data):
     # llama.cpp logs model loading at length; keep stderr for our own messages unless asked
     if VERBOSE:
         sys.stderr.write(text.decode("utf-8", errors="replace"))
-
-
-VERBOSE = os.environ.get("GGUFSPEC_VERBOSE", "") not in ("", "0")
 
 
 def quiet_llama_logs() -> None:

@@ -218,8 +218,10 @@ class SpeculativeDecoder:
         check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
         wants_draft = use_draft and (self.draft is not None or drafter != "model")
         chosen = self._drafter(drafter, draft_p_min) if wants_draft else None
-        costs = self._costs.setdefault(drafter, Costs())  # the machine's costs outlive a generation
-        controller = AdaptiveK(draft_max, costs=costs) if adaptive else FixedK(n_draft)
+        if adaptive:  # the machine's costs outlive a generation
+            controller = AdaptiveK(draft_max, costs=self._costs.setdefault(drafter, Costs()))
+        else:
+            controller = FixedK(n_draft)
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),
                                 drafter="none" if chosen is None else drafter + ("+auto" if adaptive else ""))
         max_tokens = n_predict if n_predict > 0 else self.n_ctx
@@ -231,13 +233,14 @@ class SpeculativeDecoder:
             raise GgufspecError(f"unknown drafter {kind!r}: use model, lookup or hybrid")
         if not 0.0 <= p_min < 1.0:
             raise GgufspecError(f"--draft-p-min must be in [0, 1), got {p_min}")
-        lookup = LookupDrafter(self.target.n_vocab, ngram_min=2)  # one-token matches are mostly noise
         if kind == "lookup":
-            return lookup
+            return LookupDrafter(self.target.n_vocab, ngram_min=2)  # one-token matches are mostly noise
         if self.draft is None:
             raise GgufspecError(f"the {kind} drafter needs a draft model: give -md, or use --lookup alone")
         model = ModelDrafter(self.draft, p_min)
-        return model if kind == "model" else HybridDrafter(lookup, model)
+        if kind == "model":
+            return model
+        return HybridDrafter(LookupDrafter(self.target.n_vocab, ngram_min=2), model)
 
     def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Piece]:
         """Yield a `Piece` per generated token, as soon as the target has decided it."""
