@@ -224,12 +224,12 @@ def add_cost_model(result: BenchResult, costs: dict) -> None:
 
 def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int, n_predict: int,
                   n_threads: int | None) -> Run:
-    from .load import chat_prompt
+    from .load import chat_prompt, default_threads
     text = chat_prompt(decoder.target_llm, item["prompt"], item.get("system")) if item.get("kind") == "chat" \
         else item["prompt"]
     cmd = [binary, "-m", decoder.target_llm.model_path, "-md", decoder.draft_llm.model_path, "-p", text,
            "-n", str(n_predict), "--spec-type", "draft-simple", "--spec-draft-n-max", str(config.llamacpp_k),
-           "--spec-draft-n-min", "0", "-c", str(decoder.n_ctx), "--temp", "0", "-t", str(n_threads or 2)]
+           "--spec-draft-n-min", "0", "-c", str(decoder.n_ctx), "--temp", "0", "-t", str(n_threads or default_threads())]
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
     log = proc.stderr
     if proc.returncode != 0 or "decoded" not in log:
