@@ -8,6 +8,7 @@ lookup proposal (then the acceptance rule keeps it with probability p(x), as it 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 
 import numpy as np
@@ -26,16 +27,22 @@ class ModelDrafter:
     """The draft model, one token at a time, stopping early when it is unsure of its own next token
     (llama.cpp's --draft-p-min: its probability of the token it proposes below p_min)."""
 
+    CATCH_UP = 2  # a step leaves the draft this many tokens behind; more means it sat idle
+
     def __init__(self, context: Context, p_min: float = 0.0):
         self.context = context
         self.p_min = p_min
+        self.catch_up_seconds = 0.0  # of the last proposal: evaluating what the draft skipped while idle
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
         proposals, draft_probs = [], []
         if k <= 0:
             return proposals, draft_probs
         ctx = self.context
+        lag = len(tokens) - ctx.n_past
+        t0 = time.perf_counter()
         ctx.decode(tokens[ctx.n_past:], n_logits=1)  # catch up on what the draft has not seen
+        self.catch_up_seconds = time.perf_counter() - t0 if lag > self.CATCH_UP else 0.0
         while True:
             logits = ctx.logits(0)
             if params.greedy:
@@ -66,6 +73,7 @@ class LookupDrafter:
     lookup O(1)."""
 
     context = None
+    catch_up_seconds = 0.0
 
     def __init__(self, n_vocab: int, ngram_max: int = 3, ngram_min: int = 1):
         self.n_vocab = n_vocab
@@ -101,10 +109,16 @@ class HybridDrafter:
     def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
         self.lookup, self.model = lookup, model
         self.context = model.context
+        self.catch_up_seconds = 0.0
 
     def propose(self, tokens, k, params, rng):
         proposals, probs = self.lookup.propose(tokens, k, params, rng)
-        return (proposals, probs) if proposals else self.model.propose(tokens, k, params, rng)
+        if proposals:
+            self.catch_up_seconds = 0.0
+            return proposals, probs
+        proposals, probs = self.model.propose(tokens, k, params, rng)
+        self.catch_up_seconds = self.model.catch_up_seconds
+        return proposals, probs
 
 
 # ---------------------------------------------------------------- how many tokens to draft
@@ -132,6 +146,7 @@ class Costs:
     def __init__(self):
         self.draft_times: deque = deque(maxlen=8)
         self.batch_times: dict[int, deque] = {}
+        self._model = None  # T(n), rebuilt only when a least measurement changes
 
     def to_dict(self) -> dict:
         return {"draft": list(self.draft_times), "batch": {str(n): list(t) for n, t in self.batch_times.items()}}
@@ -145,7 +160,13 @@ class Costs:
         return costs
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
-        self.batch_times.setdefault(k + 1, deque(maxlen=8)).append(verify_seconds)
+        times = self.batch_times.get(k + 1)
+        if times is None:
+            times = self.batch_times[k + 1] = deque(maxlen=8)
+        least = min(times) if times else None
+        times.append(verify_seconds)
+        if len(times) == 1 or verify_seconds < least or (len(times) == 8 and least != min(times)):
+            self._model = None
         if k > 0:
             self.draft_times.append(draft_seconds / k)
 
@@ -155,13 +176,9 @@ class Costs:
 
     def batch_model(self):
         """T(n) for every n: the measured least where there is one, else a line through them."""
-        measured = {n: min(times) for n, times in self.batch_times.items()}
-        sizes = sorted(measured)
-        if len(sizes) == 1:  # one size seen: assume a memory-bound target (a batch costs about one token)
-            only = measured[sizes[0]]
-            return lambda n: measured.get(n, only)
-        slope, intercept = np.polyfit(np.array(sizes, dtype=float), [measured[s] for s in sizes], 1)
-        return lambda n: measured[n] if n in measured else max(float(intercept + slope * n), 1e-6)
+        if self._model is None:
+            self._model = _batch_model({n: min(times) for n, times in self.batch_times.items()})
+        return self._model
 
     @property
     def warm(self) -> bool:
@@ -182,6 +199,20 @@ class Costs:
         return best_possible > 1.05 / batch(1)
 
 
+def _batch_model(measured: dict[int, float]):
+    sizes = sorted(measured)
+    if len(sizes) == 1:  # one size seen: assume a memory-bound target (a batch costs about one token)
+        only = measured[sizes[0]]
+        return lambda n: measured.get(n, only)
+    # least squares through (n, T(n)), written out: a handful of points, called on the hot path
+    mean_n = sum(sizes) / len(sizes)
+    mean_t = sum(measured.values()) / len(sizes)
+    slope = (sum((n - mean_n) * (measured[n] - mean_t) for n in sizes)
+             / sum((n - mean_n) ** 2 for n in sizes))
+    intercept = mean_t - slope * mean_n
+    return lambda n: measured[n] if n in measured else max(intercept + slope * n, 1e-6)
+
+
 class AdaptiveK:
     """Chooses K at every step, 0 included, to maximise expected tokens per second.
 
@@ -195,6 +226,7 @@ class AdaptiveK:
     """
 
     DECAY = 0.95  # about the last 20 steps count
+    IDLE_WHEN_NO_DRAFT_PAYS = 1024
 
     def __init__(self, k_max: int = 8, k_first: int = 3, costs: Costs | None = None):
         self.k_max, self.k_first = k_max, k_first
@@ -204,6 +236,8 @@ class AdaptiveK:
         self.steps = 0
         self.probe_interval = 2  # the first probe comes soon: the first runs' timings are the noisiest
         self.since_probe = 0
+        self.probe_due = False
+        self.idle = 0  # steps left to run the target alone without reconsidering
 
     @property
     def acceptance(self) -> float:
@@ -226,9 +260,17 @@ class AdaptiveK:
                                    for k in range(1, max_k + 1)]
 
     def choose(self, max_k: int) -> int:
+        if self.idle:  # the target alone for a while: no arithmetic on these steps
+            self.idle -= 1
+            return 0
         limit = min(self.k_max, max_k)
+        if limit < 1:
+            return 0
         if self.costs.warm and not self.costs.could_pay(limit):
-            return 0  # not even a draft that is always right would beat the target alone here
+            # not even a draft that is always right would beat the target alone here: look again
+            # only after many steps (the costs keep learning T(1) meanwhile)
+            self.idle = self.IDLE_WHEN_NO_DRAFT_PAYS
+            return 0
         if not self.costs.batch_times:
             return min(self.k_first, limit)
         if 1 not in self.costs.batch_times:
@@ -245,9 +287,10 @@ class AdaptiveK:
                 self.since_probe = 0
                 return up
             return best
-        self.since_probe += 1
-        if self.since_probe >= self.probe_interval and limit > 0:
-            self.since_probe = 0
+        if self.probe_due:
+            self.probe_due = False
             self.probe_interval = min(self.probe_interval * 2, 128)
             return min(self.k_first, limit)
+        self.idle = self.probe_interval - 1  # then a probe, if K=0 still wins
+        self.probe_due = True
         return 0

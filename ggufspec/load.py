@@ -1,6 +1,7 @@
 """Opening the two models as `llama_cpp.Llama` objects, and checking that they can be paired."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from .errors import IncompatibleModelsError, ModelFileError
+from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
 from .native import Context, quiet_llama_logs
 
 GGUF_MAGIC = b"GGUF"
@@ -25,6 +26,41 @@ class LoadParams:
     n_gpu_layers: int = 0
     n_batch: int = 512
     strict: bool = False  # verify token by token (n_ubatch=1): bit-identical to the target alone
+    flash_attn: str = "auto"  # on | off | auto (llama.cpp's default: on where the backend has it)
+
+
+FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
+def flash_attn_type(setting: str | bool) -> int:
+    """-fa on|off|auto (or a bool) as llama.cpp's enum."""
+    if isinstance(setting, bool):
+        setting = "on" if setting else "off"
+    if setting not in FLASH_ATTN_TYPES:
+        raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {setting!r}")
+    return FLASH_ATTN_TYPES[setting]
+
+
+@contextlib.contextmanager
+def _context_flash_attn(kind: int):
+    """Make the next llama context use flash-attention type `kind`.
+
+    Llama(flash_attn=...) is a bool (on or off); llama.cpp's own default, auto (on where the
+    backend supports it: CUDA, Metal, CPU), is not reachable through it. Llama builds its context
+    through `_internals.LlamaContext(params=...)`, so the field is set there, for this load only.
+    """
+    from llama_cpp import _internals
+    original = _internals.LlamaContext
+
+    def with_flash_attn(*args, params, **kwargs):
+        params.flash_attn_type = kind
+        return original(*args, params=params, **kwargs)
+    _internals.LlamaContext = with_flash_attn
+    try:
+        yield
+    finally:
+        _internals.LlamaContext = original
 
 
 def default_threads() -> int:
@@ -48,10 +84,11 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     threads = params.n_threads or default_threads()
     quiet_llama_logs()
     try:
-        return llama_cpp.Llama(
-            model_path=str(path), n_ctx=params.n_ctx, n_batch=params.n_batch,
-            n_ubatch=1 if strict else params.n_batch, n_threads=threads, n_threads_batch=threads,
-            n_gpu_layers=params.n_gpu_layers, logits_all=False, verbose=False)
+        with _context_flash_attn(flash_attn_type(params.flash_attn)):
+            return llama_cpp.Llama(
+                model_path=str(path), n_ctx=params.n_ctx, n_batch=params.n_batch,
+                n_ubatch=1 if strict else params.n_batch, n_threads=threads, n_threads_batch=threads,
+                n_gpu_layers=params.n_gpu_layers, logits_all=False, verbose=False)
     except (ValueError, RuntimeError) as exc:
         raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {exc}") from None
 
@@ -80,7 +117,14 @@ def check_compatible(target: Context, draft: Context) -> None:
 
 
 def chat_prompt(llm: llama_cpp.Llama, user: str, system: str | None = None) -> str:
-    """The target's own chat template (GGUF `tokenizer.chat_template`) applied to one user turn."""
+    """The target's own chat template applied to one user turn."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return render_chat(llm, messages)
+
+
+def render_chat(llm: llama_cpp.Llama, messages: list[dict]) -> str:
+    """The target's chat template (GGUF `tokenizer.chat_template`) over a conversation, ending with
+    the assistant's turn opened. llama-cpp-python's formatter renders it in a sandboxed Jinja."""
     template = llm.metadata.get("tokenizer.chat_template")
     if not template:
         raise ModelFileError("the target model has no chat template (tokenizer.chat_template); drop --chat")
@@ -88,8 +132,10 @@ def chat_prompt(llm: llama_cpp.Llama, user: str, system: str | None = None) -> s
     token_text = lambda t: (llama_cpp.llama_vocab_get_text(vocab, t) or b"").decode(errors="replace") if t >= 0 else ""
     formatter = Jinja2ChatFormatter(template=template, eos_token=token_text(llama_cpp.llama_vocab_eos(vocab)),
                                     bos_token=token_text(llama_cpp.llama_vocab_bos(vocab)))
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return formatter(messages=messages).prompt
+    try:
+        return formatter(messages=messages).prompt
+    except Exception as exc:  # jinja2's TemplateError, or the template's own raise_exception()
+        raise GgufspecError(f"the chat template refused these messages: {exc}") from None
 
 
 def tokenize(llm: llama_cpp.Llama, text: str) -> list[int]:

@@ -2,8 +2,8 @@
 
 `Context` drives one `llama_cpp.Llama` through the public low-level API: its own `llama_batch`,
 `llama_decode` with logits requested only where the caller reads them, `llama_get_logits_ith`, and
-`llama_memory_seq_rm` to cut the KV cache back. It tracks `n_past`, the number of tokens in the
-cache, so callers never compute positions themselves.
+`llama_memory_seq_rm` to cut the KV cache back. It tracks `tokens`, exactly the tokens the KV cache
+holds, so callers never compute positions themselves and a new prompt can reuse the cached prefix.
 """
 from __future__ import annotations
 
@@ -45,10 +45,11 @@ class Context:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
-        self.n_past = 0
+        self.tokens: list[int] = []  # what the KV cache holds, in order
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._logit_rows = 0
         self._pieces: dict[int, bytes] = {}
+        self._logit_views: dict[int, np.ndarray] = {}
 
     def decode(self, tokens: Sequence[int], n_logits: int = 1) -> None:
         """Append `tokens` to the cache; keep logits for the last `n_logits` of them.
@@ -64,9 +65,10 @@ class Context:
         batch = self._batch
         n = len(tokens)
         first_logit = n - n_logits
+        start = len(self.tokens)
         for i, token in enumerate(tokens):
             batch.token[i] = token
-            batch.pos[i] = self.n_past + i
+            batch.pos[i] = start + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = _SEQ
             batch.logits[i] = i >= first_logit
@@ -75,23 +77,48 @@ class Context:
         if rc != 0:
             # 1: no KV slot (context full); 2: aborted; < 0: error. The cache may hold part of
             # the batch: cut it back so the caller's view stays true.
-            self.keep(self.n_past)
+            llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, start, -1)
             raise DecodeError(f"llama_decode failed on the {self.name} model (code {rc})")
-        self.n_past += n
+        self.tokens.extend(tokens)
         self._logit_rows = n_logits
 
     def logits(self, row: int) -> np.ndarray:
         """Logits of the row-th of the last decode's logit positions (a view, valid until the next decode)."""
         index = row - self._logit_rows  # llama_get_logits_ith takes negatives from the end
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx, index)
-        if not ptr:
+        address = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, index), ctypes.c_void_p).value
+        if not address:
             raise DecodeError(f"no logits for row {row} of the {self.name} model")
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+        # Building a numpy view costs microseconds, a step on a GPU a few milliseconds: reuse the view
+        # of an address already seen (it is the same n_vocab floats whenever llama.cpp returns it).
+        view = self._logit_views.get(address)
+        if view is None:
+            view = np.ctypeslib.as_array((ctypes.c_float * self.n_vocab).from_address(address))
+            self._logit_views[address] = view
+        return view
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
 
     def keep(self, n_tokens: int) -> None:
         """Cut the KV cache back to its first n_tokens (the only way the engine rewinds)."""
-        llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, n_tokens, -1)
-        self.n_past = min(self.n_past, n_tokens)
+        if n_tokens >= len(self.tokens):
+            return
+        if not llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, n_tokens, -1):
+            # some caches (recurrent, sliding-window) cannot drop a suffix: start again empty
+            llama_cpp.llama_memory_clear(self.memory, True)
+            n_tokens = 0
+        del self.tokens[n_tokens:]
+
+    def reuse_prefix(self, tokens: Sequence[int]) -> int:
+        """Keep the longest prefix the cache shares with `tokens`; returns its length."""
+        n = 0
+        for cached, new in zip(self.tokens, tokens):
+            if cached != new:
+                break
+            n += 1
+        self.keep(n)
+        return len(self.tokens)
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))

@@ -10,6 +10,7 @@ class Stats:
 
     n_draft: int = 0            # K, the most tokens drafted per step
     n_prompt: int = 0           # prompt tokens
+    n_prompt_cached: int = 0    # of which the KV cache already held (not evaluated again)
     prompt_seconds: float = 0.0  # target prefill
     n_predict: int = 0          # tokens generated
     decode_seconds: float = 0.0  # wall time from the end of prefill to the last token
@@ -38,7 +39,8 @@ class Stats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.n_prompt / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+        evaluated = self.n_prompt - self.n_prompt_cached
+        return evaluated / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "accept": self.acceptance, "decode_tps": self.decode_tps,
@@ -48,7 +50,7 @@ class Stats:
         """The block llama.cpp's speculative example prints at the end, then the time split."""
         return "\n".join([
             f"encoded {self.n_prompt:4d} tokens in {self.prompt_seconds:8.3f} seconds, "
-            f"speed: {self.prompt_tps:8.3f} t/s",
+            f"speed: {self.prompt_tps:8.3f} t/s ({self.n_prompt_cached} cached)",
             f"decoded {self.n_predict:4d} tokens in {self.decode_seconds:8.3f} seconds, "
             f"speed: {self.decode_tps:8.3f} t/s",
             "",

@@ -4,6 +4,10 @@ Invariant between steps: `tokens` is the whole sequence; its last token has not 
 the target yet, everything before it has (target.n_past == len(tokens) - 1). The draft may lag
 behind; it evaluates `tokens[draft.n_past:]` before proposing, so it never re-evaluates a token.
 
+Cache reuse lives in `_prefill`, and only there: each context keeps the longest prefix its KV cache
+shares with the new prompt and evaluates the rest (the draft lazily, when it next drafts), so a
+conversation that grows turn by turn is never evaluated twice.
+
 Layers, as in mlx-lm: `speculative_steps` yields (token, from_draft); `SpeculativeDecoder.stream`
 turns them into `Piece` records; `SpeculativeDecoder.generate` collects a `Generation`.
 """
@@ -47,9 +51,10 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             t1 = time.perf_counter()
             n_accepted, own_token = _verify(target, tokens, proposals, draft_probs, params, rng)
             t2 = time.perf_counter()
-            _rewind(target, draft_ctx, len(tokens) + n_accepted)
-            if drafter is not None:
-                controller.observe(len(proposals), n_accepted, t1 - t0, t2 - t1)
+            if proposals:
+                _rewind(target, draft_ctx, len(tokens) + n_accepted)
+            if drafter is not None:  # a catch-up after the draft sat idle is not a per-token cost
+                controller.observe(len(proposals), n_accepted, t1 - t0 - drafter.catch_up_seconds, t2 - t1)
             stats.add_step(len(proposals), n_accepted, t1 - t0, t2 - t1)
             for i, token in enumerate(proposals[:n_accepted] + [own_token]):
                 stats.decode_seconds = time.perf_counter() - started
@@ -66,16 +71,19 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
 
 
 def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats) -> None:
-    target.keep(0)
-    t0 = time.perf_counter()
-    target.decode(tokens[:-1], n_logits=0)
-    stats.prompt_seconds = time.perf_counter() - t0
+    """Evaluate all but the prompt's last token on the target, reusing what its cache already holds.
+
+    The last token is evaluated by the first verification, so there are always fresh logits. The
+    draft only drops what no longer matches: it catches up when it next drafts, so a run where
+    `--draft auto` drafts nothing never spends time on it.
+    """
     stats.n_prompt = len(tokens)
+    stats.n_prompt_cached = target.reuse_prefix(tokens[:-1])
+    t0 = time.perf_counter()
+    target.decode(tokens[stats.n_prompt_cached:-1], n_logits=0)
+    stats.prompt_seconds = time.perf_counter() - t0
     if draft is not None:
-        draft.keep(0)
-        t0 = time.perf_counter()
-        draft.decode(tokens[:-1], n_logits=0)
-        stats.draft_seconds += time.perf_counter() - t0
+        draft.reuse_prefix(tokens[:-1])
 
 
 def _verify(target: Context, tokens: list[int], proposals: list[int], draft_probs: list[np.ndarray],
@@ -134,8 +142,8 @@ def pieces(target: Context, steps: Iterator[tuple[int, bool]]) -> Iterator[Piece
 
 
 def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: int) -> None:
-    if n_draft < 1:
-        raise GgufspecError(f"--draft must be >= 1, got {n_draft} (use --no-draft for the target alone)")
+    if n_draft < 0:
+        raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
     if n_predict == 0 or n_predict < -1:
         raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {n_predict}")
     if n_prompt == 0:
@@ -158,14 +166,16 @@ class SpeculativeDecoder:
 
     def __init__(self, target, draft=None, *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
-                 check_vocab: bool = True):
-        from .load import LoadParams, check_compatible, check_gguf_file
+                 check_vocab: bool = True, flash_attn: str = "auto"):
+        from .load import LoadParams, check_compatible, check_gguf_file, flash_attn_type
         self._owned: list = []
         for model, role in ((target, "target"), (draft, "draft")):  # fail before loading anything
             if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
                 check_gguf_file(model, role)
-        target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict)
-        draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads,
+        flash_attn_type(flash_attn)  # a bad setting fails before loading anything
+        target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict,
+                                   flash_attn=flash_attn)
+        draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn,
                                   n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
         try:
             self.target_llm = self._open(target, "target", target_params, strict)
@@ -201,6 +211,16 @@ class SpeculativeDecoder:
             return list(prompt)
         return tokenize(self.target_llm, chat_prompt(self.target_llm, prompt, system) if chat else prompt)
 
+    def render_chat(self, messages: list[dict]) -> str:
+        """The target's chat template over [{"role": ..., "content": ...}, ...], the assistant's turn opened."""
+        from .load import render_chat
+        return render_chat(self.target_llm, messages)
+
+    def chat(self, messages: list[dict], **options) -> Generation:
+        """The assistant's next message. A conversation that grows call by call reuses the KV cache:
+        only what is new since the last call is evaluated."""
+        return self.generate(self.render_chat(messages), **options)
+
     def steps(self, prompt: str | Sequence[int], *, n_predict: int = 128, n_draft: int | str = 3,
               temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
               seed: int | None = None, chat: bool = False, system: str | None = None,
@@ -208,7 +228,7 @@ class SpeculativeDecoder:
               draft_max: int = 8) -> Iterator[tuple[int, bool]]:
         """The step generator: (token id, from_draft) pairs. Statistics land in `last_stats`.
 
-        n_draft: K, or "auto" (K chosen at every step, up to draft_max, 0 included).
+        n_draft: K (0: the target alone), or "auto" (K chosen at every step, up to draft_max, 0 included).
         drafter: "model" (the draft model), "lookup" (n-gram prompt lookup, no draft model needed)
         or "hybrid" (a lookup match when there is one, else the draft model).
         """
@@ -216,7 +236,7 @@ class SpeculativeDecoder:
         tokens = self.tokenize(prompt, chat=chat, system=system)
         adaptive = n_draft == "auto"
         check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
-        wants_draft = use_draft and (self.draft is not None or drafter != "model")
+        wants_draft = use_draft and n_draft != 0 and (self.draft is not None or drafter != "model")
         chosen = self._drafter(drafter, draft_p_min) if wants_draft else None
         if adaptive:  # the machine's costs outlive a generation
             controller = AdaptiveK(draft_max, costs=self._costs.setdefault(drafter, Costs()))
