@@ -29,9 +29,9 @@ class ModelDrafter:
 
     CATCH_UP = 2  # a step leaves the draft this many tokens behind; more means it sat idle
 
-    def __init__(self, context: Context, p_min: float = 0.0):
+    def __init__(self, context: Context, p_min: float = 0.0, n_min: int = 0):
         self.context = context
-        self.p_min = p_min
+        self.p_min, self.n_min = p_min, n_min
         self.catch_up_seconds = 0.0  # of the last proposal: evaluating what the draft skipped while idle
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
@@ -59,6 +59,8 @@ class ModelDrafter:
             if len(proposals) == k:
                 break
             ctx.decode([token], n_logits=1)
+        if len(proposals) < min(self.n_min, k):  # too short to be worth a verification
+            return [], []
         return proposals, draft_probs
 
 

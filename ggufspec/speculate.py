@@ -225,19 +225,21 @@ class SpeculativeDecoder:
               temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
               seed: int | None = None, chat: bool = False, system: str | None = None,
               use_draft: bool = True, drafter: str = "model", draft_p_min: float = 0.0,
-              draft_max: int = 8) -> Iterator[tuple[int, bool]]:
+              draft_max: int = 8, draft_min: int = 0) -> Iterator[tuple[int, bool]]:
         """The step generator: (token id, from_draft) pairs. Statistics land in `last_stats`.
 
         n_draft: K (0: the target alone), or "auto" (K chosen at every step, up to draft_max, 0 included).
         drafter: "model" (the draft model), "lookup" (n-gram prompt lookup, no draft model needed)
         or "hybrid" (a lookup match when there is one, else the draft model).
+        draft_p_min / draft_min: as llama.cpp's --draft-p-min / --draft-min, a draft model stops
+        when unsure of its next token, and a draft shorter than draft_min is not verified.
         """
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         tokens = self.tokenize(prompt, chat=chat, system=system)
         adaptive = n_draft == "auto"
         check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
         wants_draft = use_draft and n_draft != 0 and (self.draft is not None or drafter != "model")
-        chosen = self._drafter(drafter, draft_p_min) if wants_draft else None
+        chosen = self._drafter(drafter, draft_p_min, draft_min) if wants_draft else None
         if adaptive:  # the machine's costs outlive a generation
             controller = AdaptiveK(draft_max, costs=self._costs.setdefault(drafter, Costs()))
         else:
@@ -248,16 +250,18 @@ class SpeculativeDecoder:
         return speculative_steps(self.target, chosen, tokens, controller=controller, params=params,
                                  max_tokens=max_tokens, stats=self.last_stats)
 
-    def _drafter(self, kind: str, p_min: float):
+    def _drafter(self, kind: str, p_min: float, n_min: int = 0):
         if kind not in ("model", "lookup", "hybrid"):
             raise GgufspecError(f"unknown drafter {kind!r}: use model, lookup or hybrid")
         if not 0.0 <= p_min < 1.0:
             raise GgufspecError(f"--draft-p-min must be in [0, 1), got {p_min}")
+        if n_min < 0:
+            raise GgufspecError(f"--draft-min must be >= 0, got {n_min}")
         if kind == "lookup":
             return LookupDrafter(self.target.n_vocab, ngram_min=2)  # one-token matches are mostly noise
         if self.draft is None:
             raise GgufspecError(f"the {kind} drafter needs a draft model: give -md, or use --lookup alone")
-        model = ModelDrafter(self.draft, p_min)
+        model = ModelDrafter(self.draft, p_min, n_min)
         if kind == "model":
             return model
         return HybridDrafter(LookupDrafter(self.target.n_vocab, ngram_min=2), model)
