@@ -140,10 +140,25 @@ def _parse(path: Path, text: str) -> tuple[dict, dict, str | None]:
     return models, pairs, data.get("default")
 
 
+def shipped_registry_path() -> Path:
+    """The registry that comes with ggufspec.
+
+    It lives at the repository's top level, next to pyproject.toml; the wheel build (setup.py)
+    copies it into the package. So an installed wheel finds it inside `ggufspec/`, and a checkout
+    (editable install, or tests run from the source tree) finds it one directory up."""
+    packaged = resources.files("ggufspec").joinpath("models.toml")
+    if packaged.is_file():
+        return Path(str(packaged))
+    checkout = Path(__file__).resolve().parent.parent / "models.toml"
+    if checkout.is_file():
+        return checkout
+    raise RegistryError(f"the shipped models.toml is missing (looked in {packaged} and {checkout}): reinstall ggufspec")
+
+
 def load_registry(user_path: Path | None = None) -> Registry:
     """The shipped models.toml, then the user's file on top (same name: the user's entry wins)."""
-    shipped = resources.files("ggufspec").joinpath("models.toml")
-    models, pairs, default = _parse(Path(str(shipped)), shipped.read_text(encoding="utf-8"))
+    shipped = shipped_registry_path()
+    models, pairs, default = _parse(shipped, shipped.read_text(encoding="utf-8"))
     user_path = user_path or user_registry_path()
     if user_path.is_file():
         user_models, user_pairs, user_default = _parse(user_path, user_path.read_text(encoding="utf-8"))

