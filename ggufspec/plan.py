@@ -14,7 +14,9 @@ The memory model, per model and context (n_ctx, n_ubatch), F16 KV cache, no flas
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -42,6 +44,17 @@ GPU_BANDWIDTH_GBS = {         # memory bandwidth, GB/s (vendor figures)
     "M2 Ultra": 800, "M3": 100, "M3 Pro": 150, "M3 Max": 400, "M4": 120, "M4 Pro": 273, "M4 Max": 546,
 }
 DEFAULT_GPU_BANDWIDTH_GBS = 300
+# The speed model (token_seconds) is an estimate, fitted to measured decode speeds:
+# - GPU: llama-bench tg on an H100 (3350 GB/s), Q4_K_M, 0.5B / 1.5B / 7B (24 / 28 / 28 layers, 0.39 /
+#   0.98 / 4.4 GB read per token): 811 / 543 / 269 tok/s. Small models there are bound by kernel
+#   launches, not bandwidth: a fixed 45 us per layer per token, and 55% of the vendor's bandwidth for
+#   the bytes, reproduce all three within 5% (773 / 558 / 275).
+# - CPU: the measured copy bandwidth as is, and 20 us per layer (thread synchronisation: tiny models
+#   with 2 to 24 layers, 15-18 us a layer at 1 and 2 threads on a 2-core EPYC). The demo pair there:
+#   1.5B target 39 ms/token (estimate 50), 0.5B draft 23 ms (estimate 20).
+GPU_LAYER_SECONDS = 45e-6
+GPU_BANDWIDTH_EFFICIENCY = 0.55
+CPU_LAYER_SECONDS = 20e-6
 DEFAULT_RAM_BANDWIDTH_GBS = 40  # when a measurement fails
 
 
@@ -67,6 +80,7 @@ class ModelShape:
     embd_bytes: int
     output_bytes: int          # output matrix + output norm (tied embeddings: the embedding again)
     other_bytes: int = 0
+    n_ctx_train: int = 0       # the context length it was trained for (0: not in the header)
 
     @property
     def weight_bytes(self) -> int:
@@ -84,40 +98,36 @@ class ModelShape:
         return max(output, attention)
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def shape_from_reader(reader, name: str) -> ModelShape:
-    arch = _field(reader, "general.architecture")
+def _shape_from_header(kv, tensors: list[tuple[str, int]], n_tokens: int | None, name: str) -> ModelShape:
+    """kv: key -> value for the keys the planner needs; tensors: (name, bytes); n_tokens: the
+    tokenizer's vocabulary length (None when the file has no token list)."""
+    arch = kv("general.architecture")
     if not arch:
         raise PlanError(f"{name}: no general.architecture in the GGUF header")
-    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+    get = lambda key, default=None: kv(f"{arch}.{key}", default)
     n_layer = get("block_count")
     if n_layer is None:
         raise PlanError(f"{name}: no {arch}.block_count in the GGUF header")
     layers = [0] * n_layer
     embd = output = other = 0
-    unknown = False
-    for t in reader.tensors:
-        size = int(t.n_bytes)
-        if m := re.match(r"blk\.(\d+)\.", t.name):
+    for tensor_name, size in tensors:
+        if m := re.match(r"blk\.(\d+)\.", tensor_name):
             layers[int(m[1])] += size
-        elif t.name.startswith("token_embd."):
+        elif tensor_name.startswith("token_embd."):
             embd += size
-        elif t.name.startswith(("output.", "output_norm.")):
+        elif tensor_name.startswith(("output.", "output_norm.")):
             output += size
         else:
             other += size
-    if not any(t.name.startswith("output.") for t in reader.tensors):
+    if not any(t.startswith("output.") for t, _ in tensors):
         output += embd  # tied embeddings: the GPU gets its own copy of the matrix for the output layer
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.data) if tokens is not None else get("vocab_size", 0)
+    n_vocab = n_tokens if n_tokens is not None else get("vocab_size", 0)
     n_embd, n_head = get("embedding_length"), get("attention.head_count")
+    n_ctx_train = get("context_length", 0) or 0
     if n_embd is None or not n_head:
         warnings.warn(f"{name}: architecture {arch!r} lacks the usual shape keys; sizing from tensors alone")
-        return ModelShape(name, arch, n_layer, n_embd or 0, 1, 1, 0, 0, 0, n_vocab, layers, embd, output, other)
+        return ModelShape(name, arch, n_layer, n_embd or 0, 1, 1, 0, 0, 0, n_vocab, layers, embd, output, other,
+                          n_ctx_train)
     n_head = max(n_head) if isinstance(n_head, list) else n_head  # per-layer lists in some archs
     n_head_kv = get("attention.head_count_kv", n_head)
     n_head_kv = max(n_head_kv) if isinstance(n_head_kv, list) else n_head_kv
@@ -126,13 +136,157 @@ def shape_from_reader(reader, name: str) -> ModelShape:
     n_ff = get("feed_forward_length", 4 * n_embd)
     n_ff = max(n_ff) if isinstance(n_ff, list) else n_ff
     return ModelShape(name, arch, n_layer, n_embd, n_head, n_head_kv, n_head_kv * key_len,
-                      n_head_kv * value_len, n_ff, n_vocab, layers, embd, output, other)
+                      n_head_kv * value_len, n_ff, n_vocab, layers, embd, output, other, n_ctx_train)
 
 
-def read_shape(path: str | os.PathLike, name: str | None = None) -> ModelShape:
-    """A local GGUF file's shape (the gguf package reads the header; the tensor data is not touched)."""
+def shape_from_reader(reader, name: str) -> ModelShape:
+    """The same from the gguf package's GGUFReader (slow on big vocabularies: the fallback only)."""
+    def kv(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return _shape_from_header(kv, [(t.name, int(t.n_bytes)) for t in reader.tensors],
+                              None if tokens is None else len(tokens.data), name)
+
+
+# ggml's own GGUF reader (libggml-base, shipped with llama-cpp-python), through ctypes. It parses the
+# header in C++ in tens of milliseconds where GGUFReader spends seconds in Python building an object
+# per vocabulary entry; no tensor data is read (no_alloc, no ggml context).
+
+class _GGUFInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+_LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_SCALARS = {  # gguf_type -> (getter suffix, ctypes type)
+    0: ("u8", ctypes.c_uint8), 1: ("i8", ctypes.c_int8), 2: ("u16", ctypes.c_uint16), 3: ("i16", ctypes.c_int16),
+    4: ("u32", ctypes.c_uint32), 5: ("i32", ctypes.c_int32), 6: ("f32", ctypes.c_float), 7: ("bool", ctypes.c_bool),
+    10: ("u64", ctypes.c_uint64), 11: ("i64", ctypes.c_int64), 12: ("f64", ctypes.c_double)}
+
+
+def llama_cpp_lib_dir() -> Path | None:
+    """Where llama-cpp-python keeps its shared libraries ($LLAMA_CPP_LIB_PATH, as llama_cpp itself
+    honours), found without importing llama_cpp."""
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        return Path(os.environ["LLAMA_CPP_LIB_PATH"])
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
+def _find_lib(stem: str) -> Path | None:
+    folder = llama_cpp_lib_dir()
+    if folder is None:
+        return None
+    for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll", f"lib{stem}.dll"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _ggml_base():
+    """libggml-base with the gguf functions typed, or None where it cannot be loaded."""
+    path = _find_lib("ggml-base")
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    ctx, i64, c_char_p = ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p
+    signatures = {
+        "gguf_init_from_file": ([c_char_p, _GGUFInitParams], ctx), "gguf_free": ([ctx], None),
+        "gguf_init_from_buffer": ([ctypes.c_void_p, ctypes.c_size_t, _GGUFInitParams], ctx),
+        "gguf_find_key": ([ctx, c_char_p], i64), "gguf_get_kv_type": ([ctx, i64], ctypes.c_int),
+        "gguf_get_arr_type": ([ctx, i64], ctypes.c_int), "gguf_get_arr_n": ([ctx, i64], ctypes.c_size_t),
+        "gguf_get_arr_data": ([ctx, i64], ctypes.c_void_p), "gguf_get_val_str": ([ctx, i64], c_char_p),
+        "gguf_get_n_tensors": ([ctx], i64), "gguf_get_tensor_name": ([ctx, i64], c_char_p),
+        "gguf_get_tensor_type": ([ctx, i64], ctypes.c_int), "gguf_get_tensor_size": ([ctx, i64], ctypes.c_size_t),
+        "ggml_log_get": ([ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)], None),
+        "ggml_log_set": ([ctypes.c_void_p, ctypes.c_void_p], None),
+        **{f"gguf_get_val_{suffix}": ([ctx, i64], ctype) for suffix, ctype in _GGUF_SCALARS.values()}}
+    try:
+        for fn, (argtypes, restype) in signatures.items():
+            getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
+    except AttributeError:  # an older or newer libggml without one of these: use the gguf package
+        return None
+    return lib
+
+
+class _GGMLHeader:
+    """An open gguf_context, from a file or from a file's first bytes (a header that ends inside
+    them reads whole; one cut short fails, never reads past them): values by key, the token
+    list's length, tensor (name, bytes)."""
+
+    def __init__(self, lib, path: str | None = None, data: bytes | None = None):
+        self.lib = lib
+        errors: list[str] = []
+        # ggml logs its reasons for refusing a file; catch them for our own error message
+        callback = _LOG_CALLBACK(lambda level, text, _: errors.append(text.decode(errors="replace").strip()))
+        saved_cb, saved_data = ctypes.c_void_p(), ctypes.c_void_p()
+        lib.ggml_log_get(ctypes.byref(saved_cb), ctypes.byref(saved_data))
+        lib.ggml_log_set(ctypes.cast(callback, ctypes.c_void_p), None)
+        try:
+            params = _GGUFInitParams(True, None)  # no_alloc, no ggml context: the header only
+            self.ctx = (lib.gguf_init_from_file(os.fsencode(path), params) if data is None
+                        else lib.gguf_init_from_buffer(data, len(data), params))
+        finally:
+            lib.ggml_log_set(saved_cb, saved_data)
+        if not self.ctx:
+            raise PlanError(errors[-1] if errors else "not a GGUF file")
+
+    def close(self):
+        if self.ctx:
+            self.lib.gguf_free(self.ctx)
+            self.ctx = None
+
+    def value(self, key: str, default=None):
+        lib, ctx = self.lib, self.ctx
+        kid = lib.gguf_find_key(ctx, key.encode())
+        if kid < 0:
+            return default
+        kind = lib.gguf_get_kv_type(ctx, kid)
+        if kind == _GGUF_STRING:
+            return lib.gguf_get_val_str(ctx, kid).decode(errors="replace")
+        if kind in _GGUF_SCALARS:
+            return getattr(lib, f"gguf_get_val_{_GGUF_SCALARS[kind][0]}")(ctx, kid)
+        if kind == _GGUF_ARRAY and lib.gguf_get_arr_type(ctx, kid) in _GGUF_SCALARS:  # per-layer lists
+            ctype = _GGUF_SCALARS[lib.gguf_get_arr_type(ctx, kid)][1]
+            n = lib.gguf_get_arr_n(ctx, kid)
+            return list((ctype * n).from_address(lib.gguf_get_arr_data(ctx, kid))) if n else []
+        return default
+
+    def array_length(self, key: str) -> int | None:
+        kid = self.lib.gguf_find_key(self.ctx, key.encode())
+        if kid < 0 or self.lib.gguf_get_kv_type(self.ctx, kid) != _GGUF_ARRAY:
+            return None
+        return self.lib.gguf_get_arr_n(self.ctx, kid)
+
+    def tensors(self) -> list[tuple[str, int]]:
+        lib, ctx = self.lib, self.ctx
+        return [(lib.gguf_get_tensor_name(ctx, i).decode(), lib.gguf_get_tensor_size(ctx, i))
+                for i in range(lib.gguf_get_n_tensors(ctx))]
+
+
+def _read_shape_uncached(path: str | None, name: str, data: bytes | None = None) -> ModelShape:
+    lib = _ggml_base()
+    if lib is None:
+        return _read_shape_with_gguf_package(path, name)
+    try:
+        header = _GGMLHeader(lib, path, data)
+    except PlanError as exc:
+        raise PlanError(f"{name}: cannot read the GGUF header ({exc}); the file may be truncated") from None
+    try:
+        return _shape_from_header(header.value, header.tensors(), header.array_length("tokenizer.ggml.tokens"), name)
+    finally:
+        header.close()
+
+
+def _read_shape_with_gguf_package(path: str, name: str) -> ModelShape:
     from gguf import GGUFReader
-    name = name or Path(path).name
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, OSError, KeyError) as exc:
@@ -140,19 +294,88 @@ def read_shape(path: str | os.PathLike, name: str | None = None) -> ModelShape:
     return shape_from_reader(reader, name)
 
 
+# Shapes are remembered per file (GGUFSPEC_HOME/shapes.json): a second plan reads no header at all.
+SHAPES_KEPT = 64
+
+
+def _shapes_file() -> Path:
+    from .registry import home
+    return home() / "shapes.json"
+
+
+def _load_shapes() -> dict:
+    try:
+        data = json.loads(_shapes_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # none yet, or damaged: it only costs a header read
+
+
+def _remember_shape(key: str, shape: ModelShape) -> None:
+    data = _load_shapes()
+    data.pop(key, None)
+    data[key] = {k: v for k, v in asdict(shape).items() if k != "name"}
+    data = dict(list(data.items())[-SHAPES_KEPT:])  # the most recently read files
+    path = _shapes_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"shapes.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+    except OSError:
+        pass  # remembering is an optimisation; never fail a plan over it
+
+
+def _cached_shape(key: str, name: str, read) -> ModelShape:
+    known = _load_shapes().get(key)
+    if known is not None:
+        try:
+            return ModelShape(name=name, **known)
+        except TypeError:  # written by another version of ModelShape: read the header again
+            pass
+    shape = read()
+    _remember_shape(key, shape)
+    return shape
+
+
+def read_shape(path: str | os.PathLike, name: str | None = None) -> ModelShape:
+    """A local GGUF file's shape from its header (the tensor data is not touched), remembered per
+    file by its absolute path, size and modification time."""
+    name = name or Path(path).name
+    try:
+        stat = os.stat(path)
+    except OSError as exc:
+        raise PlanError(f"{name}: cannot read the GGUF header ({exc.strerror})") from None
+    key = f"{os.path.abspath(os.fspath(path))}|{stat.st_size}|{stat.st_mtime_ns}"
+    return _cached_shape(key, name, lambda: _read_shape_uncached(os.fspath(path), name))
+
+
 def read_remote_shape(url: str, size: int, name: str, first_bytes: int = 8 * MiB) -> ModelShape:
     """The header of a hub file, without downloading the file: a range request for its first bytes,
-    placed in a sparse file of the full size so the gguf package's reader can parse it as usual."""
+    parsed by ggml's reader from memory (without it: placed in a sparse file of the full size for the
+    gguf package's reader). Remembered per URL and size."""
+    return _cached_shape(f"{url}|{size}", name, lambda: _read_remote_shape(url, size, name, first_bytes))
+
+
+def _read_remote_shape(url: str, size: int, name: str, first_bytes: int) -> ModelShape:
     from huggingface_hub.utils import build_hf_headers, http_backoff
     while True:
         response = http_backoff("GET", url, headers={**build_hf_headers(), "Range": f"bytes=0-{first_bytes - 1}"})
         response.raise_for_status()
-        with tempfile.NamedTemporaryFile(suffix=".gguf") as sparse:
+        if _ggml_base() is not None:
+            try:
+                return _read_shape_uncached(None, name, data=response.content)
+            except PlanError:
+                if first_bytes >= min(size, 256 * MiB):
+                    raise
+            first_bytes *= 4  # a header bigger than we asked for (large vocabularies): ask for more
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".gguf") as sparse:  # the gguf package reads files only
             sparse.write(response.content)
             sparse.truncate(size)
             sparse.flush()
             try:
-                return read_shape(sparse.name, name)
+                return _read_shape_uncached(sparse.name, name)
             except PlanError:
                 if first_bytes >= min(size, 256 * MiB):
                     raise
@@ -282,6 +505,39 @@ def gpu_offload_supported() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
+# ggml's backend names (registry name or library file stem) -> what a user calls them
+_BACKEND_NAMES = {"cpu": "CPU", "cuda": "CUDA", "hip": "ROCm", "rocm": "ROCm", "musa": "MUSA", "mtl": "Metal",
+                  "metal": "Metal", "vulkan": "Vulkan", "sycl": "SYCL", "opencl": "OpenCL", "blas": "BLAS",
+                  "rpc": "RPC", "cann": "CANN", "webgpu": "WebGPU", "zdnn": "zDNN"}
+
+
+@functools.lru_cache(maxsize=1)
+def build_backends() -> list[str]:
+    """The ggml backends the installed llama-cpp-python build has, e.g. ['CUDA', 'RPC', 'CPU']: ggml's
+    own backend registry (libggml, through ctypes), plus any backend library beside it that the
+    registry has not loaded (builds with dynamically loaded backends)."""
+    names: list[str] = []
+    lib_path = _find_lib("ggml")
+    if lib_path is not None:
+        try:
+            lib = ctypes.CDLL(str(lib_path))
+            lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+            lib.ggml_backend_reg_get.argtypes, lib.ggml_backend_reg_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+            lib.ggml_backend_reg_name.argtypes, lib.ggml_backend_reg_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+            for i in range(lib.ggml_backend_reg_count()):
+                names.append(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode())
+        except (OSError, AttributeError):
+            pass  # not loadable here: the library files still say what was built
+    folder = llama_cpp_lib_dir()
+    if folder is not None and folder.is_dir():
+        for file in sorted(folder.iterdir()):
+            if m := re.fullmatch(r"(?:lib)?ggml-(\w+)\.(?:so|dylib|dll)", file.name):
+                if m[1] not in ("base",):
+                    names.append(m[1])
+    pretty = [_BACKEND_NAMES.get(n.lower(), n) for n in names]
+    return list(dict.fromkeys(pretty))
+
+
 def parse_size(text: str) -> int:
     """'24GiB', '24 GB', '8192MiB', '16g' -> bytes."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
@@ -319,11 +575,15 @@ def placement(shape: ModelShape, ngl: int, n_ctx: int) -> Placement:
 
 
 def token_seconds(shape: ModelShape, p: Placement, gpu: Device | None, ram: Device) -> float:
-    """Memory-bound decode: every weight byte read once per token, on the device that holds it."""
+    """An estimate of one decoded token's time: every weight byte read once, on the device that holds
+    it, at the share of its bandwidth that decode kernels reach, plus a fixed cost per layer (kernel
+    launches and synchronisation: what bounds small models on a GPU, see GPU_LAYER_SECONDS)."""
+    gpu_layers = min(p.n_gpu_layers, shape.n_layer) if gpu is not None else 0
     cpu_weights = shape.weight_bytes - shape.embd_bytes - p.weights_gpu
-    seconds = cpu_weights / (ram.bandwidth_gbs * 1e9)
+    seconds = cpu_weights / (ram.bandwidth_gbs * 1e9) + (shape.n_layer - gpu_layers) * CPU_LAYER_SECONDS
     if gpu is not None:
-        seconds += p.weights_gpu / (gpu.bandwidth_gbs * 1e9)
+        seconds += (p.weights_gpu / (gpu.bandwidth_gbs * GPU_BANDWIDTH_EFFICIENCY * 1e9)
+                    + gpu_layers * GPU_LAYER_SECONDS)
     return seconds
 
 
@@ -344,7 +604,7 @@ class Plan:
     def summary(self) -> str:
         draft = "no draft" if self.draft is None else f"-ngld {self.draft.n_gpu_layers}"
         return (f"plan: -ngl {self.target.n_gpu_layers} {draft} -c {self.n_ctx} "
-                f"(predicted {self.predicted_tps:.1f} tok/s vs {self.predicted_target_alone_tps:.1f} alone): {self.reason}")
+                f"(estimated {self.predicted_tps:.1f} tok/s vs {self.predicted_target_alone_tps:.1f} alone): {self.reason}")
 
     def to_dict(self) -> dict:
         return asdict(self)
