@@ -162,15 +162,18 @@ class Costs:
         return costs
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
-        times = self.batch_times.get(k + 1)
-        if times is None:
-            times = self.batch_times[k + 1] = deque(maxlen=8)
-        least = min(times) if times else None
-        times.append(verify_seconds)
-        if len(times) == 1 or verify_seconds < least or (len(times) == 8 and least != min(times)):
-            self._model = None
+        self.add_batch(k + 1, verify_seconds)
         if k > 0:
             self.draft_times.append(draft_seconds / k)
+
+    def add_batch(self, n: int, seconds: float) -> None:
+        times = self.batch_times.get(n)
+        if times is None:
+            times = self.batch_times[n] = deque(maxlen=8)
+        least = min(times) if times else None
+        times.append(seconds)
+        if len(times) == 1 or seconds < least or (len(times) == 8 and least != min(times)):
+            self._model = None
 
     @property
     def t_draft(self) -> float:
@@ -228,10 +231,14 @@ class AdaptiveK:
     """
 
     DECAY = 0.95  # about the last 20 steps count
+    K_FIRST = 3
     IDLE_WHEN_NO_DRAFT_PAYS = 1024
 
-    def __init__(self, k_max: int = 8, k_first: int = 3, costs: Costs | None = None):
+    def __init__(self, k_max: int = 8, k_first: int = K_FIRST, costs: Costs | None = None, free: bool = False):
         self.k_max, self.k_first = k_max, k_first
+        # a free drafter (lookup) proposes only when it has a match, and a probe without one costs
+        # nothing: it keeps probing often rather than less and less
+        self.free = free
         self.costs = costs if costs is not None else Costs()
         self.accepted = 0.0
         self.rejected = 0.0
@@ -291,7 +298,7 @@ class AdaptiveK:
             return best
         if self.probe_due:
             self.probe_due = False
-            self.probe_interval = min(self.probe_interval * 2, 128)
+            self.probe_interval = 4 if self.free else min(self.probe_interval * 2, 128)
             return min(self.k_first, limit)
         self.idle = self.probe_interval - 1  # then a probe, if K=0 still wins
         self.probe_due = True

@@ -86,6 +86,34 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
         draft.reuse_prefix(tokens[:-1])
 
 
+def measure_step_costs(target: Context, draft: Context | None, costs: Costs, k: int, token: int,
+                       repeats: int = 3, budget_seconds: float = 2.0) -> None:
+    """Time target batches of 1 and k + 1 tokens and single draft tokens on the device itself, so
+    `--draft auto` starts from this machine's costs instead of guessing or probing.
+
+    The tokens are appended after whatever the caches hold and cut off again, so a cached
+    conversation survives. Each size's first run pays for building its graph and is not kept.
+    """
+    jobs = [(target, 1), (target, k + 1)] + ([(draft, 1)] if draft is not None else [])
+    started = time.perf_counter()
+    for ctx, n in jobs:
+        if ctx.n_past + n > ctx.n_ctx:
+            continue
+        for run in range(repeats + 1):
+            t0 = time.perf_counter()
+            ctx.decode([token] * n, n_logits=n if ctx is target else 1)
+            seconds = time.perf_counter() - t0
+            ctx.keep(ctx.n_past - n)
+            if run == 0:
+                continue
+            if ctx is target:
+                costs.add_batch(n, seconds)
+            else:
+                costs.draft_times.append(seconds)
+            if time.perf_counter() - started > budget_seconds * (jobs.index((ctx, n)) + 1) / len(jobs):
+                break  # a big model on a CPU: one warm run per size is enough to start from
+
+
 def _verify(target: Context, tokens: list[int], proposals: list[int], draft_probs: list[np.ndarray],
             params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
     """One target batch over [last token] + proposals. Returns (accepted count, the target's own token).
@@ -241,7 +269,10 @@ class SpeculativeDecoder:
         wants_draft = use_draft and n_draft != 0 and (self.draft is not None or drafter != "model")
         chosen = self._drafter(drafter, draft_p_min, draft_min) if wants_draft else None
         if adaptive:  # the machine's costs outlive a generation
-            controller = AdaptiveK(draft_max, costs=self._costs.setdefault(drafter, Costs()))
+            costs = self._costs.setdefault(drafter, Costs())
+            if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
+                measure_step_costs(self.target, chosen.context, costs, AdaptiveK.K_FIRST, tokens[0])
+            controller = AdaptiveK(draft_max, costs=costs, free=drafter == "lookup")
         else:
             controller = FixedK(n_draft)
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),

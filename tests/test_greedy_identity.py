@@ -8,9 +8,10 @@ from ggufspec import SpeculativeDecoder
 NEAR_TIE = 1e-3  # batched vs single-token F32 logits differ by ~1e-4; closer calls are not decidable
 
 
-def target_alone(path, prompt, n_predict, n_ctx):
+def target_alone(path, prompt, n_predict, n_ctx, flash_attn="off"):
     """Greedy continuation with the plain Llama API, one token per eval, and each step's top-2 margin."""
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=1, logits_all=True, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=1, logits_all=True, verbose=False,
+                flash_attn=flash_attn == "on")
     n_ctx = llm.n_ctx()
     llm.eval(prompt)
     out, margins = [], []
@@ -39,20 +40,24 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-@pytest.fixture(scope="module")
-def small_ctx_decoder(tiny_pair):
+@pytest.fixture(scope="module", params=["on", "off"])
+def flash_attn_decoders(request, tiny_pair):
+    """Decoders with flash attention on and off: identity holds against the target alone under the same setting."""
     target, draft = tiny_pair
-    with SpeculativeDecoder(target, draft, n_ctx=64, n_threads=1) as decoder:
-        yield decoder
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, flash_attn=request.param) as roomy, \
+            SpeculativeDecoder(target, draft, n_ctx=64, n_threads=1, flash_attn=request.param) as tight:
+        yield request.param, {"roomy": roomy, "tight": tight}
 
 
 @pytest.mark.parametrize("n_ctx_kind", ["roomy", "tight"])
-def test_greedy_equals_target_alone_for_every_k(tiny_pair, tiny_decoder, small_ctx_decoder, n_ctx_kind):
-    decoder = tiny_decoder if n_ctx_kind == "roomy" else small_ctx_decoder
+def test_greedy_equals_target_alone_for_every_k(tiny_pair, flash_attn_decoders, n_ctx_kind):
+    flash_attn, decoders = flash_attn_decoders
+    decoder = decoders[n_ctx_kind]
     n_predict = 48 if n_ctx_kind == "roomy" else -1
     stop_reasons, near_ties, checked = set(), 0, 0
     for prompt in prompts(12):
-        expected, margins, reason = target_alone(tiny_pair[0], prompt, n_predict if n_predict > 0 else 10**6, decoder.n_ctx)
+        expected, margins, reason = target_alone(tiny_pair[0], prompt, n_predict if n_predict > 0 else 10**6,
+                                                 decoder.n_ctx, flash_attn)
         for k in range(1, 9):
             got = decoder.generate(prompt, n_predict=n_predict, n_draft=k, temperature=0)
             diff = first_difference(got.tokens, expected)

@@ -93,7 +93,7 @@ def test_vocabulary_size_difference(tiny_pair, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--draft", "0"], "--draft must be >= 1"),
+    (["--draft", "-1"], "--draft must be >= 0"),
     (["--temp", "-0.5"], "--temp must be >= 0"),
     (["-n", "0"], "-n/--n-predict must be >= 1"),
     (["--top-p", "0"], "--top-p must be in"),
