@@ -8,6 +8,7 @@ costs, printed next to the measured speedup.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -23,12 +24,17 @@ from .errors import GgufspecError
 class Config:
     name: str
     options: dict
-    llamacpp_k: int | None = None  # set for a native llama-speculative-simple run
+    llamacpp_k: int | None = None  # set for a llama.cpp run: K for llama-speculative-simple, 0 for the target alone
+
+LLAMACPP_TARGET = "llama.cpp target"  # llama.cpp's own target-alone decode, from the same build
+FLASH_ATTN_SETTINGS = ("on", "off", "auto")
 
 
 def parse_configs(draft: str, lookup: bool = False, hybrid: bool = False, against_llamacpp: str | None = None,
                   draft_p_min: float = 0.0) -> list[Config]:
     configs = [Config("target", {"use_draft": False})]
+    if against_llamacpp:
+        configs.append(Config(LLAMACPP_TARGET, {}, llamacpp_k=0))
     for item in [d.strip() for d in draft.split(",") if d.strip()]:
         if item == "auto":
             configs.append(Config("auto", {"n_draft": "auto", "draft_p_min": draft_p_min}))
@@ -48,7 +54,15 @@ def parse_configs(draft: str, lookup: bool = False, hybrid: bool = False, agains
 def load_prompts(path: str | None) -> list[dict]:
     """JSONL prompts (id, kind: chat|raw, prompt, optional system); default: the seed and copy sets."""
     if path:
-        sources = [(path, Path(path).read_text(encoding="utf-8"))]
+        try:
+            sources = [(path, Path(path).read_text(encoding="utf-8"))]
+        except FileNotFoundError:
+            raise GgufspecError(f"--prompts: {path} does not exist (a JSONL file: one "
+                                f'{{"prompt": ..., "kind": "raw"}} object a line)') from None
+        except UnicodeDecodeError:
+            raise GgufspecError(f"--prompts: {path} is not UTF-8 text (a JSONL file)") from None
+        except OSError as exc:
+            raise GgufspecError(f"--prompts: cannot read {path}: {exc.strerror}") from None
     else:
         data = resources.files("ggufspec").joinpath("data")
         sources = [(name, data.joinpath(name).read_text(encoding="utf-8"))
@@ -102,15 +116,24 @@ class BenchResult:
 
 def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict: int = 256, repeat: int = 1,
               temperature: float = 0.0, seed: int = 1, progress=None, llamacpp: str | None = None,
-              n_threads: int | None = None) -> BenchResult:
+              n_threads: int | None = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
+              n_gpu_layers_draft: int | None = None) -> BenchResult:
+    """flash_attn ("on" | "off" | "auto") and the offload (-ngl, -ngld; None: as the target) are the
+    ones the decoder was opened with: llama.cpp's tools get the same, so both sides run alike."""
+    if flash_attn not in FLASH_ATTN_SETTINGS:
+        raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
+    native = NativeSettings(n_threads, flash_attn, n_gpu_layers,
+                            n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
     runs = []
     for item in prompts:
         chat = item.get("kind") == "chat"
         for r in range(repeat):
             order = configs if r % 2 == 0 else configs[::-1]  # A B C, then C B A: drift cancels
             for config in order:
-                if config.llamacpp_k is not None:
-                    runs.append(_run_llamacpp(llamacpp, decoder, item, config, r, n_predict, n_threads))
+                if config.llamacpp_k == 0:
+                    runs.append(_run_llamacpp_alone(llamacpp, decoder, item, config, r, n_predict, native))
+                elif config.llamacpp_k is not None:
+                    runs.append(_run_llamacpp(llamacpp, decoder, item, config, r, n_predict, native))
                 else:
                     gen = decoder.generate(item["prompt"], n_predict=n_predict, temperature=temperature, seed=seed,
                                            chat=chat, system=item.get("system"), **config.options)
@@ -220,21 +243,44 @@ def add_cost_model(result: BenchResult, costs: dict) -> None:
                                                   "measured_speedup": result.overall[config]["median_speedup"]}
 
 
-# ---------------------------------------------------------------- llama.cpp's own speculative example
+# ---------------------------------------------------------------- llama.cpp's own tools
+
+@dataclass(frozen=True)
+class NativeSettings:
+    """What llama.cpp's tools are run with: the same as the decoder's (llama.cpp's own defaults differ:
+    -ngl -1 puts every layer on the GPU, and -fa defaults to auto)."""
+    n_threads: int | None
+    flash_attn: str
+    n_gpu_layers: int
+    n_gpu_layers_draft: int
+
+    def args(self, draft: bool) -> list[str]:
+        from .load import default_threads
+        args = ["-t", str(self.n_threads or default_threads()), "-ngl", str(self.n_gpu_layers), "-fa", self.flash_attn]
+        return args + (["-ngld", str(self.n_gpu_layers_draft)] if draft else [])
+
+
+def _prompt_text(decoder, item: dict) -> str:
+    from .load import chat_prompt
+    return chat_prompt(decoder.target_llm, item["prompt"], item.get("system")) if item.get("kind") == "chat" \
+        else item["prompt"]
+
+
+def _run_tool(cmd: list[str], what: str, expect: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0 or expect not in proc.stderr + proc.stdout:
+        log = proc.stderr.strip() or proc.stdout.strip()
+        raise GgufspecError(f"{what} failed ({proc.returncode}): {log.splitlines()[-1] if log else 'no output'}")
+    return proc.stderr + "\n" + proc.stdout  # llama.cpp logs to stderr; the text, on stdout, comes last
+
 
 def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int, n_predict: int,
-                  n_threads: int | None) -> Run:
-    from .load import chat_prompt, default_threads
-    text = chat_prompt(decoder.target_llm, item["prompt"], item.get("system")) if item.get("kind") == "chat" \
-        else item["prompt"]
-    cmd = [binary, "-m", decoder.target_llm.model_path, "-md", decoder.draft_llm.model_path, "-p", text,
+                  native: NativeSettings) -> Run:
+    cmd = [binary, "-m", decoder.target_llm.model_path, "-md", decoder.draft_llm.model_path, "-p", _prompt_text(decoder, item),
            "-n", str(n_predict), "--spec-type", "draft-simple", "--spec-draft-n-max", str(config.llamacpp_k),
-           "--spec-draft-n-min", "0", "-c", str(decoder.n_ctx), "--temp", "0", "-t", str(n_threads or default_threads())]
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
-    log = proc.stderr
-    if proc.returncode != 0 or "decoded" not in log:
-        last = log.strip().splitlines()[-1] if log.strip() else "no output"
-        raise GgufspecError(f"llama-speculative-simple failed ({proc.returncode}): {last}")
+           "--spec-draft-n-min", "0", "-c", str(decoder.n_ctx), "--temp", "0", *native.args(draft=True)]
+    log = _run_tool(cmd, "llama-speculative-simple", "decoded")
     grab = lambda pattern, cast=float: cast(re.search(pattern, log).group(1))
     n_dec, secs = grab(r"decoded\s+(\d+) tokens", int), grab(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds")
     n_enc, enc_secs = grab(r"encoded\s+(\d+) tokens", int), grab(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds")
@@ -243,6 +289,47 @@ def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int,
     return Run(item["id"], config.name, repeat, n_enc, n_dec, n_enc / enc_secs if enc_secs else 0.0,
                n_dec / secs if secs else 0.0, secs, accepted / drafted if drafted else 0.0, n_dec / steps,
                drafted, accepted)
+
+
+def target_alone_tool(binary: str) -> Path:
+    """llama.cpp's tool for the target alone, from the same build as `binary` (its directory):
+    llama-completion (the same prompt, timed by llama.cpp itself), else llama-bench (text generation
+    from an empty context: the prompt is not used)."""
+    folder = Path(binary).resolve().parent
+    for name in ("llama-completion", "llama-bench"):
+        for candidate in (folder / name, folder / f"{name}.exe"):
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+    raise GgufspecError(f"--against-llamacpp: no llama-completion or llama-bench next to {binary} for llama.cpp's "
+                        f"own target-alone speed (scripts/build-llamacpp.sh builds both)")
+
+
+def _run_llamacpp_alone(binary: str, decoder, item: dict, config: Config, repeat: int, n_predict: int,
+                        native: NativeSettings) -> Run:
+    tool = target_alone_tool(binary)
+    model = decoder.target_llm.model_path
+    if tool.name.startswith("llama-bench"):
+        cmd = [str(tool), "-m", model, "-p", "0", "-n", str(n_predict), "-r", "1", "-o", "json", *native.args(draft=False)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600, stdin=subprocess.DEVNULL)
+        try:
+            row = json.loads(proc.stdout)[0]
+            n_gen, tps = int(row["n_gen"]), float(row["avg_ts"])
+        except (ValueError, LookupError, TypeError):
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise GgufspecError(f"llama-bench failed ({proc.returncode}): {last}") from None
+        return Run(item["id"], config.name, repeat, 0, n_gen, 0.0, tps, n_gen / tps if tps else 0.0, 0.0, 1.0, 0, 0)
+    # -no-cnv: a model with a chat template would start a conversation; chat prompts come templated already
+    cmd = [str(tool), "-m", model, "-p", _prompt_text(decoder, item), "-n", str(n_predict), "-c", str(decoder.n_ctx),
+           "--temp", "0", "-no-cnv", *native.args(draft=False)]
+    log = _run_tool(cmd, "llama-completion", "eval time")
+    prompt = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log)
+    decode = re.search(r"(?<!prompt) eval time =\s*([\d.]+) ms /\s*(\d+) runs", log)
+    if not prompt or not decode:
+        raise GgufspecError(f"llama-completion printed no timings: {log.strip().splitlines()[-1] if log.strip() else ''}")
+    prompt_s, n_prompt = float(prompt[1]) / 1000, int(prompt[2])
+    decode_s, n_decoded = float(decode[1]) / 1000, int(decode[2])
+    return Run(item["id"], config.name, repeat, n_prompt, n_decoded, n_prompt / prompt_s if prompt_s else 0.0,
+               n_decoded / decode_s if decode_s else 0.0, decode_s, 0.0, 1.0, 0, 0)
 
 
 # ---------------------------------------------------------------- output

@@ -1,0 +1,118 @@
+"""`ggufspec bench`: prompt files, and llama.cpp's tools run with the decoder's own settings."""
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ggufspec import bench as B
+from ggufspec.cli import main
+from ggufspec.errors import GgufspecError
+
+LLAMACPP_BIN = Path(__file__).parent.parent / "third_party" / "llama.cpp" / "build" / "bin"
+
+
+# ---------------------------------------------------------------- prompt files
+
+def test_a_missing_prompts_file_is_one_line(tmp_path):
+    with pytest.raises(GgufspecError, match="MISSING.jsonl does not exist"):
+        B.load_prompts(str(tmp_path / "MISSING.jsonl"))
+
+
+def test_a_malformed_prompts_line_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n\n{"prompt": 3}\n')
+    with pytest.raises(GgufspecError, match=r"bad.jsonl:3: expected a JSON object"):
+        B.load_prompts(str(bad))
+    bad.write_text('{"prompt": "fine"}\nnot json\n')
+    with pytest.raises(GgufspecError, match=r"bad.jsonl:2:"):
+        B.load_prompts(str(bad))
+
+
+def test_bench_cli_with_a_missing_prompts_file_exits_2_without_a_traceback(tiny_pair, tmp_path):
+    result = CliRunner().invoke(main, ["bench", "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]),
+                                       "--prompts", str(tmp_path / "MISSING.jsonl")])
+    assert result.exit_code == 2, result.output
+    assert "MISSING.jsonl does not exist" in result.output and "Traceback" not in result.output
+
+
+# ---------------------------------------------------------------- llama.cpp's tools get the same settings
+
+FAKE_SPECULATIVE = """#!/bin/sh
+printf '%s\\n' "$@" > "$(dirname "$0")/speculative.args"
+echo "encoded    5 tokens in    0.010 seconds, speed:  500.000 t/s" >&2
+echo "decoded    8 tokens in    0.020 seconds, speed:  400.000 t/s" >&2
+echo "n_drafted = 6" >&2
+echo "n_accept  = 4" >&2
+"""
+
+FAKE_COMPLETION = """#!/bin/sh
+printf '%s\\n' "$@" > "$(dirname "$0")/completion.args"
+echo "the text"
+echo "llama_perf_context_print: prompt eval time =      10.00 ms /     5 tokens (    2.00 ms per token,   500.00 tokens per second)" >&2
+echo "llama_perf_context_print:        eval time =      35.00 ms /     7 runs   (    5.00 ms per token,   200.00 tokens per second)" >&2
+"""
+
+
+def fake_build(folder: Path, completion: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    tools = {"llama-speculative-simple": FAKE_SPECULATIVE, **({"llama-completion": FAKE_COMPLETION} if completion else {})}
+    for name, script in tools.items():
+        (folder / name).write_text(script)
+        (folder / name).chmod(0o755)
+    return folder / "llama-speculative-simple"
+
+
+def option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_llamacpp_runs_get_the_decoders_offload_and_flash_attention(tiny_decoder, tmp_path, flash_attn):
+    binary = fake_build(tmp_path / "bin")
+    configs = B.parse_configs("2", against_llamacpp=str(binary))
+    assert [c.name for c in configs] == ["target", B.LLAMACPP_TARGET, "K=2", "llama.cpp K=2"]
+    result = B.run_bench(tiny_decoder, [{"id": "p", "prompt": "the cat"}], configs, n_predict=8, llamacpp=str(binary),
+                         n_threads=1, flash_attn=flash_attn, n_gpu_layers=5, n_gpu_layers_draft=3)
+    speculative = (tmp_path / "bin" / "speculative.args").read_text().splitlines()
+    alone = (tmp_path / "bin" / "completion.args").read_text().splitlines()
+    assert (option(speculative, "-ngl"), option(speculative, "-ngld"), option(speculative, "-fa")) == ("5", "3", flash_attn)
+    assert (option(alone, "-ngl"), option(alone, "-fa"), option(alone, "-t")) == ("5", flash_attn, "1")
+    assert "-ngld" not in alone and "-no-cnv" in alone and option(alone, "-p") == "the cat"
+    rows = {s["config"]: s for s in result.summary}
+    assert rows[B.LLAMACPP_TARGET]["decode_tps"] == pytest.approx(200.0)  # 7 runs in 35 ms
+    assert rows[B.LLAMACPP_TARGET]["prompt_tps"] == pytest.approx(500.0)
+    assert rows["llama.cpp K=2"]["decode_tps"] == pytest.approx(400.0)
+
+
+def test_offload_defaults_to_none_on_the_gpu_for_both(tiny_decoder, tmp_path):
+    """llama.cpp's tools default to -ngl -1 (everything on the GPU): the bench always says what it uses."""
+    binary = fake_build(tmp_path / "bin")
+    B.run_bench(tiny_decoder, [{"id": "p", "prompt": "the cat"}], B.parse_configs("1", against_llamacpp=str(binary)),
+                n_predict=4, llamacpp=str(binary), n_threads=1)
+    speculative = (tmp_path / "bin" / "speculative.args").read_text().splitlines()
+    assert (option(speculative, "-ngl"), option(speculative, "-ngld"), option(speculative, "-fa")) == ("0", "0", "auto")
+
+
+def test_no_target_alone_tool_next_to_the_binary_says_how_to_build_it(tiny_decoder, tmp_path):
+    binary = fake_build(tmp_path / "bin", completion=False)
+    with pytest.raises(GgufspecError, match="build-llamacpp.sh"):
+        B.run_bench(tiny_decoder, [{"id": "p", "prompt": "x"}], B.parse_configs("1", against_llamacpp=str(binary)),
+                    n_predict=4, llamacpp=str(binary), n_threads=1)
+
+
+def test_a_bad_flash_attention_setting_is_refused(tiny_decoder):
+    with pytest.raises(GgufspecError, match="on, off or auto"):
+        B.run_bench(tiny_decoder, [], B.parse_configs("1"), flash_attn="yes")
+
+
+@pytest.mark.skipif(not (LLAMACPP_BIN / "llama-speculative-simple").exists() or
+                    not (LLAMACPP_BIN / "llama-completion").exists(),
+                    reason="llama.cpp's tools are not built (scripts/build-llamacpp.sh)")
+def test_real_llamacpp_tools_on_the_tiny_pair(tiny_decoder):
+    binary = str(LLAMACPP_BIN / "llama-speculative-simple")
+    result = B.run_bench(tiny_decoder, [{"id": "p", "prompt": "the cat sat"}], B.parse_configs("2", against_llamacpp=binary),
+                         n_predict=16, llamacpp=binary, n_threads=1, flash_attn="off")
+    rows = {s["config"]: s for s in result.summary}
+    print(json.dumps(rows, indent=1))
+    assert rows[B.LLAMACPP_TARGET]["decode_tps"] > 0 and rows["llama.cpp K=2"]["decode_tps"] > 0
