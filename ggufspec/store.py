@@ -201,18 +201,19 @@ def demo_pair_paths(progress: bool = True, registry: Registry | None = None) -> 
 
 # ---------------------------------------------------------------- pulling from the hub
 
-def _endpoint() -> str | None:
-    # read per call, not at import: huggingface_hub's own constant is frozen at import time
-    return os.environ.get("HF_ENDPOINT") or None
+def _endpoint_env() -> str:
+    return os.environ.get("HF_ENDPOINT", "").strip().rstrip("/")
+
+
+def _endpoint() -> str:
+    """The hub's address. HF_ENDPOINT is read per call, not at import: huggingface_hub's own constant
+    is frozen at import time (and an empty HF_ENDPOINT would leave it empty)."""
+    from huggingface_hub import constants
+    return _endpoint_env() or constants.ENDPOINT or "https://huggingface.co"
 
 
 class HubUnreachable(StoreError):
     """No connection to the hub could be made (refused, DNS, offline mode): nothing was transferred."""
-
-
-def endpoint_label() -> str:
-    from huggingface_hub import constants
-    return _endpoint() or constants.ENDPOINT
 
 
 def _hub_errors(label: str, *, transfer: bool = False, endpoint: str | None = None):
@@ -244,7 +245,7 @@ def _hub_errors(label: str, *, transfer: bool = False, endpoint: str | None = No
             if not _is_transport_error(exc):
                 raise
             if not transfer or _is_connect_error(exc):
-                raise HubUnreachable(_unreachable_message(endpoint or endpoint_label(), exc)) from None
+                raise HubUnreachable(_unreachable_message(endpoint or _endpoint(), exc)) from None
             raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: {_reason(exc)}); "
                              f"run pull again to resume") from None
     return mapping()
@@ -259,7 +260,7 @@ def _is_transport_error(exc: Exception) -> bool:
 
 
 def _unreachable_message(where: str, exc: Exception) -> str:
-    hint = (f"check HF_ENDPOINT (set to {_endpoint()}) and the network" if _endpoint()
+    hint = (f"check HF_ENDPOINT (set to {_endpoint_env()}) and the network" if _endpoint_env()
             else "check the network (HF_ENDPOINT points ggufspec at another hub or a mirror)")
     return f"cannot reach the hub at {where} ({_reason(exc)}): {hint}"
 
@@ -464,9 +465,12 @@ def entry_from_reference(ref: str) -> ModelEntry | None:
 
 
 def _repo_files(repo: str) -> list[str]:
+    # model_info is one request, made once: an unreachable hub fails at once, where the paginated
+    # tree listing (list_repo_files) retries with backoff for half a minute first
     from huggingface_hub import HfApi
     with _hub_errors(repo):
-        return HfApi(endpoint=_endpoint()).list_repo_files(repo)
+        info = HfApi(endpoint=_endpoint()).model_info(repo)
+    return [s.rfilename for s in info.siblings or []]
 
 
 def _with_shards(repo: str, file: str) -> tuple[str, ...]:

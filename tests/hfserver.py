@@ -2,7 +2,8 @@
 
 It answers what huggingface_hub asks: HEAD/GET `/{repo}/resolve/{revision}/{file}` with
 X-Repo-Commit, X-Linked-Etag (the LFS sha256), X-Linked-Size, Range requests (206), the hub's
-X-Error-Code for missing repos, files and gated repos, and `/api/models/{repo}/tree/{revision}`.
+X-Error-Code for missing repos, files and gated repos, `/api/models/{repo}` (model_info) and
+`/api/models/{repo}/tree/{revision}`.
 It can cut a download at a byte offset, to test interrupted pulls, and send a file's download
 elsewhere (the hub's redirect to its CDN), to test a CDN that cannot be reached.
 """
@@ -57,6 +58,8 @@ def make_handler(state: HubState):
             path = self.path.split("?")[0]
             if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)", path):
                 return self._tree(m[1])
+            if m := re.match(r"^/api/models/([^/]+/[^/]+)(/revision/[^/]+)?$", path):
+                return self._info(m[1])
             m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
             if not m:
                 return self._error(404, "EntryNotFound", "no such route")
@@ -69,16 +72,24 @@ def make_handler(state: HubState):
                 return self._error(404, "EntryNotFound", "Entry not found")
             self._file(repo, file)
 
-        def _tree(self, repo):
+        def _info(self, repo):
             if repo not in state.repos:
                 return self._error(401, "RepoNotFound", "Repository not found")
-            body = json.dumps([{"type": "file", "path": f, "size": len(d), "oid": COMMIT}
-                               for f, d in state.repos[repo].items()]).encode()
+            self._json({"id": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in state.repos[repo]]})
+
+        def _json(self, value):
+            body = json.dumps(value).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def _tree(self, repo):
+            if repo not in state.repos:
+                return self._error(401, "RepoNotFound", "Repository not found")
+            self._json([{"type": "file", "path": f, "size": len(d), "oid": COMMIT}
+                        for f, d in state.repos[repo].items()])
 
         def _redirect(self, repo, file):
             """What the hub answers for an LFS file stored on its CDN: 302, with the file's metadata."""

@@ -185,7 +185,8 @@ MINE = """
 
 @pytest.mark.parametrize("endpoint", [f"http://127.0.0.1:{closed_port()}", "http://ggufspec-no-such-host.invalid"],
                          ids=["refused", "dns"])
-@pytest.mark.parametrize("args", [["pull", "mine", "--dry-run"], ["pull", "mine", "-q"]], ids=["dry-run", "pull"])
+@pytest.mark.parametrize("args", [["pull", "mine", "--dry-run"], ["pull", "mine", "-q"], ["pull", "org/model-GGUF:Q8_0"]],
+                         ids=["dry-run", "pull", "pull-reference"])
 def test_unreachable_hub_says_so_in_one_line(ggufspec_home, monkeypatch, endpoint, args):
     ggufspec_home.mkdir(parents=True, exist_ok=True)
     (ggufspec_home / "models.toml").write_text(textwrap.dedent(MINE))
