@@ -1,0 +1,92 @@
+"""Prompt-cache reuse across calls, the lazy draft prefill, and the knobs that reach the context."""
+import pytest
+
+from ggufspec import GgufspecError, SpeculativeDecoder
+from ggufspec.drafting import Costs
+from test_greedy_identity import NEAR_TIE, first_difference, prompts, target_alone
+
+
+def check_identity(path, prompt, got, n_ctx, flash_attn="auto"):
+    expected, margins, _ = target_alone(path, prompt, len(got.tokens), n_ctx, "off" if flash_attn == "off" else "on")
+    diff = first_difference(got.tokens, expected[:len(got.tokens)])
+    assert diff is None or margins[diff] < NEAR_TIE, f"first difference at {diff}"
+
+
+def test_a_growing_conversation_evaluates_only_what_is_new(tiny_pair):
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as decoder:
+        first = prompts(1, seed=3)[0]
+        out1 = decoder.generate(first, n_predict=24, n_draft=3)
+        assert out1.stats.n_prompt_cached == 0
+        # the next turn: the whole history (prompt + answer) plus new tokens
+        second = first + out1.tokens + [265, 266, 267]
+        out2 = decoder.generate(second, n_predict=24, n_draft=3)
+        assert out2.stats.n_prompt_cached == len(first) + len(out1.tokens) - 1  # all but the answer's last token
+        check_identity(target, second, out2, decoder.n_ctx)
+        # a different prompt keeps only the common prefix, and the output is still the target's
+        other = first[:2] + [270, 271]
+        out3 = decoder.generate(other, n_predict=24, n_draft=2)
+        assert out3.stats.n_prompt_cached == 2
+        check_identity(target, other, out3, decoder.n_ctx)
+        # the same prompt again: everything but its last token is cached, the result is the same
+        again = decoder.generate(other, n_predict=24, n_draft=2)
+        assert again.stats.n_prompt_cached == len(other) - 1
+        assert again.tokens == out3.tokens
+
+
+def test_a_stream_closed_early_leaves_the_cache_consistent(tiny_pair):
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as decoder:
+        prompt = prompts(1, seed=5)[0]
+        full = decoder.generate(prompt, n_predict=30, n_draft=4)
+        stream = decoder.stream(prompt, n_predict=30, n_draft=4)
+        for _ in range(7):
+            next(stream)
+        stream.close()  # mid-step: the draft may hold proposals the target never checked
+        # what the cache holds is the true sequence (a step may have verified more than was read)
+        assert decoder.target.tokens == (list(prompt) + full.tokens)[:decoder.target.n_past]
+        assert decoder.generate(prompt, n_predict=30, n_draft=4).tokens == full.tokens
+
+
+def test_auto_that_cannot_pay_never_touches_the_draft(tiny_pair):
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as decoder:
+        # remembered costs of a machine where a batch of n costs n tokens: no draft could pay
+        costs = decoder._costs["model"] = Costs()
+        for n in (1, 4, 4, 4):
+            costs.add_batch(n, n * 0.01)
+        costs.add_batch(1, 0.01)
+        costs.draft_times.append(0.005)
+        out = decoder.generate(prompts(1, seed=9)[0] * 3, n_predict=40, n_draft="auto")
+        assert out.stats.n_drafted == 0
+        assert decoder.draft.n_past == 0  # no draft prefill, no catch-up
+        check_identity(target, prompts(1, seed=9)[0] * 3, out, decoder.n_ctx)
+
+
+def test_draft_zero_is_the_target_alone(tiny_decoder):
+    out = tiny_decoder.generate([1, 260, 261], n_predict=10, n_draft=0)
+    assert out.stats.n_drafted == 0 and out.stats.drafter == "none"
+
+
+@pytest.mark.parametrize("setting,expected", [("on", 1), ("off", 0), ("auto", -1)])
+def test_flash_attention_setting_reaches_the_context(tiny_pair, setting, expected):
+    with SpeculativeDecoder(tiny_pair[0], None, n_ctx=128, n_threads=1, flash_attn=setting) as decoder:
+        assert decoder.target_llm.context_params.flash_attn_type == expected
+
+
+def test_bad_flash_attention_setting_is_one_line(tiny_pair):
+    with pytest.raises(GgufspecError, match="-fa/--flash-attn takes on, off or auto"):
+        SpeculativeDecoder(tiny_pair[0], None, flash_attn="maybe")
+
+
+def test_chat_renders_the_template_and_reuses_the_cache(tmp_path):
+    from tinymodels import Shape, make_pair
+    target, draft = make_pair(tmp_path, seed=0, shape=Shape(eos_bias=4.0))
+    with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as decoder:
+        if not decoder.target_llm.metadata.get("tokenizer.chat_template"):
+            pytest.skip("tiny models written without a chat template")
+        history = [{"role": "user", "content": "the cat sat"}]
+        first = decoder.chat(history, n_predict=12, n_draft=3)
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and the dog"}]
+        second = decoder.chat(history, n_predict=12, n_draft=3)
+        assert second.stats.n_prompt_cached > 0
