@@ -693,4 +693,5 @@ def plan_table(plan: Plan, target: ModelShape, draft: ModelShape | None) -> str:
         lines.append(f"\n{gpu.name}: {gpu.free / MiB:.0f} MiB free, budget {plan.budget / MiB:.0f} MiB "
                      f"(margin {MARGIN:.0%} + {GPU_OVERHEAD / MiB:.0f} MiB overhead), planned {used / MiB:.0f} MiB")
     lines.append(f"{plan.ram.name}: {plan.ram.free / MiB:.0f} MiB available")
+    lines.append(f"llama-cpp-python build: {', '.join(build_backends()) or 'unknown'}")
     return "\n".join(lines)
