@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import functools
-import os
 import json
+import os
 import re
+import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -50,55 +52,102 @@ def main():
     """Lossless speculative decoding for GGUF models."""
 
 
+def options(*decorators):
+    """Several click options as one decorator, in the order they are listed in --help."""
+    def apply(command):
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+    return apply
+
+
+def model_options(command):
+    """The models and how they are loaded: shared by run, serve and chat."""
+    return options(
+        click.argument("pair", required=False),
+        click.option("-m", "--model", "model", help="Target model (GGUF path, hf://... or OWNER/REPO:QUANT)."),
+        click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path)."),
+        click.option("-c", "--ctx-size", "n_ctx", default=4096, help="Context size in tokens."),
+        click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads [default: physical cores]."),
+        click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None,
+                     help="Target layers on the GPU [default: planned]."),
+        click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
+                     help="Draft layers on the GPU [default: planned]."),
+        click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+                     help="Flash attention (auto: where the backend has it)."),
+        click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
+        click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower."),
+    )(command)
+
+
+def generation_options(n_predict: int):
+    """Drafting and sampling: shared by run, serve (as the defaults of every request) and chat."""
+    return options(
+        click.option("-n", "--n-predict", default=n_predict,
+                     help="Tokens to generate (-1: until EOS or the context is full)."),
+        click.option("--draft", "n_draft", default="auto",
+                     help="Tokens drafted per step, K (0: the target alone), or 'auto' (chosen every step, 0 included)."),
+        click.option("--draft-max", default=8, help="Largest K for --draft auto."),
+        click.option("--draft-min", default=0, help="Do not verify drafts shorter than this."),
+        click.option("--draft-p-min", default=0.0, help="Stop drafting when the draft's probability of its token is below this."),
+        click.option("--lookup", is_flag=True, help="Draft by n-gram lookup in the prompt and output (no draft model needed)."),
+        click.option("--hybrid", is_flag=True, help="A lookup match when there is one, else the draft model."),
+        click.option("--temp", "temperature", default=0.0, help="Temperature (0 or -1: greedy)."),
+        click.option("--top-k", default=40, help="Top-k (0: off)."),
+        click.option("--top-p", default=0.95, help="Top-p (1: off)."),
+        click.option("--min-p", default=0.05, help="Min-p (0: off)."),
+        click.option("-s", "--seed", type=int, default=None, help="Sampling seed [default: random]."),
+    )
+
+
+def open_decoder(opts: dict):
+    """The SpeculativeDecoder the model options describe (planned offload, as `run` always did), and
+    the files it was opened from. Consumes the model options from `opts`."""
+    from .speculate import SpeculativeDecoder
+    pair, no_draft = opts.pop("pair"), opts.pop("no_draft")
+    skip_draft = no_draft or opts["lookup"]  # lookup needs no draft model
+    target_path, draft_path, pair_k = resolve_models(pair, opts.pop("model"), opts.pop("model_draft"), skip_draft)
+    draft_path = None if skip_draft else draft_path
+    n_ctx = opts.pop("n_ctx")
+    ngl, ngld = planned_offload(target_path, draft_path, n_ctx, pair_k or 3,
+                                opts.pop("n_gpu_layers"), opts.pop("n_gpu_layers_draft"))
+    decoder = SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=opts.pop("n_threads"),
+                                 n_gpu_layers=ngl, n_gpu_layers_draft=ngld, strict=opts.pop("strict"),
+                                 flash_attn=opts.pop("flash_attn"))
+    opts["use_draft"] = not no_draft
+    return decoder, pair, target_path, draft_path
+
+
+def stream_options(opts: dict) -> dict:
+    """The decoder's stream() keywords from the generation options (consumed from `opts`)."""
+    lookup, hybrid = opts.pop("lookup"), opts.pop("hybrid")
+    if lookup and hybrid:
+        raise GgufspecError("choose one of --lookup and --hybrid")
+    return {"n_predict": opts.pop("n_predict"), "n_draft": parse_draft(opts.pop("n_draft")),
+            "draft_max": opts.pop("draft_max"), "draft_min": opts.pop("draft_min"),
+            "draft_p_min": opts.pop("draft_p_min"), "drafter": "lookup" if lookup else "hybrid" if hybrid else "model",
+            "temperature": opts.pop("temperature"), "top_k": opts.pop("top_k"), "top_p": opts.pop("top_p"),
+            "min_p": opts.pop("min_p"), "seed": opts.pop("seed"), "use_draft": opts.pop("use_draft")}
+
+
 @main.command(context_settings={"show_default": True})
-@click.argument("pair", required=False)
-@click.option("-m", "--model", "model", help="Target model (GGUF path).")
-@click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
+@model_options
+@generation_options(n_predict=128)
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("-f", "--file", "prompt_file", type=click.File("r", encoding="utf-8"), help="Read the prompt from a file.")
-@click.option("-n", "--n-predict", default=128, help="Tokens to generate (-1: until EOS or the context is full).")
-@click.option("--draft", "n_draft", default="auto", help="Tokens drafted per step, K, or 'auto' (chosen every step, 0 included).")
-@click.option("--draft-max", default=8, show_default=True, help="Largest K for --draft auto.")
-@click.option("--draft-p-min", default=0.0, help="Stop drafting when the draft's probability of its token is below this.")
-@click.option("--lookup", is_flag=True, help="Draft by n-gram lookup in the prompt and output (no draft model needed).")
-@click.option("--hybrid", is_flag=True, help="A lookup match when there is one, else the draft model.")
-@click.option("--temp", "temperature", default=0.0, help="Temperature (0 or -1: greedy).")
-@click.option("--top-k", default=40, help="Top-k (0: off).")
-@click.option("--top-p", default=0.95, help="Top-p (1: off).")
-@click.option("--min-p", default=0.05, help="Min-p (0: off).")
-@click.option("-s", "--seed", type=int, default=None, help="Sampling seed [default: random].")
-@click.option("-c", "--ctx-size", "n_ctx", default=4096, help="Context size in tokens.")
-@click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads [default: physical cores].")
-@click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None, help="Target layers on the GPU [default: planned].")
-@click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None, help="Draft layers on the GPU [default: planned].")
 @click.option("-e", "--escape", is_flag=True, help="Process escapes (\\n, \\t, \\xHH...) in the prompt.")
 @click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
 @click.option("--chat", is_flag=True, help="Apply the target's chat template.")
 @click.option("--system", default=None, help="System message for --chat.")
-@click.option("--no-draft", is_flag=True, help="The target alone, for comparison.")
-@click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and statistics as one JSON object on stdout.")
 @friendly_errors
-def run(pair, model, model_draft, prompt, prompt_file, n_predict, n_draft, draft_max, draft_p_min, lookup, hybrid,
-        temperature, top_k, top_p, min_p, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, escape, color,
-        chat, system, no_draft, strict, as_json):
+def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
-    from .speculate import SpeculativeDecoder
     text = read_prompt(prompt, prompt_file, escape)
-    n_draft = parse_draft(n_draft)
-    if lookup and hybrid:
-        raise GgufspecError("choose one of --lookup and --hybrid")
-    drafter = "lookup" if lookup else "hybrid" if hybrid else "model"
-    target_path, draft_path, pair_k = resolve_models(pair, model, model_draft, no_draft or lookup)
-    n_gpu_layers, n_gpu_layers_draft = planned_offload(target_path, None if no_draft or lookup else draft_path,
-                                                       n_ctx, pair_k or 3, n_gpu_layers, n_gpu_layers_draft)
-    with SpeculativeDecoder(target_path, None if no_draft or lookup else draft_path, n_ctx=n_ctx, n_threads=n_threads,
-                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
-                            strict=strict) as decoder:
-        stream = decoder.stream(text, n_predict=n_predict, n_draft=n_draft, temperature=temperature,
-                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat=chat, system=system,
-                                use_draft=not no_draft, drafter=drafter, draft_p_min=draft_p_min,
-                                draft_max=draft_max)
+    parse_draft(opts["n_draft"])  # a bad --draft fails before loading anything
+    decoder = open_decoder(opts)[0]
+    with decoder:
+        stream = decoder.stream(text, chat=chat, system=system, **stream_options(opts))
         interrupted, pieces = write_stream(stream, color=color, quiet=as_json)
         stats = decoder.last_stats
         if interrupted:
@@ -119,7 +168,7 @@ def parse_draft(value: str):
     try:
         return int(value)
     except ValueError:
-        raise GgufspecError(f"--draft takes a number K >= 1 or 'auto', got {value!r}") from None
+        raise GgufspecError(f"--draft takes a number K >= 0 (0: the target alone) or 'auto', got {value!r}") from None
 
 
 def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld):
@@ -127,9 +176,11 @@ def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld):
     from . import plan as P
     if (ngl is not None and (ngld is not None or draft_path is None)) or not P.gpu_offload_supported():
         return ngl or 0, ngld if ngld is not None else (ngl or 0)
+    gpu, host = _devices(None, None)
+    if gpu is None:  # nothing to plan: everything runs on the CPU
+        return ngl or 0, ngld if ngld is not None else (ngl or 0)
     target = P.read_shape(target_path)
     draft = P.read_shape(draft_path) if draft_path else None
-    gpu, host = _devices(None, None)
     result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx, ctx_given=True, n_draft=n_draft)
     click.echo(result.summary(), err=True)
     planned_draft = result.draft.n_gpu_layers if result.draft else 0
@@ -349,13 +400,15 @@ def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, as_json):
 @click.option("-s", "--seed", default=1, show_default=True)
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True)
 @click.option("-t", "--threads", "n_threads", type=int, default=None)
+@click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+              show_default=True, help="Flash attention (auto: where the backend has it).")
 @click.option("--limit", type=int, default=None, help="Only the first N prompts.")
 @click.option("--against-llamacpp", "llamacpp", default=None, help="Path to llama-speculative-simple: race it too.")
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
 @click.option("--plot", "plot_file", default=None, help="Write a PNG of speedup and acceptance against K.")
 @friendly_errors
 def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
-          temperature, seed, n_ctx, n_threads, limit, llamacpp, as_json, plot_file):
+          temperature, seed, n_ctx, n_threads, flash_attn, limit, llamacpp, as_json, plot_file):
     """Measure the target alone against speculative configurations, interleaved, per prompt."""
     from tqdm.auto import tqdm
 
@@ -366,7 +419,7 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
     prompts = B.load_prompts(prompts_file)[:limit]
-    with SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=n_threads) as decoder:
+    with SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn) as decoder:
         with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
                   disable=as_json) as progress:
             result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
@@ -377,6 +430,174 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
+
+
+@main.command(context_settings={"show_default": True})
+@model_options
+@generation_options(n_predict=-1)
+@click.option("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface; set --api-key then).")
+@click.option("--port", default=8080, type=click.IntRange(0, 65535), help="Port (0: a free one, printed).")
+@click.option("--api-key", default=None, envvar="GGUFSPEC_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 (or set GGUFSPEC_API_KEY).")
+@click.option("--max-queue", default=16, type=click.IntRange(0),
+              help="Requests that may wait while one generates; beyond that, 429 with Retry-After.")
+@friendly_errors
+def serve(host, port, api_key, max_queue, **opts):
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
+
+    The options after the model flags are the defaults of every request; a request may override them
+    (max_tokens, temperature, top_p, top_k, min_p, seed, stop, draft, speculative.n_max/n_min/p_min).
+    """
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as exc:
+        raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
+                            f"pip install 'ggufspec[server]'") from None
+    check_defaults(opts)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: end quietly then,
+    # through the `with` below, so the decoder closes (and saves its measured step costs)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    sock = listen(host, port)  # a port in use fails before the models load
+    decoder, pair, target_path, draft_path = open_decoder(opts)
+    with decoder:
+        defaults = stream_options(opts)
+        target = Path(target_path)
+        app = create_app(decoder, model_name=pair or target.stem, defaults=defaults, api_key=api_key,
+                         max_queue=max_queue, aliases=(target.name, target.stem),
+                         info={"target": target.name, "draft": draft_path and Path(draft_path).name,
+                               "defaults": defaults})
+        if not is_loopback(host) and not api_key:
+            click.echo(f"ggufspec: warning: listening on {host} without --api-key: anyone who can reach this "
+                       f"machine can use the model", err=True)
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        click.echo(f"ggufspec: serving {pair or target.stem} at http://{shown}:{bound_port}/v1 "
+                   f"(OpenAI API; Ctrl-C stops)", err=True)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+
+
+def check_defaults(opts: dict) -> None:
+    """Sampling and draft defaults that would fail every request fail at start instead."""
+    from .sampling import SamplingParams
+    SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], opts["seed"])
+    n_draft = parse_draft(opts["n_draft"])
+    if n_draft != "auto" and n_draft < 0:
+        raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
+    if opts["n_predict"] == 0 or opts["n_predict"] < -1:
+        raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {opts['n_predict']}")
+
+
+def listen(host: str, port: int):
+    """A listening socket (uvicorn serves it), so that port 0 works and the real URL can be printed."""
+    import socket
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        raise GgufspecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@main.command(context_settings={"show_default": True})
+@model_options
+@generation_options(n_predict=-1)
+@click.option("--system", default=None, help="System message.")
+@click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
+@friendly_errors
+def chat(system, color, **opts):
+    """Chat in the terminal. Each turn evaluates only what is new (the KV cache holds the rest).
+
+    /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer.
+    A statistics line per answer goes to stderr.
+    """
+    check_defaults(opts)
+    decoder = open_decoder(opts)[0]
+    with decoder:
+        chat_session(decoder, stream_options(opts), system, color)
+
+
+def chat_session(decoder, options: dict, system: str | None, color: bool) -> None:
+    start = [{"role": "system", "content": system}] if system else []
+    history = list(start)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+        click.echo("ggufspec chat: /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer",
+                   err=True)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            click.echo("\n(/exit or Ctrl-D quits)", err=True)
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            history = list(start)
+            click.echo("(conversation cleared)", err=True)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            text = chat_turn(decoder, history, options, color)
+        except GgufspecError as exc:  # the session goes on: the turn is dropped
+            history.pop()
+            hint = " (/reset starts a new conversation)" if "context" in str(exc) else ""
+            click.echo(f"ggufspec: error: {exc}{hint}", err=True)
+            continue
+        history.append({"role": "assistant", "content": text})
+
+
+def chat_turn(decoder, history: list[dict], options: dict, color: bool) -> str:
+    """Stream one answer to stdout; Ctrl-C ends it at the next token (the caches stay consistent)."""
+    import threading
+    stop = threading.Event()
+    stream = decoder.stream(decoder.render_chat(history), **options)
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())  # never interrupt llama.cpp mid-call
+    texts = []
+    try:
+        for piece in stream:
+            texts.append(piece.text)
+            sys.stdout.write(ACCEPTED_COLOR + piece.text + RESET_COLOR if color and piece.from_draft else piece.text)
+            sys.stdout.flush()
+            if stop.is_set():
+                break
+    finally:
+        stream.close()
+        signal.signal(signal.SIGINT, previous)
+    click.echo()
+    stats = decoder.last_stats
+    click.echo(chat_stats_line(stats, stopped=stop.is_set()), err=True)
+    return "".join(texts)
+
+
+def chat_stats_line(stats, stopped: bool = False) -> str:
+    drafted = f"accepted {stats.n_accept}/{stats.n_drafted} drafted" if stats.n_drafted else "no drafts"
+    return (f"[{stats.n_predict} tokens, {stats.decode_tps:.1f} tok/s, {drafted}, prompt {stats.n_prompt} tokens "
+            f"({stats.n_prompt_cached} cached){', stopped' if stopped else ''}]")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,379 @@
+"""`ggufspec serve` as a real process on loopback, spoken to with the official openai client and httpx.
+
+Two servers per module: `server` (the tiny pair, defaults) for answers, usage and errors, and
+`busy_server` (a slower target with no end-of-sequence, --max-queue 0, --api-key) for the queue,
+disconnects and authentication. References come from an in-process SpeculativeDecoder on the same files.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ggufspec import SpeculativeDecoder
+from tinymodels import Shape, make_weights, write_model
+
+GGUFSPEC = str(Path(sys.executable).with_name("ggufspec"))
+API_KEY = "sesame"
+# Like real templates (ChatML...), a conversation's rendering starts with the previous turn's prompt,
+# so the KV cache can be reused across turns (tinymodels.CHAT_TEMPLATE does not open the turn the same way).
+STABLE_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def make_chat_pair(directory: Path) -> tuple[Path, Path]:
+    """The tiny pair of conftest's tiny_pair (same weights), with STABLE_CHAT_TEMPLATE."""
+    shape = Shape(eos_bias=4.0)
+    weights = make_weights(shape, seed=0)
+    target = write_model(directory / "target.gguf", shape, weights, STABLE_CHAT_TEMPLATE)
+    draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith("blk.0.")}
+    draft = write_model(directory / "draft.gguf", Shape(eos_bias=4.0, n_layer=1), draft_weights, STABLE_CHAT_TEMPLATE)
+    return target, draft
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path):
+        self.url, self.proc, self.log = url, proc, log
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
+                             timeout=60, **kwargs)
+
+    def health(self, **kwargs) -> dict:
+        response = httpx.get(self.url + "/health", timeout=10, **kwargs)
+        assert response.status_code == 200
+        return response.json()
+
+
+def start_server(tmp_path: Path, *args: str) -> Server:
+    log = tmp_path / "server.log"
+    env = {**os.environ, "GGUFSPEC_HOME": str(tmp_path / "home")}
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([GGUFSPEC, "serve", "--port", "0", "-t", "1", *args], stdout=subprocess.DEVNULL,
+                                stderr=stderr, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+        if match:
+            return Server(match.group(1), proc, log)
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the server did not start: " + log.read_text())
+
+
+def stop_server(server: Server) -> None:
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        assert server.proc.wait(timeout=20) == 0, server.log.read_text()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert "Traceback" not in server.log.read_text(), server.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    return make_chat_pair(tmp_path_factory.mktemp("chat-pair"))
+
+
+@pytest.fixture(scope="module")
+def server(chat_pair, tmp_path_factory):
+    target, draft = chat_pair
+    running = start_server(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", "512")
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def slow_target(tmp_path_factory):
+    """A target a few milliseconds per token that never ends on its own."""
+    shape = Shape(n_layer=16, n_embd=256, n_ff=768)
+    weights = make_weights(shape, seed=2)
+    weights["output.weight"][2] = 0  # no EOS
+    return write_model(tmp_path_factory.mktemp("slow") / "slow.gguf", shape, weights)
+
+
+@pytest.fixture(scope="module")
+def busy_server(slow_target, tmp_path_factory):
+    running = start_server(tmp_path_factory.mktemp("busy"), "-m", str(slow_target), "--no-draft", "-c", "2048",
+                           "--max-queue", "0", "--api-key", API_KEY)
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def reference(chat_pair):
+    """The same files in this process: what the server must answer."""
+    target, draft = chat_pair
+    with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as decoder:
+        yield decoder
+
+
+def chunks_of(stream) -> tuple[str, list[int], list]:
+    """Text, token ids (from the ggufspec extension) and the chunks of a streamed answer."""
+    chunks = list(stream)
+    text, tokens = "", []
+    for chunk in chunks:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            text += (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+        pieces = (getattr(chunk, "ggufspec", None) or {}).get("pieces", [])
+        tokens += [p["token"] for p in pieces]
+        assert "".join(p["text"] for p in pieces) == (
+            (chunk.choices[0].delta.content or "") if chunk.choices and hasattr(chunk.choices[0], "delta")
+            else chunk.choices[0].text if chunk.choices else "")
+    return text, tokens, chunks
+
+
+# ---------------------------------------------------------------- answers
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list()] == ["target"]
+    health = server.health()
+    assert health["status"] == "ok" and health["busy"] is False
+
+
+def test_greedy_completion_is_what_run_gives(server, chat_pair):
+    from click.testing import CliRunner
+
+    from ggufspec.cli import main
+    target, draft = chat_pair
+    result = CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the cat", "-n", "24",
+                                       "-c", "512", "-t", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    expected = json.loads(result.output.splitlines()[-1])
+    client = server.client()
+    whole = client.completions.create(model="target", prompt="the cat", max_tokens=24, temperature=0)
+    assert whole.choices[0].text == expected["text"]
+    assert whole.choices[0].finish_reason == "length"
+    text, tokens, _ = chunks_of(client.completions.create(model="target", prompt="the cat", max_tokens=24,
+                                                          temperature=0, stream=True))
+    assert (text, tokens) == (expected["text"], expected["tokens"])
+
+
+def test_greedy_chat_streamed_and_not(server, reference):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the dog sat on the mat"}]
+    expected = reference.chat(messages, n_predict=20)
+    client = server.client()
+    whole = client.chat.completions.create(model="target", messages=messages, max_tokens=20, temperature=0)
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].message.role == "assistant"
+    text, tokens, chunks = chunks_of(client.chat.completions.create(model="target", messages=messages,
+                                                                    max_tokens=20, stream=True))
+    assert (text, tokens) == (expected.text, expected.tokens)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [p for c in chunks for p in (getattr(c, "ggufspec", None) or {}).get("pieces", [])]
+    assert all(isinstance(p["from_draft"], bool) and p["step"] >= 1 and p["drafted"] >= 0 for p in pieces)
+    assert [p["step"] for p in pieces] == sorted(p["step"] for p in pieces)
+
+
+def test_seeded_sampling_reproduces(server, reference):
+    options = {"temperature": 0.9, "seed": 42, "max_tokens": 24, "extra_body": {"draft": 3}}
+    client = server.client()
+    first = client.completions.create(model="target", prompt="the cat", **options).choices[0].text
+    client.completions.create(model="target", prompt="a dog ran", max_tokens=8)  # something else in between
+    second = client.completions.create(model="target", prompt="the cat", **options).choices[0].text
+    assert first == second
+    expected = reference.generate("the cat", n_predict=24, n_draft=3, temperature=0.9, seed=42)
+    assert first == expected.text
+
+
+def test_usage_and_timings_and_the_cache(server):
+    client = server.client()
+    conversation = [{"role": "user", "content": "hi"}]
+    one = client.chat.completions.create(model="target", messages=conversation, max_tokens=16)
+    conversation += [{"role": "assistant", "content": one.choices[0].message.content},
+                     {"role": "user", "content": "hello there"}]
+    two = client.chat.completions.create(model="target", messages=conversation, max_tokens=16)
+    for answer in (one, two):
+        usage, timings = answer.usage, answer.timings
+        assert usage.completion_tokens == timings["predicted_n"]
+        assert (usage.completion_tokens == 16) == (answer.choices[0].finish_reason == "length")
+        assert usage.prompt_tokens == timings["cache_n"] + timings["prompt_n"]
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+        assert timings["predicted_per_second"] > 0
+        assert usage.prompt_tokens_details.cached_tokens == timings["cache_n"]
+    # turn two evaluates only what is new: turn one's prompt is in the cache
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - 1
+    stream = client.chat.completions.create(model="target", messages=conversation, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True})
+    _, tokens, chunks = chunks_of(stream)
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == two.choices[0].finish_reason
+    assert finish[0].timings["predicted_n"] == len(tokens) == two.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == two.usage.prompt_tokens - 1  # the same prompt
+
+
+def test_stop_strings(server, reference):
+    expected = reference.generate("the cat", n_predict=40).text
+    stop = next(expected[i:i + 2] for i in range(8, len(expected) - 2) if expected.find(expected[i:i + 2]) == i
+                and expected[i:i + 2].isprintable())
+    cut = expected.find(stop)
+    client = server.client()
+    for stops in (stop, [stop, "never in there \u2603"]):
+        whole = client.completions.create(model="target", prompt="the cat", max_tokens=40, stop=stops)
+        assert (whole.choices[0].text, whole.choices[0].finish_reason) == (expected[:cut], "stop")
+        text, _, chunks = chunks_of(client.completions.create(model="target", prompt="the cat", max_tokens=40,
+                                                              stop=stops, stream=True))
+        assert text == expected[:cut]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_eight_concurrent_clients(server, reference):
+    prompts = ["the cat", "a dog", "the mat", "def x", "if y", "the dog sat", "for x in", "return x"]
+    expected = [reference.generate(p, n_predict=16).text for p in prompts]
+
+    def ask(i):
+        client = server.client()
+        if i % 2:
+            return chunks_of(client.completions.create(model="target", prompt=prompts[i], max_tokens=16,
+                                                       stream=True))[0]
+        return client.completions.create(model="target", prompt=prompts[i], max_tokens=16).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert answers == expected
+
+
+# ---------------------------------------------------------------- errors: status, OpenAI's shape, still serving
+
+def post(server, path, body, **kwargs):
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"},
+                      timeout=30, **kwargs)
+
+
+@pytest.mark.parametrize("path, body, status, message", [
+    ("/v1/completions", '{"prompt": "the cat", "max_tokens": ', 400, "malformed JSON"),
+    ("/v1/completions", "[1, 2]", 400, ""),
+    ("/v1/completions", {"prompt": "the cat", "model": "gpt-4o"}, 404, "gpt-4o"),
+    ("/v1/completions", {"prompt": "the cat", "max_tokens": 600}, 400, "512"),
+    ("/v1/completions", {"prompt": "the cat " * 300}, 400, "512"),
+    ("/v1/completions", {"prompt": "the cat", "top_p": 5}, 400, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "the cat", "temperature": -2}, 400, "temperature must be >= 0"),
+    ("/v1/completions", {"prompt": "the cat", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "the cat", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "the cat", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "the cat", "seed": -5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "the cat", "n": 3}, 400, "n must be 1"),
+    ("/v1/completions", {"prompt": "the cat", "draft": -1}, 400, "draft"),
+    ("/v1/completions", {"prompt": "the cat", "speculative": {"p_min": 2}}, 400, "speculative.p_min"),
+    ("/v1/completions", {"prompt": "the cat", "lookup": True, "hybrid": True}, 400, "lookup"),
+    ("/v1/completions", {"prompt": [5, 99999999]}, 400, "token ids"),
+    ("/v1/completions", {"prompt": []}, 400, "empty"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
+    ("/v1/nothing-here", {}, 404, ""),
+])
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, reference, path, body, status, message):
+    for stream in (False, True):
+        sent = dict(body, stream=True) if stream and isinstance(body, dict) else body
+        response = post(server, path, sent)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert message in error["message"] and error["type"] and "code" in error
+    assert server.health()["status"] == "ok"
+
+
+def test_after_errors_answers_are_still_exact(server, reference):
+    post(server, "/v1/completions", {"prompt": "the dog", "top_p": 5})
+    post(server, "/v1/completions", {"prompt": "the dog " * 300})
+    expected = reference.generate("the dog sat", n_predict=12).text
+    assert server.client().completions.create(model="target", prompt="the dog sat",
+                                              max_tokens=12).choices[0].text == expected
+
+
+def test_lenient_about_content_type_and_model_names(server):
+    plain = httpx.post(server.url + "/v1/completions", content='{"prompt": "x", "max_tokens": 2}', timeout=30)
+    assert plain.status_code == 200  # curl -d sends a form type; llama.cpp's server reads JSON anyway
+    for model in (None, "target", "target.gguf"):
+        body = {"prompt": "x", "max_tokens": 2, **({"model": model} if model else {})}
+        assert post(server, "/v1/completions", body).status_code == 200
+
+
+# ---------------------------------------------------------------- queue, disconnects, API key
+
+def auth(key=API_KEY):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_api_key(busy_server):
+    assert busy_server.health()["status"] == "ok"  # /health needs no key
+    body = json.dumps({"prompt": "x", "max_tokens": 2})
+    for headers in ({}, auth("wrong"), {"Authorization": API_KEY}):
+        response = httpx.post(busy_server.url + "/v1/completions", content=body, headers=headers, timeout=30)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(busy_server.url + "/v1/models", timeout=10).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        busy_server.client(api_key="wrong").models.list()
+    answer = busy_server.client(api_key=API_KEY).completions.create(model="slow", prompt="x", max_tokens=3)
+    assert answer.usage.completion_tokens == 3
+
+
+def wait_until_idle(server, seconds=10.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        health = server.health()
+        if not health["busy"]:
+            return health
+        time.sleep(0.02)
+    raise AssertionError(f"still generating after {seconds} s: {health}")
+
+
+def test_queue_full_is_429_and_a_closed_stream_frees_the_server(busy_server):
+    body = {"prompt": "x", "max_tokens": 2000, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", busy_server.url + "/v1/completions", json=body, headers=auth()) as stream:
+            assert stream.status_code == 200, stream.read()
+            lines = stream.iter_lines()  # kept: dropping a half-read iterator closes the connection
+            assert next(lines).startswith("data:")  # generating now
+            busy = httpx.post(busy_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                              headers=auth(), timeout=30)
+            assert busy.status_code == 429 and int(busy.headers["Retry-After"]) >= 1
+            assert busy.json()["error"]["type"] == "rate_limit_error"
+    health = wait_until_idle(busy_server)  # closing the stream stopped the generation
+    assert health["last"]["stop_reason"] == "interrupted" and health["last"]["n_predict"] < 2000
+
+
+def test_a_client_killed_mid_stream_leaves_the_server_serving(busy_server, slow_target):
+    script = (f"import httpx, sys\n"
+              f"with httpx.stream('POST', '{busy_server.url}/v1/completions', timeout=30,\n"
+              f"                  headers={{'Authorization': 'Bearer {API_KEY}'}},\n"
+              f"                  json={{'prompt': 'x', 'max_tokens': 2000, 'stream': True}}) as r:\n"
+              f"    for line in r.iter_lines():\n"
+              f"        if line.startswith('data:'):\n"
+              f"            print('streaming', flush=True)\n"
+              f"            break\n"
+              f"    import time; time.sleep(60)\n")
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "streaming"
+    finally:
+        client.kill()
+        client.wait()
+    health = wait_until_idle(busy_server)
+    assert health["last"]["stop_reason"] == "interrupted" and health["last"]["n_predict"] < 2000
+    with SpeculativeDecoder(slow_target, n_ctx=2048, n_threads=1) as decoder:
+        expected = decoder.generate("the cat", n_predict=6).text
+    answer = busy_server.client(api_key=API_KEY).completions.create(model="slow", prompt="the cat", max_tokens=6)
+    assert answer.choices[0].text == expected
+
+
+def test_loopback_hosts():
+    from ggufspec.cli import is_loopback
+    assert all(map(is_loopback, ["127.0.0.1", "localhost", "::1", "127.0.0.2"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.4", "example.com"]))
