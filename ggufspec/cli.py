@@ -464,6 +464,7 @@ def serve(host, port, api_key, max_queue, **opts):
     decoder, pair, target_path, draft_path = open_decoder(opts)
     with decoder:
         defaults = stream_options(opts)
+        defaults["use_draft"] = True  # --no-draft only leaves the draft model out: a request may still ask for lookup
         target = Path(target_path)
         app = create_app(decoder, model_name=pair or target.stem, defaults=defaults, api_key=api_key,
                          max_queue=max_queue, aliases=(target.name, target.stem),
@@ -476,8 +477,12 @@ def serve(host, port, api_key, max_queue, **opts):
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         click.echo(f"ggufspec: serving {pair or target.stem} at http://{shown}:{bound_port}/v1 "
                    f"(OpenAI API; Ctrl-C stops)", err=True)
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                app.state.engine.stop()  # a long answer must not hold up the shutdown
+                super().handle_exit(sig, frame)
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
 
 
 def check_defaults(opts: dict) -> None:

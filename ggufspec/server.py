@@ -58,6 +58,8 @@ class APIError(Exception):
 
 def engine_error(exc: Exception) -> APIError:
     """An error from the engine as the status a client should see."""
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, ContextFullError):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, DecodeError) or not isinstance(exc, GgufspecError):
@@ -267,6 +269,7 @@ class Job:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self._next_check = 0.0  # when next_event next asks whether the client is still there
 
     def emit(self, kind: str, value: Any = None) -> None:
         try:
@@ -278,14 +281,18 @@ class Job:
         self.cancelled.set()
 
     async def next_event(self, request: Request | None = None, poll: float = 0.25):
-        """The next event; a client that disconnects meanwhile cancels the job (ClientGone)."""
+        """The next event; a client that disconnects meanwhile cancels the job (ClientGone).
+        The check runs every `poll` seconds whether or not events are flowing."""
         while True:
+            if request is not None and time.monotonic() >= self._next_check:
+                self._next_check = time.monotonic() + poll
+                if await request.is_disconnected():
+                    self.cancel()
+                    raise ClientGone
             try:
                 return await asyncio.wait_for(self.events.get(), poll)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    self.cancel()
-                    raise ClientGone from None
+                pass
 
 
 class Engine:
@@ -300,6 +307,7 @@ class Engine:
         self._mean_seconds = 5.0       # a generation's duration, for Retry-After
         self._current: Job | None = None
         self.last: Stats | None = None   # the last finished generation's statistics (/health shows them)
+        self._stopping = False
 
     @property
     def waiting(self) -> int:
@@ -311,6 +319,8 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         with self._lock:
+            if self._stopping:
+                raise shutting_down()
             if self._pending > self.max_queue:  # one running and max_queue already waiting
                 retry = max(1, math.ceil(self._mean_seconds * self._pending))
                 raise APIError(429, f"the server is busy: {self.waiting} requests are waiting (--max-queue "
@@ -322,7 +332,9 @@ class Engine:
     def _run(self, job: Job) -> None:
         started = time.perf_counter()
         try:
-            if not job.cancelled.is_set():  # a client that left while waiting costs nothing
+            if self._stopping:
+                job.emit("error", shutting_down())
+            elif not job.cancelled.is_set():  # a client that left while waiting costs nothing
                 self._current = job
                 self._generate(job)
         except Exception as exc:  # GgufspecError: the client's mistake; anything else: ours, logged
@@ -365,11 +377,21 @@ class Engine:
             result.stop_reason = "stop"
         job.emit("done", (result, FINISH_REASONS.get(result.stop_reason, "stop")))
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Shutting down: the running generation ends at its next token (its client gets what was
+        generated), waiting ones get 503. Safe to call from a signal handler."""
+        self._stopping = True
         current = self._current
         if current is not None:
             current.cancel()
+
+    def close(self) -> None:
+        self.stop()
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", "server_error", "shutting_down")
 
 
 def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
