@@ -13,6 +13,7 @@ from collections import deque
 
 import numpy as np
 
+from .errors import DecodeError
 from .native import Context
 from .sampling import SamplingParams, distribution, greedy_token, sample
 
@@ -21,6 +22,64 @@ def _point_mass(token: int, n_vocab: int) -> np.ndarray:
     q = np.zeros(n_vocab)
     q[token] = 1.0
     return q
+
+
+class VocabBridge:
+    """The draft's context seen through the target's token ids, for a draft whose vocabulary is
+    smaller than the target's (llama.cpp pairs models whose sizes differ by up to 128).
+
+    Ids the draft has pass through unchanged (the compatibility check made sure their texts agree);
+    an id it lacks is given to it as its own tokenization of that token's text, zero or more draft
+    tokens. `ends[i]` is the draft cache's length after the sequence's first i + 1 tokens, so
+    cutting back (`keep`) and prefix reuse still count in the target's tokens, as for a plain Context.
+    """
+
+    def __init__(self, draft: Context, target: Context):
+        self.inner, self.target = draft, target
+        self.n_ctx, self.name = draft.n_ctx, draft.name
+        self.tokens: list[int] = []
+        self.ends: list[int] = []
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def _draft_ids(self, token: int) -> list[int]:
+        if token < self.inner.n_vocab:
+            return [token]
+        text = self.target.piece(token)
+        return self.inner.llm.tokenize(text, add_bos=False, special=False) if text else []
+
+    def decode(self, tokens, n_logits: int = 1) -> None:
+        ids, ends, end = [], [], len(self.inner.tokens)
+        for token in tokens:
+            ids += self._draft_ids(token)
+            ends.append(end + len(ids))
+        if ids:
+            self.inner.decode(ids, n_logits=min(n_logits, len(ids)))
+        self.tokens.extend(tokens)
+        self.ends.extend(ends)
+
+    def logits(self, row: int) -> np.ndarray:
+        return self.inner.logits(row)
+
+    def keep(self, n_tokens: int) -> None:
+        if n_tokens >= len(self.tokens):
+            return
+        self.inner.keep(self.ends[n_tokens - 1] if n_tokens else 0)
+        del self.tokens[n_tokens:], self.ends[n_tokens:]
+
+    def reuse_prefix(self, tokens) -> int:
+        n = 0
+        for cached, new in zip(self.tokens, tokens):
+            if cached != new:
+                break
+            n += 1
+        self.keep(n)
+        return n
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class ModelDrafter:
@@ -40,8 +99,12 @@ class ModelDrafter:
             return proposals, draft_probs
         ctx = self.context
         lag = len(tokens) - ctx.n_past
+        self.catch_up_seconds = 0.0
         t0 = time.perf_counter()
-        ctx.decode(tokens[ctx.n_past:], n_logits=1)  # catch up on what the draft has not seen
+        try:
+            ctx.decode(tokens[ctx.n_past:], n_logits=1)  # catch up on what the draft has not seen
+        except DecodeError:  # the draft's context is full (a bridged vocabulary takes more tokens)
+            return [], []     # the target goes on alone
         self.catch_up_seconds = time.perf_counter() - t0 if lag > self.CATCH_UP else 0.0
         while True:
             logits = ctx.logits(0)
@@ -56,9 +119,12 @@ class ModelDrafter:
                     break
                 draft_probs.append(q)
             proposals.append(token)
-            if len(proposals) == k:
+            if len(proposals) == k or ctx.n_past + 1 >= ctx.n_ctx:
                 break
-            ctx.decode([token], n_logits=1)
+            try:
+                ctx.decode([token], n_logits=1)
+            except DecodeError:
+                break
         if len(proposals) < min(self.n_min, k):  # too short to be worth a verification
             return [], []
         return proposals, draft_probs

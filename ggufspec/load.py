@@ -112,8 +112,9 @@ def check_compatible(target: Context, draft: Context) -> None:
         t_text, d_text = target.token_text(token), draft.token_text(token)
         if t_text != d_text:
             raise IncompatibleModelsError(
-                f"token {token} differs: target {t_text.decode(errors='replace')!r}, "
-                f"draft {d_text.decode(errors='replace')!r}")
+                f"the vocabularies differ at token {token}: target {t_text.decode(errors='replace')!r}, "
+                f"draft {d_text.decode(errors='replace')!r} (target {target.n_vocab} tokens, draft "
+                f"{draft.n_vocab}); pair models of the same family (see `ggufspec list`)")
 
 
 def chat_prompt(llm: llama_cpp.Llama, user: str, system: str | None = None) -> str:

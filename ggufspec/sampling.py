@@ -80,10 +80,20 @@ def accept_or_resample(token: int, p: np.ndarray, q: np.ndarray, rng: np.random.
     The draft proposed `token` ~ q. Keep it with probability min(1, p[token] / q[token]); otherwise
     return a replacement drawn from normalize(max(0, p - q)). Either way the token that comes out is
     distributed exactly as p. Returns None when the draft token is accepted.
+
+    The vocabularies may differ in size: p is over the target's ids, q over the draft's. A token the
+    target does not have has p = 0 (always rejected); q is 0 where the draft has no token; the
+    residual is over the target's whole vocabulary.
     """
-    if rng.random() * q[token] < p[token]:  # u < p/q without dividing by a tiny q
+    p_token = p[token] if token < len(p) else 0.0
+    if rng.random() * q[token] < p_token:  # u < p/q without dividing by a tiny q
         return None
-    residual = np.maximum(p - q, 0.0)
+    residual = np.maximum(p - _resized(q, len(p)), 0.0)
     if residual.sum() <= 0.0:  # p == q: the rejection above cannot happen, but stay total
         residual = p
     return sample(residual, rng)
+
+
+def _resized(q: np.ndarray, n: int) -> np.ndarray:
+    """q over the first n ids: cut, or padded with zeros for ids the draft does not have."""
+    return q[:n] if len(q) >= n else np.concatenate([q, np.zeros(n - len(q))])

@@ -23,7 +23,7 @@ import numpy as np
 from .errors import ContextFullError, GgufspecError
 from .native import Context
 from .report import Stats
-from .drafting import AdaptiveK, Costs, FixedK, HybridDrafter, LookupDrafter, ModelDrafter
+from .drafting import AdaptiveK, Costs, FixedK, HybridDrafter, LookupDrafter, ModelDrafter, VocabBridge
 from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample
 
 
@@ -121,10 +121,13 @@ def _verify(target: Context, tokens: list[int], proposals: list[int], draft_prob
     Greedy: accept while the target's argmax equals the proposal; the first disagreement (or, when
     all are accepted, the position after the last) gives the target's own argmax. Sampling: the
     rejection rule in `accept_or_resample`, and the bonus token drawn from p after k acceptances.
+    A proposal the target's vocabulary lacks cannot be evaluated: the batch stops before it, and
+    at its position it is rejected like any token the target gives probability 0.
     """
-    target.decode(tokens[target.n_past:] + proposals, n_logits=len(proposals) + 1)
+    n_valid = next((i for i, t in enumerate(proposals) if t >= target.n_vocab), len(proposals))
+    target.decode(tokens[target.n_past:] + proposals[:n_valid], n_logits=n_valid + 1)
     n_accepted, own_token = len(proposals), None
-    for i, proposed in enumerate(proposals):
+    for i, proposed in enumerate(proposals[:n_valid + 1]):
         if params.greedy:
             best = greedy_token(target.logits(i))
             own_token = None if best == proposed else best
@@ -214,6 +217,8 @@ class SpeculativeDecoder:
                 self.draft = Context(self.draft_llm, "draft")
                 if check_vocab:
                     check_compatible(self.target, self.draft)
+                if self.draft.n_vocab < self.target.n_vocab:  # the text may hold ids the draft lacks
+                    self.draft = VocabBridge(self.draft, self.target)
         except BaseException:
             self.close()
             raise

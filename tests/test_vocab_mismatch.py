@@ -1,0 +1,94 @@
+"""Target and draft vocabularies of different sizes (llama.cpp pairs them within 128 tokens):
+greedy identity with the target alone and the exact sampling distribution, in both directions."""
+import numpy as np
+import pytest
+
+from ggufspec import SamplingParams, SpeculativeDecoder
+from ggufspec.sampling import accept_or_resample, distribution
+from test_greedy_identity import NEAR_TIE, first_difference, prompts, target_alone
+from tinymodels import Shape, make_weights, vocabulary, write_model
+
+EXTRA = 16  # the bigger model's extra words
+
+
+def pair(tmp_path, bigger: str):
+    """Target and draft (the target's first layer) whose vocabularies differ by EXTRA words at the end.
+    The extra words get a strong output bias so the text often holds them."""
+    shape = Shape(extra_words=EXTRA, eos_bias=4.0)
+    weights = make_weights(shape, seed=0)
+    n_big = len(vocabulary(EXTRA)[0])
+    weights["output.weight"][n_big - EXTRA:] *= 3.0
+    small = {k: (v[:n_big - EXTRA] if k in ("token_embd.weight", "output.weight") else v) for k, v in weights.items()}
+    draft_of = lambda w: {k: v for k, v in w.items() if not k.startswith("blk.") or k.startswith("blk.0.")}
+    one_layer = lambda s: Shape(**{**s.__dict__, "n_layer": 1})
+    small_shape = Shape(**{**shape.__dict__, "extra_words": 0})
+    if bigger == "target":
+        target = write_model(tmp_path / "t.gguf", shape, weights)
+        draft = write_model(tmp_path / "d.gguf", one_layer(small_shape), draft_of(small))
+    else:
+        target = write_model(tmp_path / "t.gguf", small_shape, small)
+        draft = write_model(tmp_path / "d.gguf", one_layer(shape), draft_of(weights))
+    return target, draft
+
+
+@pytest.mark.parametrize("bigger", ["target", "draft"])
+def test_greedy_identity_with_mismatched_vocabularies(tmp_path, bigger):
+    target, draft = pair(tmp_path, bigger)
+    seen_extra, near_ties, checked = 0, 0, 0
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, flash_attn="off") as decoder:
+        assert decoder.target.n_vocab != decoder.draft.n_vocab if bigger == "draft" else True
+        for prompt in prompts(8, seed=4):
+            expected, margins, _ = target_alone(target, prompt, 40, decoder.n_ctx, "off")
+            for k in (1, 3, 5):
+                for drafter in ("model", "hybrid"):
+                    got = decoder.generate(prompt, n_predict=40, n_draft=k, drafter=drafter)
+                    diff = first_difference(got.tokens, expected)
+                    if diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE:
+                        near_ties += 1
+                        continue
+                    assert got.tokens == expected, f"K={k} {drafter} first difference at {diff}"
+                    checked += 1
+                    seen_extra += sum(t >= len(vocabulary(0)[0]) for t in got.tokens)
+    assert near_ties <= checked // 10
+    if bigger == "target":
+        assert seen_extra > 0, "the target never emitted a token the draft lacks: the test proves nothing"
+
+
+def test_accept_or_resample_across_vocabulary_sizes():
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.2])             # target: 3 ids
+    q = np.array([0.1, 0.1, 0.1, 0.7])        # draft: 4 ids, the last one the target lacks
+    outs = [accept_or_resample(3, p, q, rng) for _ in range(200)]
+    assert None not in outs                    # never accepted
+    counts = np.bincount(outs, minlength=3)
+    residual = np.maximum(p - q[:3], 0) / np.maximum(p - q[:3], 0).sum()
+    assert np.allclose(counts / 200, residual, atol=0.1)
+    q_small = np.array([0.6, 0.4])            # draft: 2 ids, p has mass on id 2 the draft lacks
+    assert accept_or_resample(0, p, q_small, rng) in (None, 1, 2)
+
+
+@pytest.mark.parametrize("bigger", ["target", "draft"])
+def test_sampling_distribution_with_mismatched_vocabularies(tmp_path, bigger):
+    """First-token distribution of speculative sampling equals the target's exact p (chi-square)."""
+    from scipy import stats as scipy_stats
+    from llama_cpp import Llama
+    target, draft = pair(tmp_path, bigger)
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+    prompt = [1, 261, 262, 263]
+    llm = Llama(model_path=str(target), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(prompt)
+    p = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
+    llm.close()
+    draws = 2000
+    counts = np.zeros(len(p))
+    with SpeculativeDecoder(target, draft, n_ctx=64, n_threads=1, flash_attn="off") as decoder:
+        for seed in range(draws):
+            out = decoder.generate(prompt, n_predict=1, n_draft=3, temperature=1.5, top_k=0, top_p=1.0,
+                                   min_p=0.0, seed=seed)
+            counts[out.tokens[0] if out.tokens else 2] += 1
+    keep = p * draws >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expected = np.append(p[keep] * draws, p[~keep].sum() * draws)
+    mask = expected > 0
+    pvalue = scipy_stats.chisquare(observed[mask], expected[mask] * observed[mask].sum() / expected[mask].sum()).pvalue
+    assert pvalue > 1e-3
