@@ -363,6 +363,23 @@ def layer_devices(n_layer: int, n_gpu_layers: int, splits: Sequence[float]) -> l
     return placement
 
 
+def layer_placement(devices: Sequence[Device], n_layer: int, n_gpu_layers: int,
+                    tensor_split: Sequence[float] | None = None) -> dict[str, int]:
+    """Blocks (n_layer repeating layers + the output layer) per place: "CPU" (this machine's), each
+    worker's endpoint (its devices summed: one entry per host) and each local GPU's name.
+
+    With no tensor_split, llama.cpp splits by the devices' free memory, which this asks them for.
+    To apply a planned split exactly, pass tensor_split = the planned block count per device.
+    """
+    splits = list(tensor_split) if tensor_split and any(tensor_split) else [d.memory()[0] for d in devices]
+    labels = [str(d.endpoint) if d.endpoint else d.name for d in devices]
+    counts: dict[str, int] = {}
+    for index in layer_devices(n_layer, n_gpu_layers, splits[:len(devices)]):
+        label = "CPU" if index is None else labels[index]
+        counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
 @contextlib.contextmanager
 def model_devices(devices: Sequence[Device]) -> Iterator[ctypes.Array]:
     """Within it, every llama_cpp.Llama(...) loads onto exactly `devices` (plus the local CPU).

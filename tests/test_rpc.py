@@ -1,4 +1,5 @@
 """llama.cpp's RPC backend: real worker processes on loopback, the target split across them."""
+import os
 import select
 import signal
 import socket
@@ -32,11 +33,13 @@ def needs_rpc():
 class Worker:
     """`start_worker` in its own process (the `ggufspec worker` command's body)."""
 
-    def __init__(self, log_dir: Path, mem: int | None = None):
+    def __init__(self, log_dir: Path, mem: int | None = None, cache: Path | None = None):
         self.port = free_port()
         self.endpoint = rpc.Endpoint("127.0.0.1", self.port)
         self.log = log_dir / f"worker-{self.port}.log"
-        code = f"from ggufspec.rpc import start_worker; start_worker('127.0.0.1', {self.port}, threads=1, mem={mem!r})"
+        cache_dir = cache and str(cache)
+        code = ("from ggufspec.rpc import start_worker; "
+                f"start_worker('127.0.0.1', {self.port}, threads=1, mem={mem!r}, cache_dir={cache_dir!r})")
         with self.log.open("wb") as log:
             self.process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=log, stderr=log)
         self.wait_ready()
@@ -66,7 +69,7 @@ def workers(needs_rpc, tmp_path_factory):
     started = []
     try:
         started.append(Worker(logs, mem=512 * MiB))
-        started.append(Worker(logs))
+        started.append(Worker(logs, cache=logs / "cache"))
         yield started
     finally:
         for worker in started:
@@ -122,6 +125,7 @@ def test_probe_and_memory(workers):
     assert rpc.worker_memory(limited.endpoint) == (512 * MiB, 512 * MiB)  # --mem
     free, total = rpc.worker_memory(plain.endpoint)
     assert total == psutil.virtual_memory().total and free > 0  # a CPU worker reports its RAM
+    assert f"local cache    : {plain.log.parent / 'cache'}" in plain.log.read_text()  # --cache
 
 
 def test_unreachable_worker_is_a_quick_one_line_error(workers):
@@ -185,12 +189,18 @@ def test_target_split_across_two_workers_matches_local(workers, tiny_pair, tiny_
     from ggufspec import SpeculativeDecoder
     target, draft = tiny_pair
     endpoints = [w.endpoint for w in workers]
+    devices = rpc.target_devices(rpc.register_workers(endpoints))
     llm = load_split_target(target, endpoints)
     try:
         # the tiny target has 2 layers: layer 0 on the local CPU, layer 1 on the first worker, output on the second
         assert rpc.layer_devices(2, 2, [1, 1]) == [None, 0, 1]
+        assert rpc.layer_placement(devices, 2, 2, [1, 1]) == {"CPU": 1, str(endpoints[0]): 1, str(endpoints[1]): 1}
         assert [connections_to(w.port) for w in workers] == [1, 1]
         assert rpc.keepalive(endpoints, timeout_s=10) == 2
+        for conn in psutil.Process().net_connections("tcp"):
+            if conn.raddr and conn.raddr.port in (workers[0].port, workers[1].port):
+                with socket.socket(fileno=os.dup(conn.fd)) as sock:
+                    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         with pytest.raises(rpc.WorkerUnreachableError, match="serving another host"):
             rpc.probe(endpoints[0], timeout=0.5)  # a worker serves one host at a time
         with SpeculativeDecoder(llm, draft, n_ctx=256, n_threads=1) as split:
