@@ -105,6 +105,9 @@ def open_decoder(opts: dict):
     the files it was opened from. Consumes the model options from `opts`."""
     from .speculate import SpeculativeDecoder
     pair, no_draft = opts.pop("pair"), opts.pop("no_draft")
+    if pair is None and opts["model"] is None:
+        from .registry import load_registry
+        pair = load_registry().default  # named, so that serve can call its model by the pair's name
     skip_draft = no_draft or opts["lookup"]  # lookup needs no draft model
     target_path, draft_path, pair_k = resolve_models(pair, opts.pop("model"), opts.pop("model_draft"), skip_draft)
     draft_path = None if skip_draft else draft_path
