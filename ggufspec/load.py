@@ -27,6 +27,8 @@ class LoadParams:
     n_batch: int = 512
     strict: bool = False  # verify token by token (n_ubatch=1): bit-identical to the target alone
     flash_attn: str = "auto"  # on | off | auto (llama.cpp's default: on where the backend has it)
+    devices: tuple | None = None       # RPC workers (and local GPUs) to place layers on; None: llama.cpp's default
+    tensor_split: tuple | None = None  # how those devices share the offloaded layers (one weight each)
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -84,11 +86,15 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     threads = params.n_threads or default_threads()
     quiet_llama_logs()
     try:
+        options = dict(n_ctx=params.n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
+                       n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
+                       logits_all=False, verbose=False)
         with _context_flash_attn(flash_attn_type(params.flash_attn)):
-            return llama_cpp.Llama(
-                model_path=str(path), n_ctx=params.n_ctx, n_batch=params.n_batch,
-                n_ubatch=1 if strict else params.n_batch, n_threads=threads, n_threads_batch=threads,
-                n_gpu_layers=params.n_gpu_layers, logits_all=False, verbose=False)
+            if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
+                from .rpc import load_llama
+                split = list(params.tensor_split) if params.tensor_split else None
+                return load_llama(path, params.devices, tensor_split=split, **options)
+            return llama_cpp.Llama(model_path=str(path), **options)
     except (ValueError, RuntimeError) as exc:
         raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {exc}") from None
 

@@ -1,7 +1,7 @@
 """Statistics of one generation, and the text blocks and tables that show them."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -21,6 +21,7 @@ class Stats:
     target_seconds: float = 0.0
     stop_reason: str = ""       # eos | n_predict | context | interrupted
     drafter: str = ""           # model | lookup | hybrid, "+auto" when K is chosen per step; none
+    placement: dict = field(default_factory=dict)  # target blocks per host ("CPU", "host:port"), with --rpc
 
     def add_step(self, n_drafted: int, n_accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.n_steps += 1
@@ -63,4 +64,5 @@ class Stats:
             f"draft:  {self.draft_seconds:8.3f} s",
             f"target: {self.target_seconds:8.3f} s ({self.n_steps} batches)",
             f"stop:   {self.stop_reason}",
-        ])
+        ] + ([f"target layers: " + ", ".join(f"{host} {n}" for host, n in self.placement.items())]
+             if self.placement else []))
