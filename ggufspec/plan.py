@@ -267,7 +267,7 @@ class _GGMLHeader:
 
     def tensors(self) -> list[tuple[str, int]]:
         lib, ctx = self.lib, self.ctx
-        return [(lib.gguf_get_tensor_name(ctx, i).decode(), lib.gguf_get_tensor_size(ctx, i))
+        return [(lib.gguf_get_tensor_name(ctx, i).decode(errors="replace"), lib.gguf_get_tensor_size(ctx, i))
                 for i in range(lib.gguf_get_n_tensors(ctx))]
 
 
