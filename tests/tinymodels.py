@@ -104,7 +104,7 @@ def write_model(path: Path, shape: Shape, weights: dict[str, np.ndarray],
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
 def make_pair(directory: Path, seed: int = 0, shape: Shape | None = None) -> tuple[Path, Path]:
