@@ -87,17 +87,19 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
         draft.reuse_prefix(tokens[:-1])
 
 
-def measure_step_costs(target: Context, draft: Context | None, costs: Costs, k: int, token: int,
-                       repeats: int = 3, budget_seconds: float = 2.0) -> None:
-    """Time target batches of 1 and k + 1 tokens and single draft tokens on the device itself, so
-    `--draft auto` starts from this machine's costs instead of guessing or probing.
+def measure_step_costs(target: Context, draft: Context | None, costs: Costs, sizes=(1, 2, 4, 8), token: int = 0,
+                       repeats: int = 3, budget_seconds: float = 3.0) -> None:
+    """Time target batches of several sizes and single draft tokens on the device itself, so
+    `--draft auto` starts from this machine's costs instead of guessing or probing. Several sizes,
+    because T(n) is not a line: kernels change with the batch size (on one CPU here T(4) was 5.8x
+    T(1) and T(8) 6.6x).
 
     The tokens are appended after whatever the caches hold and cut off again, so a cached
     conversation survives. Each size's first run pays for building its graph and is not kept.
     """
-    jobs = [(target, 1), (target, k + 1)] + ([(draft, 1)] if draft is not None else [])
+    jobs = [(target, n) for n in sizes] + ([(draft, 1)] if draft is not None else [])
     started = time.perf_counter()
-    for ctx, n in jobs:
+    for number, (ctx, n) in enumerate(jobs, 1):
         if ctx.n_past + n > ctx.n_ctx:
             continue
         for run in range(repeats + 1):
@@ -111,7 +113,7 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, k: 
                 costs.add_batch(n, seconds)
             else:
                 costs.draft_times.append(seconds)
-            if time.perf_counter() - started > budget_seconds * (jobs.index((ctx, n)) + 1) / len(jobs):
+            if time.perf_counter() - started > budget_seconds * number / len(jobs):
                 break  # a big model on a CPU: one warm run per size is enough to start from
 
 
@@ -307,7 +309,7 @@ class SpeculativeDecoder:
         if adaptive:  # the machine's costs outlive a generation
             costs = self._costs.setdefault(drafter, Costs())
             if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
-                measure_step_costs(self.target, chosen.context, costs, AdaptiveK.K_FIRST, tokens[0])
+                measure_step_costs(self.target, chosen.context, costs, token=tokens[0])
             controller = AdaptiveK(draft_max, costs=costs, free=drafter == "lookup")
         else:
             controller = FixedK(n_draft)
