@@ -6,6 +6,10 @@ event loop through an asyncio queue; `create_app` maps HTTP to jobs and jobs to 
 
 Each request sends its whole prompt (or conversation); the decoder keeps the longest prefix its KV
 cache shares with it, so a conversation that grows turn by turn is only evaluated once.
+
+`GET /` is a chat page (ggufspec/static/chat.html, self-contained) that shows the speculation: each
+token coloured by origin, K per step, and the time saved against the target alone; `GET /props`
+describes the pair for it (llama-server has an endpoint of that name).
 """
 from __future__ import annotations
 
@@ -14,21 +18,25 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import secrets
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import __version__
 from .errors import ContextFullError, DecodeError, GgufspecError
 from .report import Stats
 
@@ -261,7 +269,8 @@ class ClientGone(Exception):
 
 class Job:
     """One request's generation. The worker thread fills `events`; the request's task reads them:
-    ("started", n_prompt), ("pieces", [piece, ...]), then ("done", (stats, finish_reason)) or ("error", exc)."""
+    ("started", n_prompt), ("prompt", {cache_n...}) before the first pieces, ("pieces", [piece, ...]),
+    then ("done", (stats, finish_reason, estimate)) or ("error", exc)."""
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                  options: dict, stops: list[str]):
@@ -362,6 +371,8 @@ class Engine:
             for piece in stream:
                 if job.cancelled.is_set():
                     break
+                if steps.step == 0:  # the first token: the prompt has been evaluated
+                    job.emit("prompt", prompt_info(stats))
                 released = stop_filter.push(steps.annotate(piece))
                 if released:
                     job.emit("pieces", released)
@@ -375,7 +386,9 @@ class Engine:
         result = self.last = dataclasses.replace(stats)
         if stop_filter.stopped:
             result.stop_reason = "stop"
-        job.emit("done", (result, FINISH_REASONS.get(result.stop_reason, "stop")))
+        # here, on the worker thread: the decoder's measured costs change only here
+        estimate = time_estimate(decoder, job.options.get("drafter", "model"), result)
+        job.emit("done", (result, FINISH_REASONS.get(result.stop_reason, "stop"), estimate))
 
     def stop(self) -> None:
         """Shutting down: the running generation ends at its next token (its client gets what was
@@ -401,6 +414,97 @@ def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
             f"({n_prompt} in the prompt + {max_tokens} max_tokens): shorten the prompt or lower max_tokens")
     if n_prompt >= n_ctx:
         raise ContextFullError(f"the prompt is {n_prompt} tokens but this model's context holds {n_ctx}")
+
+
+# ---------------------------------------------------------------- what the chat page shows
+
+def prompt_info(stats: Stats) -> dict:
+    """The prompt as evaluated: how much of it the KV cache already held."""
+    return {"n_prompt": stats.n_prompt, "cache_n": stats.n_prompt_cached,
+            "prompt_ms": stats.prompt_seconds * 1000}
+
+
+def time_estimate(decoder, drafter: str, stats: Stats) -> dict | None:
+    """The time this answer saved (negative: lost) against the target alone, as the cost model sees
+    it: the target alone takes T(1) per token, T(1) being the least single-token step the decoder
+    measured on this machine (so the estimate leans towards "lost"). None before any T(1) is known
+    (a fixed K never runs the target alone; `draft: "auto"` measures it on its first request)."""
+    if stats.n_predict == 0 or stats.decode_seconds <= 0:
+        return None
+    costs_by_drafter = getattr(decoder, "_costs", None) or {}
+    # T(1) is the target's own cost, measured under each drafter: this request's first
+    ordered = [costs_by_drafter[drafter]] if drafter in costs_by_drafter else []
+    ordered += [c for name, c in costs_by_drafter.items() if name != drafter]
+    costs = next((c for c in ordered if c.batch_times.get(1)), None)
+    if costs is None:
+        return None
+    t1 = costs.batch_model()(1)
+    alone = stats.n_predict * t1
+    return {"t1_ms": t1 * 1000, "target_alone_ms": alone * 1000, "decode_ms": stats.decode_seconds * 1000,
+            "saved_ms": (alone - stats.decode_seconds) * 1000, "speedup": alone / stats.decode_seconds,
+            "target_alone": stats.drafter == "none"}
+
+
+QUANT_IN_NAME = re.compile(r"(?i)(?:^|[-_.])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)$")
+
+
+def quantization(llm) -> str | None:
+    """Q4_K_M, F16...: GGUF's general.file_type, else the file name's quantization suffix."""
+    import gguf
+    try:
+        name = gguf.LlamaFileType(int(llm.metadata["general.file_type"])).name
+    except (AttributeError, KeyError, TypeError, ValueError):
+        name = None
+    if name and name != "GUESSED":
+        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    stem = Path(getattr(llm, "model_path", "") or "").stem
+    match = QUANT_IN_NAME.search(stem)
+    return match.group(1).upper() if match else None
+
+
+def model_info(llm) -> dict | None:
+    """One model of the pair as /props shows it."""
+    if llm is None:
+        return None
+    import ctypes
+
+    import llama_cpp
+    model = llm._model.model
+    n_layer = llama_cpp.llama_model_n_layer(model)
+    requested = llm.model_params.n_gpu_layers  # -1 was stored as INT32_MAX: every layer
+    offloaded = min(requested, n_layer + 1) if llama_cpp.llama_supports_gpu_offload() else 0
+    desc = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(model, desc, len(desc))
+    path = Path(llm.model_path)
+    return {"file": path.name, "name": llm.metadata.get("general.name") or path.stem,
+            "quantization": quantization(llm), "description": desc.value.decode(errors="replace"),
+            "n_params": llama_cpp.llama_model_n_params(model), "size_bytes": llama_cpp.llama_model_size(model),
+            "n_layer": n_layer, "n_gpu_layers": offloaded}
+
+
+def pair_props(decoder, model_name: str, defaults: dict) -> dict:
+    """GET /props: the pair, its placement, the request defaults. The llama-server fields
+    (default_generation_settings, total_slots, model_path, build_info) are there for its clients."""
+    import llama_cpp
+
+    from .plan import build_backends
+    target = model_info(decoder.target_llm)
+    draft = model_info(getattr(decoder, "draft_llm", None))
+    params = {"n_predict": defaults.get("n_predict", -1), "temperature": defaults.get("temperature", 0.0),
+              "top_k": defaults.get("top_k", 40), "top_p": defaults.get("top_p", 0.95),
+              "min_p": defaults.get("min_p", 0.05), "seed": defaults.get("seed"),
+              "speculative.n_max": defaults.get("draft_max", 8), "speculative.n_min": defaults.get("draft_min", 0),
+              "speculative.p_min": defaults.get("draft_p_min", 0.0)}
+    return {"model": model_name, "version": __version__, "n_ctx": decoder.n_ctx, "target": target, "draft": draft,
+            "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()), "backends": build_backends(),
+            "placement": decoder.placement,
+            "defaults": defaults,
+            "default_generation_settings": {"n_ctx": decoder.n_ctx, "params": params},
+            "total_slots": 1, "model_path": str(decoder.target_llm.model_path), "build_info": f"ggufspec {__version__}"}
+
+
+def chat_page() -> str:
+    return resources.files("ggufspec").joinpath("static", "chat.html").read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------- OpenAI response objects
@@ -436,7 +540,7 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def whole(self, pieces: list[dict], stats: Stats, finish: str) -> dict:
+    def whole(self, pieces: list[dict], stats: Stats, finish: str, estimate: dict | None = None) -> dict:
         text = "".join(p["text"] for p in pieces)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
@@ -444,7 +548,8 @@ class Reply:
             choice = {"index": 0, "text": text}
         choice.update(finish_reason=finish, logprobs=None)
         return self._object("chat.completion" if self.chat else "text_completion", [choice],
-                            usage=usage(stats), timings=timings(stats), ggufspec={"stats": stats.to_dict()})
+                            usage=usage(stats), timings=timings(stats),
+                            ggufspec={"stats": stats.to_dict(), "estimate": estimate})
 
     def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False, **extra) -> dict:
         if self.chat:
@@ -455,12 +560,15 @@ class Reply:
         choice.update(finish_reason=finish, logprobs=None)
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
-    def pieces_chunk(self, pieces: list[dict]) -> dict:
-        """A chunk of text, and per token where it came from (see the README: "Streaming")."""
-        return self.chunk("".join(p["text"] for p in pieces), ggufspec={"pieces": pieces})
+    def pieces_chunk(self, pieces: list[dict], prompt: dict | None = None) -> dict:
+        """A chunk of text, and per token where it came from (see the README: "Streaming");
+        the first one also says how much of the prompt the cache held."""
+        extra = {"pieces": pieces, **({"prompt": prompt} if prompt else {})}
+        return self.chunk("".join(p["text"] for p in pieces), ggufspec=extra)
 
-    def final_chunks(self, stats: Stats, finish: str, include_usage: bool) -> list[dict]:
-        chunks = [self.chunk(None, finish, timings=timings(stats), ggufspec={"stats": stats.to_dict()})]
+    def final_chunks(self, stats: Stats, finish: str, include_usage: bool, estimate: dict | None = None) -> list[dict]:
+        chunks = [self.chunk(None, finish, timings=timings(stats),
+                             ggufspec={"stats": stats.to_dict(), "estimate": estimate})]
         if include_usage:
             chunks.append(self._object(chunks[0]["object"], [], usage=usage(stats), timings=timings(stats)))
         return chunks
@@ -469,15 +577,16 @@ class Reply:
 # ---------------------------------------------------------------- the app
 
 class V1Middleware:
-    """For /v1/*: 401 without `Authorization: Bearer KEY` when a key is set, and every POST body read
-    as JSON whatever its Content-Type (as llama.cpp's server does: `curl -d` sends a form type).
-    Pure ASGI, so streaming responses pass through untouched."""
+    """For /v1/* and /props: 401 without `Authorization: Bearer KEY` when a key is set, and every POST
+    body read as JSON whatever its Content-Type (as llama.cpp's server does: `curl -d` sends a form
+    type). The page at / and /health need no key. Pure ASGI, so streaming responses pass through."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.key = app, api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+        guarded = scope.get("path", "").startswith("/v1") or scope.get("path") == "/props"
+        if scope["type"] != "http" or not guarded or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.key is not None:
@@ -543,6 +652,16 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         last = engine.last and {"n_predict": engine.last.n_predict, "stop_reason": engine.last.stop_reason}
         return {"status": "ok", "model": model_name, "busy": engine.busy, "waiting": engine.waiting, "last": last}
 
+    props = pair_props(decoder, model_name, defaults)  # read once, before the worker runs anything
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return HTMLResponse(chat_page(), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/props")
+    async def props_endpoint():
+        return props
+
     @app.get("/v1/models")
     async def models():
         meta = {"n_ctx": decoder.n_ctx, **(info or {})}
@@ -594,8 +713,8 @@ async def whole_answer(job: Job, reply: Reply, request: Request) -> dict:
         if kind == "pieces":
             pieces.extend(value)
         elif kind == "done":
-            stats, finish = value
-            return reply.whole(pieces, stats, finish)
+            stats, finish, estimate = value
+            return reply.whole(pieces, stats, finish, estimate)
         elif kind == "error":
             raise engine_error(value)
 
@@ -605,16 +724,20 @@ async def stream_events(job: Job, reply: Reply, include_usage: bool):
     (sse-starlette cancels this generator; `finally` tells the worker, which stops at the next token)."""
     def event(obj):
         return {"data": json.dumps(obj, ensure_ascii=False)}
+    prompt = None  # the prompt's figures, sent with the next pieces
     try:
         if reply.chat:
             yield event(reply.chunk("", role=True))
         while True:
             kind, value = await job.events.get()
-            if kind == "pieces":
-                yield event(reply.pieces_chunk(value))
+            if kind == "prompt":
+                prompt = value
+            elif kind == "pieces":
+                yield event(reply.pieces_chunk(value, prompt))
+                prompt = None
             elif kind == "done":
-                stats, finish = value
-                for chunk in reply.final_chunks(stats, finish, include_usage):
+                stats, finish, estimate = value
+                for chunk in reply.final_chunks(stats, finish, include_usage, estimate):
                     yield event(chunk)
                 break
             elif kind == "error":
