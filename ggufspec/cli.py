@@ -47,9 +47,20 @@ def process_escapes(text: str) -> str:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="ggufspec")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, help="Show the version and the backends "
+              "of the installed llama-cpp-python build, and exit.", callback=lambda ctx, _, value: _print_version(ctx, value))
 def main():
     """Lossless speculative decoding for GGUF models."""
+
+
+def _print_version(ctx, value) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    import llama_cpp
+    from .plan import build_backends
+    click.echo(f"ggufspec {__version__} (llama-cpp-python {llama_cpp.__version__}, "
+               f"backends: {', '.join(build_backends())})")
+    ctx.exit()
 
 
 def options(*decorators):
@@ -389,12 +400,14 @@ def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, as_json):
                                "n_ctx": result.n_ctx, "reason": result.reason,
                                "predicted_tps": result.predicted_tps,
                                "predicted_target_alone_tps": result.predicted_target_alone_tps,
+                               "estimated": True, "backends": P.build_backends(),
                                "plan": result.to_dict()}, default=str))
         return
     click.echo(P.plan_table(result, target, draft))
     click.echo(result.summary())
     if gpu is not None and vram is None and not P.gpu_offload_supported():
-        click.echo("note: this llama-cpp-python build cannot offload to a GPU; rebuild it with "
+        click.echo("note: this llama-cpp-python build cannot offload to a GPU; rerun scripts/install (CUDA when "
+                   "nvcc and an NVIDIA GPU are found; GGUFSPEC_CUDA=1 forces it), or rebuild it with "
                    "CMAKE_ARGS=\"-DGGML_CUDA=on\" (see the README) to use this plan", err=True)
 
 
@@ -413,15 +426,20 @@ def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, as_json):
 @click.option("-s", "--seed", default=1, show_default=True)
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True)
 @click.option("-t", "--threads", "n_threads", type=int, default=None)
+@click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None, help="Target layers on the GPU [default: planned].")
+@click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
+              help="Draft layers on the GPU [default: planned].")
 @click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
               show_default=True, help="Flash attention (auto: where the backend has it).")
 @click.option("--limit", type=int, default=None, help="Only the first N prompts.")
-@click.option("--against-llamacpp", "llamacpp", default=None, help="Path to llama-speculative-simple: race it too.")
+@click.option("--against-llamacpp", "llamacpp", default=None,
+              help="Path to llama-speculative-simple: race it, and llama.cpp's own target alone (llama-completion beside it).")
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
 @click.option("--plot", "plot_file", default=None, help="Write a PNG of speedup and acceptance against K.")
 @friendly_errors
 def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
-          temperature, seed, n_ctx, n_threads, flash_attn, limit, llamacpp, as_json, plot_file):
+          temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, limit, llamacpp, as_json,
+          plot_file):
     """Measure the target alone against speculative configurations, interleaved, per prompt."""
     from tqdm.auto import tqdm
 
@@ -432,12 +450,15 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
     prompts = B.load_prompts(prompts_file)[:limit]
-    with SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn) as decoder:
+    ngl, ngld = planned_offload(target_path, draft_path, n_ctx, 3, n_gpu_layers, n_gpu_layers_draft)
+    with SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn,
+                            n_gpu_layers=ngl, n_gpu_layers_draft=ngld) as decoder:
         with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
                   disable=as_json) as progress:
             result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
                                  temperature=temperature, seed=seed, progress=progress, llamacpp=llamacpp,
-                                 n_threads=n_threads)
+                                 n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=ngl,
+                                 n_gpu_layers_draft=ngld)
         ks = [int(c.name[2:]) for c in configs if c.name.startswith("K=")]
         B.add_cost_model(result, B.measure_costs(decoder, max(ks, default=3)))
     if plot_file:

@@ -241,6 +241,11 @@ class Costs:
         if len(times) == 1 or seconds < least or (len(times) == 8 and least != min(times)):
             self._model = None
 
+    def summary(self) -> dict:
+        """The least measured times in milliseconds: target batches by size, and a draft token."""
+        return {"target_ms": {n: round(1e3 * min(t), 3) for n, t in sorted(self.batch_times.items())},
+                "draft_ms": round(1e3 * self.t_draft, 3)}
+
     @property
     def t_draft(self) -> float:
         return min(self.draft_times) if self.draft_times else 0.0

@@ -22,6 +22,7 @@ class Stats:
     stop_reason: str = ""       # eos | n_predict | context | interrupted
     drafter: str = ""           # model | lookup | hybrid, "+auto" when K is chosen per step; none
     placement: dict = field(default_factory=dict)  # target blocks per host ("CPU", "host:port"), with --rpc
+    costs: dict = field(default_factory=dict)      # --draft auto: measured step costs (Costs.summary)
 
     def add_step(self, n_drafted: int, n_accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.n_steps += 1
@@ -65,4 +66,6 @@ class Stats:
             f"target: {self.target_seconds:8.3f} s ({self.n_steps} batches)",
             f"stop:   {self.stop_reason}",
         ] + ([f"target layers: " + ", ".join(f"{host} {n}" for host, n in self.placement.items())]
-             if self.placement else []))
+             if self.placement else [])
+          + ([f"costs:  target batch of " + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in self.costs["target_ms"].items())
+              + f"; draft {self.costs['draft_ms']:.2f} ms/token (measured)"] if self.costs.get("target_ms") else []))

@@ -316,6 +316,8 @@ class SpeculativeDecoder:
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),
                                 drafter="none" if chosen is None else drafter + ("+auto" if adaptive else ""),
                                 placement=dict(self.placement or {}))
+        if adaptive and chosen is not None:
+            self.last_stats.costs = costs.summary()
         max_tokens = n_predict if n_predict > 0 else self.n_ctx
         return speculative_steps(self.target, chosen, tokens, controller=controller, params=params,
                                  max_tokens=max_tokens, stats=self.last_stats)
