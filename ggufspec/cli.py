@@ -130,9 +130,14 @@ def open_decoder(opts: dict):
     n_ctx = opts.pop("n_ctx")
     ngl, ngld = planned_offload(target_path, draft_path, n_ctx, pair_k or 3,
                                 opts.pop("n_gpu_layers"), opts.pop("n_gpu_layers_draft"))
+    tensor_split = None
+    if rpc and not ngl:  # the planner's split across the workers, by their free memory
+        from .plan import read_shape
+        shares, ngl = rpc_split(read_shape(target_path), rpc, (), n_ctx)
+        tensor_split = [s.blocks for s in shares[1:]]
     decoder = SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=opts.pop("n_threads"),
                                  n_gpu_layers=ngl, n_gpu_layers_draft=ngld, strict=opts.pop("strict"),
-                                 flash_attn=opts.pop("flash_attn"), rpc=rpc)
+                                 flash_attn=opts.pop("flash_attn"), rpc=rpc, tensor_split=tensor_split)
     opts["use_draft"] = not no_draft
     return decoder, pair, target_path, draft_path
 
@@ -384,12 +389,17 @@ def _devices(vram, ram):
 @click.option("--ram", default=None, help="Plan for this much host memory instead of the detected.")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None, help="Context size [default: 4096, shrunk to fit].")
 @click.option("--draft", "n_draft", type=int, default=3, show_default=True, help="Tokens drafted per step, K.")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="Plan the target across these workers.")
+@click.option("--rpc-mem", multiple=True, metavar="HOST:PORT=SIZE",
+              help="A worker's memory, to plan without contacting it (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @friendly_errors
-def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, as_json):
+def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, rpc, rpc_mem, as_json):
     """Plan GPU offload (-ngl / -ngld) for a pair from its GGUF headers and this machine."""
     from . import plan as P
     target, draft = _shapes_for(pair, model, model_draft)
+    if rpc:
+        return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
     gpu, host = _devices(vram, ram)
     result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx or 4096, ctx_given=n_ctx is not None,
                          n_draft=n_draft)
@@ -409,6 +419,44 @@ def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, as_json):
         click.echo("note: this llama-cpp-python build cannot offload to a GPU; rerun scripts/install (CUDA when "
                    "nvcc and an NVIDIA GPU are found; GGUFSPEC_CUDA=1 forces it), or rebuild it with "
                    "CMAKE_ARGS=\"-DGGML_CUDA=on\" (see the README) to use this plan", err=True)
+
+
+def rpc_split(target_shape, rpc: str, rpc_mem, n_ctx: int):
+    """The target's blocks per worker (plan.split_across_hosts), with each worker's free memory and
+    round trip asked from it unless --rpc-mem declares its memory."""
+    from . import plan as P
+    from . import rpc as R
+    declared = P.parse_host_sizes(rpc_mem)
+    hosts, rtt_ms = [], {}
+    for endpoint in R.parse_endpoints(rpc):
+        name = str(endpoint)
+        if name in declared:
+            hosts.append((name, declared[name]))
+            continue
+        hosts.append((name, R.worker_memory(endpoint)[0]))
+        rtt_ms[name] = 1e3 * R.round_trip_time(endpoint)
+    return P.split_across_hosts(target_shape, n_ctx, hosts, rtt_ms)
+
+
+def _print_rpc_plan(target, rpc, rpc_mem, n_ctx, as_json):
+    from . import plan as P
+    shares, ngl = rpc_split(target, rpc, rpc_mem, n_ctx)
+    tps = 1 / P.rpc_token_seconds(target, shares, P.detect_ram())
+    if as_json:
+        click.echo(json.dumps({"ngl": ngl, "tensor_split": [s.blocks for s in shares[1:]], "n_ctx": n_ctx,
+                               "estimated": True, "predicted_target_alone_tps": tps,
+                               "hosts": [asdict_(s) for s in shares]}))
+        return
+    click.echo(f"{'host':<24} {'blocks':>6} {'GiB':>8} {'free GiB':>9} {'rtt ms':>7}")
+    for s in shares:
+        click.echo(f"{s.host:<24} {s.blocks:>6} {s.bytes / P.GiB:>8.2f} {s.free / P.GiB:>9.2f} {s.rtt_ms:>7.2f}")
+    click.echo(f"plan: -ngl {ngl} across {len(shares) - 1} worker(s), {target.n_layer + 1 - ngl} block(s) on this "
+               f"CPU (estimated {tps:.1f} tok/s for the target alone)")
+
+
+def asdict_(obj) -> dict:
+    from dataclasses import asdict
+    return asdict(obj)
 
 
 @main.command()

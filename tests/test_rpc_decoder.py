@@ -85,3 +85,39 @@ def test_cli_worker_and_run_with_rpc(tiny_pair, needs_rpc, tmp_path):  # noqa: F
                                  capture_output=True, text=True, timeout=30, env={**os.environ})
     assert "unauthenticated" in warning.stderr.lower(), warning.stderr
     assert warning.returncode != 0
+
+
+def test_plan_splits_a_70b_target_across_two_declared_hosts(tmp_path):
+    """The seed-001 pair's target (Llama-3-70B Q3_K_S shape) across two 24 GiB hosts, declared with
+    --rpc-mem so no worker is contacted: every block on the workers, none left on this CPU."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ggufspec.cli import main
+    from tinymodels import write_header_only
+
+    target = write_header_only(tmp_path / "llama3-70b-q3_k_s.gguf", n_layer=80, n_embd=8192, n_head=64,
+                               n_head_kv=8, n_ff=28672, n_vocab=128256)
+    hosts = ["10.0.0.2:50052", "10.0.0.3:50052"]
+    result = CliRunner().invoke(main, ["plan", "-m", str(target), "--rpc", ",".join(hosts), "-c", "4096",
+                                       "--rpc-mem", f"{hosts[0]}=24GiB", "--rpc-mem", f"{hosts[1]}=24GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    shares = {h["host"]: h for h in plan["hosts"]}
+    assert plan["ngl"] == 81 and shares["CPU"]["blocks"] == 0
+    assert [shares[h]["blocks"] for h in hosts] == plan["tensor_split"] and sum(plan["tensor_split"]) == 81
+    assert all(shares[h]["bytes"] <= 24 * 2**30 for h in hosts)
+    # one 24 GiB host cannot hold it: the rest stays on this machine's CPU
+    one = json.loads(CliRunner().invoke(main, ["plan", "-m", str(target), "--rpc", hosts[0], "-c", "4096",
+                                               "--rpc-mem", f"{hosts[0]}=24GiB", "--json"]).output)
+    assert 0 < one["ngl"] < 81 and {h["host"]: h["blocks"] for h in one["hosts"]}["CPU"] == 81 - one["ngl"]
+
+
+def test_rpc_mem_bad_input_is_one_line(tmp_path, tiny_pair):
+    from click.testing import CliRunner
+
+    from ggufspec.cli import main
+    result = CliRunner().invoke(main, ["plan", "-m", str(tiny_pair[0]), "--rpc", "10.0.0.2:50052",
+                                       "--rpc-mem", "10.0.0.2:50052"])
+    assert result.exit_code == 2 and "--rpc-mem takes HOST:PORT=SIZE" in result.output
