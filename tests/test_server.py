@@ -318,6 +318,9 @@ def test_api_key(busy_server):
         response = httpx.post(busy_server.url + "/v1/completions", content=body, headers=headers, timeout=30)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(busy_server.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(busy_server.url + "/props", timeout=10).status_code == 401  # it names the files
+    assert httpx.get(busy_server.url + "/props", headers=auth(), timeout=10).json()["model"] == "slow"
+    assert httpx.get(busy_server.url + "/", timeout=10).status_code == 200  # the chat page asks for the key itself
     with pytest.raises(openai.AuthenticationError):
         busy_server.client(api_key="wrong").models.list()
     answer = busy_server.client(api_key=API_KEY).completions.create(model="slow", prompt="x", max_tokens=3)
