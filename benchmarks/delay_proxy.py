@@ -5,7 +5,8 @@ a stand-in for the network between a host and its RPC workers.
 
 Each ROUTE is LISTEN_PORT=HOST:PORT (port 0: any free port). Once listening it prints
 `ready PORT...` (the ports actually bound, in route order). A line `delay MS` on stdin changes the
-delay for what arrives from then on and is answered `ok MS`. `DelayProxy` runs it as a subprocess.
+delay for what arrives from then on and is answered `ok MS`; `stats` is answered
+`turns N`, the request/reply round trips seen so far. `DelayProxy` runs it as a subprocess.
 
 Why threads and not asyncio: a chunk is held until `arrival + delay` with time.sleep, which keeps to
 tens of microseconds; asyncio's timers go through epoll's millisecond timeouts, rounded up, which
@@ -30,10 +31,19 @@ class Delay:
     seconds = 0.0
 
 
-def receive(source: socket.socket, pending: queue.Queue) -> None:
+class Turns:
+    """Round trips seen: a chunk from a worker after one from its host, on the same connection (a
+    host that waits for each answer pays one network round trip per turn). `stats` on stdin reads it."""
+    count = 0
+
+
+def receive(source: socket.socket, pending: queue.Queue, direction: str, last: list) -> None:
     """Stamp each chunk with the time it may leave; b"" marks the end of the stream."""
     try:
         while chunk := source.recv(CHUNK):
+            if last[0] != direction:
+                last[0] = direction
+                Turns.count += direction == "reply"
             pending.put((time.perf_counter() + Delay.seconds, chunk))
     except OSError:
         pass
@@ -66,11 +76,11 @@ def forward(client: socket.socket, upstream_address: tuple[str, int]) -> None:
     except OSError:
         client.close()
         return
-    threads = []
-    for source, dest in ((client, upstream), (upstream, client)):
+    threads, last = [], [None]  # the direction of this connection's latest chunk
+    for source, dest, direction in ((client, upstream, "request"), (upstream, client, "reply")):
         source.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # ggml-rpc sets it too
         pending: queue.Queue = queue.Queue()
-        threads += [threading.Thread(target=receive, args=(source, pending), daemon=True),
+        threads += [threading.Thread(target=receive, args=(source, pending, direction, last), daemon=True),
                     threading.Thread(target=send, args=(pending, dest, source), daemon=True)]
     for thread in threads:
         thread.start()
@@ -117,6 +127,8 @@ def main() -> None:
         if word == "delay":
             Delay.seconds = float(value) / 1000
             print(f"ok {value}", flush=True)
+        elif word == "stats":
+            print(f"turns {Turns.count}", flush=True)
 
 
 class DelayProxy:
@@ -140,6 +152,13 @@ class DelayProxy:
         if answer != f"ok {delay_ms}":
             raise RuntimeError(f"the delay proxy answered {answer!r}")
         self.delay_ms = delay_ms
+
+    def round_trips(self) -> int:
+        """Round trips (host request, then worker reply) through the proxy so far, all connections."""
+        self.process.stdin.write("stats\n")
+        self.process.stdin.flush()
+        word, count = self.process.stdout.readline().split()
+        return int(count)
 
     def close(self) -> None:
         if self.process.poll() is None:
