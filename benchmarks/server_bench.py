@@ -225,13 +225,23 @@ def loadavg() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
+def wait_for_quiet(max_load: float | None, max_wait: float) -> float:
+    """On a shared machine: wait (at most max_wait seconds) until the 1-minute load average is at
+    most max_load. Returns the seconds waited."""
+    started = time.monotonic()
+    while max_load is not None and loadavg()[0] > max_load and time.monotonic() - started < max_wait:
+        time.sleep(5)
+    return time.monotonic() - started
+
+
 def bench_server(name: str, args, target: Path, draft: Path, conversation: dict, prompts: list[dict],
                  pass_index: int) -> dict:
+    record_wait = wait_for_quiet(args.max_load, args.max_wait)
     port = free_port()
     command = server_command(name, target, draft, args.threads, args.ctx, port)
     log_path = LOG_DIR / f"{name}.{pass_index}.log"
     record = {"server": name, "pass": pass_index, "command": command, "log": str(log_path),
-              "loadavg_before": loadavg()}
+              "waited_for_quiet_s": record_wait, "loadavg_before": loadavg()}
     print(f"[{name} pass {pass_index}] starting: {' '.join(command)}", file=sys.stderr)
     try:
         with Server(name, command, port, log_path) as server:
@@ -363,6 +373,9 @@ def main():
     parser.add_argument("--conversation", default=str(ROOT / "benchmarks/conversation.json"))
     parser.add_argument("-m", "--model", help="Target GGUF [default: the demo pair's].")
     parser.add_argument("-md", "--model-draft", help="Draft GGUF [default: the demo pair's].")
+    parser.add_argument("--max-load", type=float, default=None,
+                        help="Before each server, wait until the 1-minute load average is at most this.")
+    parser.add_argument("--max-wait", type=float, default=300, help="Longest wait for --max-load, seconds.")
     parser.add_argument("--json", dest="json_out", help="Write the raw results here.")
     args = parser.parse_args()
 
