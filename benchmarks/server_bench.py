@@ -352,6 +352,17 @@ def prompt_table(records: list[dict], names: list[str], prompt_ids: list[str]) -
     return "\n".join(lines)
 
 
+def runs_table(records: list[dict]) -> str:
+    lines = ["| server | pass | load avg before | load avg after | startup s | turn 1 prompt tokens | turn 2 cached |",
+             "|---|---|---|---|---|---|---|"]
+    for r in records:
+        turns = r.get("turns") or [{}, {}]
+        lines.append(f"| {r['server']} | {r['pass']} | {' '.join(map(str, r['loadavg_before']))} | "
+                     f"{' '.join(map(str, r['loadavg_after']))} | {fmt(r.get('startup_s'), 1)} | "
+                     f"{turns[0].get('prompt_tokens', '–')} | {turns[1].get('cached_tokens', '–')} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- main
 
 def cpu_name() -> str:
@@ -424,6 +435,8 @@ def main():
     print(markdown(records, names))
     print()
     print(prompt_table(records, names, meta["prompts"]))
+    print()
+    print(runs_table(records))
     for r in records:
         if "error" in r:
             print(f"\n{r['server']} (pass {r['pass']}) failed: {r['error']}")
