@@ -20,6 +20,7 @@ import logging
 import math
 import re
 import secrets
+import statistics
 import threading
 import time
 import uuid
@@ -426,9 +427,11 @@ def prompt_info(stats: Stats) -> dict:
 
 def time_estimate(decoder, drafter: str, stats: Stats) -> dict | None:
     """The time this answer saved (negative: lost) against the target alone, as the cost model sees
-    it: the target alone takes T(1) per token, T(1) being the least single-token step the decoder
-    measured on this machine (so the estimate leans towards "lost"). None before any T(1) is known
-    (a fixed K never runs the target alone; `draft: "auto"` measures it on its first request)."""
+    it: the target alone takes T(1) per token, T(1) being the median of the target's recent
+    single-token steps that the decoder measured (the cost model keeps the last 8; the median, not
+    the least, so that a machine busy with other work now is compared with itself). None before any
+    T(1) is known (a fixed K never runs the target alone; `draft: "auto"` measures it on its first
+    request)."""
     if stats.n_predict == 0 or stats.decode_seconds <= 0:
         return None
     costs_by_drafter = getattr(decoder, "_costs", None) or {}
@@ -438,11 +441,11 @@ def time_estimate(decoder, drafter: str, stats: Stats) -> dict | None:
     costs = next((c for c in ordered if c.batch_times.get(1)), None)
     if costs is None:
         return None
-    t1 = costs.batch_model()(1)
+    t1 = statistics.median(costs.batch_times[1])
     alone = stats.n_predict * t1
     return {"t1_ms": t1 * 1000, "target_alone_ms": alone * 1000, "decode_ms": stats.decode_seconds * 1000,
             "saved_ms": (alone - stats.decode_seconds) * 1000, "speedup": alone / stats.decode_seconds,
-            "target_alone": stats.drafter == "none"}
+            "target_alone": stats.n_drafted == 0}  # nothing drafted: the target alone, whatever the figures say
 
 
 QUANT_IN_NAME = re.compile(r"(?i)(?:^|[-_.])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)$")

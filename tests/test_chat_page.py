@@ -177,7 +177,8 @@ def test_two_messages_tokens_by_origin_and_the_stats_panel(page, server, tmp_pat
     assert stat(page, 0, "tokens") == "24"
     assert float(stat(page, 0, "tps")) > 0
     assert re.fullmatch(r"\d+ of \d+", stat(page, 0, "cached"))
-    assert re.fullmatch(r"(saved|lost) [\d.]+ m?s \([\d.]+×\)", stat(page, 0, "saved")), stat(page, 0, "saved")
+    estimate = r"(saved|lost) [\d.]+ m?s \([\d.]+×\)|±0 \(nothing drafted\)"  # auto may draft nothing here
+    assert re.fullmatch(estimate, stat(page, 0, "saved")), stat(page, 0, "saved")
 
     # the second turn drafts a fixed K = 3, and its message has two lines (Shift+Enter)
     set_settings(page, draft_mode="fixed", draft_k=3)
@@ -194,6 +195,7 @@ def test_two_messages_tokens_by_origin_and_the_stats_panel(page, server, tmp_pat
     accepted, drafted = map(int, re.search(r"\((\d+)/(\d+)\)", acceptance).groups())
     assert 0 < accepted <= drafted <= 3 * 24, acceptance
     assert float(stat(page, 1, "per-call")) > 1.0  # accepted drafts: more than a token per target call
+    assert re.fullmatch(r"(saved|lost) [\d.]+ m?s \([\d.]+×\)", stat(page, 1, "saved")), stat(page, 1, "saved")
     cached, n_prompt = map(int, re.fullmatch(r"(\d+) of (\d+)", stat(page, 1, "cached")).groups())
     assert cached > 0 and n_prompt > cached  # the first turn stayed in the KV cache
     bars = second.locator('svg[data-stat="ksteps"] rect.k')
