@@ -387,7 +387,7 @@ class Engine:
         result = self.last = dataclasses.replace(stats)
         if stop_filter.stopped:
             result.stop_reason = "stop"
-        # here, on the worker thread: the decoder's measured costs change only here
+        # on the worker thread, the only one that changes the decoder's measured costs
         estimate = time_estimate(decoder, job.options.get("drafter", "model"), result)
         job.emit("done", (result, FINISH_REASONS.get(result.stop_reason, "stop"), estimate))
 
