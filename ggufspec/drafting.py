@@ -14,7 +14,7 @@ from collections import deque
 import numpy as np
 
 from .errors import DecodeError
-from .native import Context
+from .native import Context, common_prefix_length
 from .sampling import SamplingParams, distribution, greedy_token, sample
 
 
@@ -70,13 +70,8 @@ class VocabBridge:
         del self.tokens[n_tokens:], self.ends[n_tokens:]
 
     def reuse_prefix(self, tokens) -> int:
-        n = 0
-        for cached, new in zip(self.tokens, tokens):
-            if cached != new:
-                break
-            n += 1
-        self.keep(n)
-        return n
+        self.keep(common_prefix_length(self.tokens, tokens))
+        return len(self.tokens)
 
     def close(self) -> None:
         self.inner.close()

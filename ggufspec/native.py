@@ -35,6 +35,15 @@ def quiet_llama_logs() -> None:
     llama_cpp.llama_log_set(_log_to_stderr_if_verbose, ctypes.c_void_p(0))
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Context:
     def __init__(self, llm: llama_cpp.Llama, name: str):
         self.llm = llm
@@ -112,12 +121,7 @@ class Context:
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the longest prefix the cache shares with `tokens`; returns its length."""
-        n = 0
-        for cached, new in zip(self.tokens, tokens):
-            if cached != new:
-                break
-            n += 1
-        self.keep(n)
+        self.keep(common_prefix_length(self.tokens, tokens))
         return len(self.tokens)
 
     def is_end_of_generation(self, token: int) -> bool:

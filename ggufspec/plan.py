@@ -316,14 +316,8 @@ def _remember_shape(key: str, shape: ModelShape) -> None:
     data.pop(key, None)
     data[key] = {k: v for k, v in asdict(shape).items() if k != "name"}
     data = dict(list(data.items())[-SHAPES_KEPT:])  # the most recently read files
-    path = _shapes_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"shapes.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
-    except OSError:
-        pass  # remembering is an optimisation; never fail a plan over it
+    from .registry import write_json
+    write_json(_shapes_file().name, data)
 
 
 def _cached_shape(key: str, name: str, read) -> ModelShape:

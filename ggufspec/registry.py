@@ -27,6 +27,30 @@ def home() -> Path:
     return Path(data) / "ggufspec"
 
 
+def read_json(name: str) -> dict:
+    """A JSON object ggufspec remembers in its home (costs, shapes, verified files); {} when absent or damaged."""
+    import json
+    try:
+        data = json.loads((home() / name).read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_json(name: str, data: dict) -> None:
+    """Replace `name` in ggufspec's home atomically (a reader sees the old file or the new one).
+    What is remembered there is an optimisation: failing to write it never fails a command."""
+    import json
+    path = home() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def user_registry_path() -> Path:
     return home() / "models.toml"
 

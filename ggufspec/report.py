@@ -65,7 +65,7 @@ class Stats:
             f"draft:  {self.draft_seconds:8.3f} s",
             f"target: {self.target_seconds:8.3f} s ({self.n_steps} batches)",
             f"stop:   {self.stop_reason}",
-        ] + ([f"target layers: " + ", ".join(f"{host} {n}" for host, n in self.placement.items())]
+        ] + (["target layers: " + ", ".join(f"{host} {n}" for host, n in self.placement.items())]
              if self.placement else [])
-          + ([f"costs:  target batch of " + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in self.costs["target_ms"].items())
+          + (["costs:  target batch of " + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in self.costs["target_ms"].items())
               + f"; draft {self.costs['draft_ms']:.2f} ms/token (measured)"] if self.costs.get("target_ms") else []))

@@ -395,21 +395,10 @@ def _load_costs(key: str | None) -> dict[str, Costs]:
 
 
 def _save_costs(key: str | None, costs: dict[str, Costs]) -> None:
-    import json
-    import os
     learned = {drafter: c.to_dict() for drafter, c in costs.items() if c.batch_times}
     if key is None or not learned:
         return
-    path = _costs_file()
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:
-        data = {}
+    from .registry import read_json, write_json
+    data = read_json(_costs_file().name)
     data[key] = learned
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"costs.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
-    except OSError:
-        pass  # remembering is an optimisation; never fail a run over it
+    write_json(_costs_file().name, data)

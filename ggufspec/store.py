@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import StoreError
-from .registry import ModelEntry, Registry, home, load_registry
+from .registry import ModelEntry, Registry, home, load_registry, write_json
 
 CHUNK = 8 << 20
 HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -110,14 +110,7 @@ def _read_verified() -> dict:
 def record_verified(entry: ModelEntry, file: str, size: int, sha256: str) -> None:
     data = _read_verified()
     data[_verified_key(entry, file)] = {"size": size, "sha256": sha256, "revision": entry.revision}
-    path = verified_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"verified.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
-    except OSError:
-        pass  # a note for `list`; never fail a verified pull over it
+    write_json(verified_path().name, data)  # a note for `list`; never fails a verified pull
 
 
 def verified_files(entry: ModelEntry) -> dict[str, dict]:
