@@ -161,8 +161,10 @@ class Server:
 def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed chat completion: time to the first non-empty content delta, when the last one
     came, how many tokens, and the server's usage and timings where it sends them."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "cache_prompt": True}
+    # repeat_penalty 1: llama_cpp.server's default is 1.1, the others' 1 (no penalty); the same
+    # greedy text everywhere. cache_prompt: llama-server's default, said anyway. Others ignore both.
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "repeat_penalty": 1.0,
+            "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": True}
     text, arrivals, usage, timings, error = [], [], None, None, None
     sent = time.perf_counter()
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
@@ -322,7 +324,7 @@ def markdown(records: list[dict], names: list[str]) -> str:
             name,
             per_pass([r["turns"][0]["ttft_s"] for r in runs]),
             per_pass([r["turns"][1]["ttft_s"] for r in runs]),
-            str(median([r["turns"][1].get("cached_tokens") for r in runs]) if any(
+            str(int(median([r["turns"][1].get("cached_tokens") for r in runs])) if any(
                 r["turns"][1].get("cached_tokens") is not None for r in runs) else "–"),
             per_pass([median([p["ttft_s"] for p in ps]) for ps in prompts]),
             per_pass([median([p["decode_tps"] for p in ps]) for ps in prompts], 1),
@@ -349,6 +351,23 @@ def prompt_table(records: list[dict], names: list[str], prompt_ids: list[str]) -
                 per_pass([(p.get("timings") or {}).get("predicted_per_second") for p in results], 1),
                 fmt(acceptance(results), 0, "%"),
             ]) + " |")
+    return "\n".join(lines)
+
+
+def text_agreement(records: list[dict], prompt_ids: list[str]) -> str:
+    """Greedy decoding everywhere: do the servers write the same text for each prompt?"""
+    lines = []
+    for pid in prompt_ids:
+        texts = {}
+        for r in records:
+            for p in r.get("prompts", []):
+                if p["id"] == pid:
+                    texts.setdefault(p["text"], []).append(f"{r['server']}#{r['pass']}")
+        if len(texts) <= 1:
+            lines.append(f"{pid}: the same text from every run")
+        else:
+            groups = sorted(texts.values(), key=len, reverse=True)
+            lines.append(f"{pid}: {len(texts)} different texts: " + "; ".join(", ".join(g) for g in groups))
     return "\n".join(lines)
 
 
@@ -437,6 +456,8 @@ def main():
     print(prompt_table(records, names, meta["prompts"]))
     print()
     print(runs_table(records))
+    print()
+    print(text_agreement(records, meta["prompts"]))
     for r in records:
         if "error" in r:
             print(f"\n{r['server']} (pass {r['pass']}) failed: {r['error']}")
