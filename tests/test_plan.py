@@ -334,6 +334,6 @@ def test_cpu_speed_estimate_is_within_2x_of_the_demo_target_alone():
             decoder.target.decode(tokens[:1], n_logits=1)
             samples.append(time.perf_counter() - t0)
             decoder.target.keep(base)
-    measured = 1 / statistics.median(samples)
+    measured = 1 / min(samples[1:])  # the first pays for the graph; interference only adds time
     print(f"CPU estimate {estimate:.1f} tok/s, measured {measured:.1f}")
     assert 0.5 < estimate / measured < 2
