@@ -130,11 +130,7 @@ def open_decoder(opts: dict):
     n_ctx = opts.pop("n_ctx")
     ngl, ngld = planned_offload(target_path, draft_path, n_ctx, pair_k or 3,
                                 opts.pop("n_gpu_layers"), opts.pop("n_gpu_layers_draft"))
-    tensor_split = None
-    if rpc and not ngl:  # the planner's split across the workers, by their free memory
-        from .plan import read_shape
-        shares, ngl = rpc_split(read_shape(target_path), rpc, (), n_ctx)
-        tensor_split = [s.blocks for s in shares[1:]]
+    ngl, tensor_split = planned_rpc_split(target_path, rpc, ngl, n_ctx)
     decoder = SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=opts.pop("n_threads"),
                                  n_gpu_layers=ngl, n_gpu_layers_draft=ngld, strict=opts.pop("strict"),
                                  flash_attn=opts.pop("flash_attn"), rpc=rpc, tensor_split=tensor_split)
@@ -438,6 +434,16 @@ def rpc_split(target_shape, rpc: str, rpc_mem, n_ctx: int):
     return P.split_across_hosts(target_shape, n_ctx, hosts, rtt_ms)
 
 
+def planned_rpc_split(target_path, rpc: str | None, ngl: int, n_ctx: int):
+    """(-ngl, tensor_split) for a target on RPC workers: as given with -ngl, else the planner's split
+    by the workers' free memory. Without --rpc: (ngl, None)."""
+    if not rpc or ngl:
+        return ngl, None
+    from .plan import read_shape
+    shares, ngl = rpc_split(read_shape(target_path), rpc, (), n_ctx)
+    return ngl, [s.blocks for s in shares[1:]]
+
+
 def _print_rpc_plan(target, rpc, rpc_mem, n_ctx, as_json):
     from . import plan as P
     shares, ngl = rpc_split(target, rpc, rpc_mem, n_ctx)
@@ -479,6 +485,8 @@ def asdict_(obj) -> dict:
               help="Draft layers on the GPU [default: planned].")
 @click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
               show_default=True, help="Flash attention (auto: where the backend has it).")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
+              help="Put the target's layers on these `ggufspec worker`s; the draft stays local.")
 @click.option("--limit", type=int, default=None, help="Only the first N prompts.")
 @click.option("--against-llamacpp", "llamacpp", default=None,
               help="Path to llama-speculative-simple: race it, and llama.cpp's own target alone (llama-completion beside it).")
@@ -486,8 +494,8 @@ def asdict_(obj) -> dict:
 @click.option("--plot", "plot_file", default=None, help="Write a PNG of speedup and acceptance against K.")
 @friendly_errors
 def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
-          temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, limit, llamacpp, as_json,
-          plot_file):
+          temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, rpc, limit, llamacpp,
+          as_json, plot_file):
     """Measure the target alone against speculative configurations, interleaved, per prompt."""
     from tqdm.auto import tqdm
 
@@ -499,8 +507,9 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
     prompts = B.load_prompts(prompts_file)[:limit]
     ngl, ngld = planned_offload(target_path, draft_path, n_ctx, 3, n_gpu_layers, n_gpu_layers_draft)
+    ngl, tensor_split = planned_rpc_split(target_path, rpc, ngl, n_ctx)
     with SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn,
-                            n_gpu_layers=ngl, n_gpu_layers_draft=ngld) as decoder:
+                            n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc=rpc, tensor_split=tensor_split) as decoder:
         with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
                   disable=as_json) as progress:
             result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
