@@ -369,3 +369,66 @@ class AdaptiveK:
         self.idle = self.probe_interval - 1  # then a probe, if K=0 still wins
         self.probe_due = True
         return 0
+
+
+class FreeDrafts(Costs):
+    """The costs of a drafter that costs nothing (n-gram lookup): the same target batch times as
+    `shared` (one target, one machine), no draft time."""
+
+    def __init__(self, shared: Costs):
+        self.shared = shared
+        self.draft_times = deque()
+
+    @property
+    def batch_times(self):
+        return self.shared.batch_times
+
+    def batch_model(self):
+        return self.shared.batch_model()
+
+    def add_batch(self, n: int, seconds: float) -> None:
+        self.shared.add_batch(n, seconds)
+
+    def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
+        self.shared.add_batch(k + 1, verify_seconds)
+
+
+class AutoDrafting:
+    """`--draft auto` with a draft model: the n-gram lookup's proposal where it has a match and
+    pays (it costs no drafting: a text that repeats itself, a file being edited), else the draft
+    model's; each source with its own K controller (its own acceptance) over the same target costs.
+
+    It is both the loop's drafter and its controller: `choose` asks both controllers, `propose`
+    uses the lookup when its K > 0 and it has a match, and `observe` credits the source used.
+    """
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter, costs: Costs, k_max: int):
+        self.lookup, self.model = lookup, model
+        self.context = model.context
+        self.model_k = AdaptiveK(k_max, costs=costs)
+        self.lookup_k = AdaptiveK(k_max, costs=FreeDrafts(costs))
+        self.catch_up_seconds = 0.0
+        self._chosen = (0, 0)
+        self._source = None
+
+    def choose(self, max_k: int) -> int:
+        self._chosen = (self.lookup_k.choose(max_k), self.model_k.choose(max_k))
+        return max(self._chosen)
+
+    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
+        k_lookup, k_model = self._chosen
+        self.catch_up_seconds = 0.0
+        if k_lookup > 0:
+            proposals, probs = self.lookup.propose(tokens, k_lookup, params, rng)
+            if proposals:
+                self._source = self.lookup_k
+                return proposals, probs
+        self._source = self.model_k if k_model > 0 else None
+        if self._source is None:
+            return [], []
+        proposals, probs = self.model.propose(tokens, k_model, params, rng)
+        self.catch_up_seconds = self.model.catch_up_seconds
+        return proposals, probs
+
+    def observe(self, k, n_accepted, draft_seconds, verify_seconds) -> None:
+        (self._source or self.model_k).observe(k, n_accepted, draft_seconds, verify_seconds)

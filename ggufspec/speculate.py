@@ -24,7 +24,8 @@ import numpy as np
 from .errors import ContextFullError, GgufspecError
 from .native import Context
 from .report import Stats
-from .drafting import AdaptiveK, Costs, FixedK, HybridDrafter, LookupDrafter, ModelDrafter, VocabBridge
+from .drafting import (AdaptiveK, AutoDrafting, Costs, FixedK, HybridDrafter, LookupDrafter, ModelDrafter,
+                       VocabBridge)
 from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample
 
 
@@ -204,6 +205,7 @@ class SpeculativeDecoder:
                  tensor_split: Sequence[float] | None = None):
         from .load import LoadParams, check_compatible, check_gguf_file, flash_attn_type
         self._owned: list = []
+        self._closed = False
         for model, role in ((target, "target"), (draft, "draft")):  # fail before loading anything
             if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
                 check_gguf_file(model, role)
@@ -300,6 +302,8 @@ class SpeculativeDecoder:
         draft_p_min / draft_min: as llama.cpp's --draft-p-min / --draft-min, a draft model stops
         when unsure of its next token, and a draft shorter than draft_min is not verified.
         """
+        if self._closed:  # its llama.cpp contexts are freed: using them would crash the process
+            raise GgufspecError("this SpeculativeDecoder is closed")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         tokens = self.tokenize(prompt, chat=chat, system=system)
         adaptive = n_draft == "auto"
@@ -310,7 +314,11 @@ class SpeculativeDecoder:
             costs = self._costs.setdefault(drafter, Costs())
             if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
                 measure_step_costs(self.target, chosen.context, costs, token=tokens[0])
-            controller = AdaptiveK(draft_max, costs=costs, free=drafter == "lookup")
+            if isinstance(chosen, ModelDrafter):  # lookup too, where it has a match and pays
+                chosen = controller = AutoDrafting(LookupDrafter(self.target.n_vocab, ngram_min=2), chosen,
+                                                   costs, draft_max)
+            else:
+                controller = AdaptiveK(draft_max, costs=costs, free=drafter == "lookup")
         else:
             controller = FixedK(n_draft)
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),
@@ -347,6 +355,7 @@ class SpeculativeDecoder:
         return Generation("".join(p.text for p in collected), [p.token for p in collected], self.last_stats)
 
     def close(self) -> None:
+        self._closed = True
         if getattr(self, "_costs", None):
             _save_costs(self._costs_key, self._costs)
             self._costs = {}

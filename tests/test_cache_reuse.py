@@ -90,3 +90,10 @@ def test_chat_renders_the_template_and_reuses_the_cache(tmp_path):
         history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and the dog"}]
         second = decoder.chat(history, n_predict=12, n_draft=3)
         assert second.stats.n_prompt_cached > 0
+
+
+def test_a_closed_decoder_says_so(tiny_pair):
+    decoder = SpeculativeDecoder(tiny_pair[0], None, n_ctx=128, n_threads=1)
+    decoder.close()
+    with pytest.raises(GgufspecError, match="closed"):
+        decoder.generate([1, 260], n_predict=4)
