@@ -387,20 +387,18 @@ def _costs_key(target, draft, n_threads, ngl, ngld, rpc=None) -> str | None:
     return "|".join(ident + [f"t{n_threads}", f"ngl{ngl}", f"ngld{ngld}"] + ([f"rpc{rpc}"] if rpc else []))
 
 
-def _costs_file():
-    from .registry import home
-    return home() / "costs.json"
+COSTS_FILE = "costs.json"  # in ggufspec's home
 
 
 def _load_costs(key: str | None) -> dict[str, Costs]:
-    import json
-    if key is None or not _costs_file().is_file():
+    from .registry import read_json
+    if key is None:
         return {}
     try:
-        entry = json.loads(_costs_file().read_text()).get(key, {})
+        entry = read_json(COSTS_FILE).get(key, {})
         return {drafter: Costs.from_dict(data) for drafter, data in entry.items()}
     except (ValueError, TypeError, AttributeError):
-        return {}  # a damaged file only costs the remembered figures
+        return {}  # a damaged entry only costs the remembered figures
 
 
 def _save_costs(key: str | None, costs: dict[str, Costs]) -> None:
@@ -408,6 +406,6 @@ def _save_costs(key: str | None, costs: dict[str, Costs]) -> None:
     if key is None or not learned:
         return
     from .registry import read_json, write_json
-    data = read_json(_costs_file().name)
+    data = read_json(COSTS_FILE)
     data[key] = learned
-    write_json(_costs_file().name, data)
+    write_json(COSTS_FILE, data)
