@@ -299,7 +299,7 @@ SHAPES_KEPT = 64
 
 
 def _shapes_file() -> Path:
-    from .registry import home
+    from .home import home
     return home() / "shapes.json"
 
 
@@ -316,7 +316,7 @@ def _remember_shape(key: str, shape: ModelShape) -> None:
     data.pop(key, None)
     data[key] = {k: v for k, v in asdict(shape).items() if k != "name"}
     data = dict(list(data.items())[-SHAPES_KEPT:])  # the most recently read files
-    from .registry import write_json
+    from .home import write_json
     write_json(_shapes_file().name, data)
 
 

@@ -1,7 +1,6 @@
 """models.toml: the shipped registry of models and pairs, plus the user's additions and overrides."""
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -9,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import GgufspecError
+from .home import home
 
 MODEL_KEYS = {"repo": str, "file": str, "files": list, "revision": str, "size": int, "sha256": (str, dict),
               "pypi_parts": dict, "note": str}
@@ -17,38 +17,6 @@ PAIR_KEYS = {"target": str, "draft": str, "draft_k": int, "note": str}
 
 class RegistryError(GgufspecError):
     pass
-
-
-def home() -> Path:
-    """The ggufspec directory: $GGUFSPEC_HOME, else $XDG_DATA_HOME/ggufspec (~/.local/share/ggufspec)."""
-    if os.environ.get("GGUFSPEC_HOME"):
-        return Path(os.environ["GGUFSPEC_HOME"])
-    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(data) / "ggufspec"
-
-
-def read_json(name: str) -> dict:
-    """A JSON object ggufspec remembers in its home (costs, shapes, verified files); {} when absent or damaged."""
-    import json
-    try:
-        data = json.loads((home() / name).read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def write_json(name: str, data: dict) -> None:
-    """Replace `name` in ggufspec's home atomically (a reader sees the old file or the new one).
-    What is remembered there is an optimisation: failing to write it never fails a command."""
-    import json
-    path = home() / name
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def user_registry_path() -> Path:

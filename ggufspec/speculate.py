@@ -270,6 +270,11 @@ class SpeculativeDecoder:
         return model
 
     @property
+    def costs(self) -> dict[str, Costs]:
+        """What `--draft auto` has learned of this machine's step costs, per drafter (remembered on close)."""
+        return self._costs
+
+    @property
     def n_ctx(self) -> int:
         return self.target.n_ctx
 
@@ -391,7 +396,7 @@ COSTS_FILE = "costs.json"  # in ggufspec's home
 
 
 def _load_costs(key: str | None) -> dict[str, Costs]:
-    from .registry import read_json
+    from .home import read_json
     if key is None:
         return {}
     try:
@@ -405,7 +410,7 @@ def _save_costs(key: str | None, costs: dict[str, Costs]) -> None:
     learned = {drafter: c.to_dict() for drafter, c in costs.items() if c.batch_times}
     if key is None or not learned:
         return
-    from .registry import read_json, write_json
+    from .home import read_json, write_json
     data = read_json(COSTS_FILE)
     data[key] = learned
     write_json(COSTS_FILE, data)

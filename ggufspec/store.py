@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import StoreError
-from .registry import ModelEntry, Registry, home, load_registry, write_json
+from .home import home, read_json, write_json
+from .registry import ModelEntry, Registry, load_registry
 
 CHUNK = 8 << 20
 HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -100,11 +101,7 @@ def _verified_key(entry: ModelEntry, file: str) -> str:
 
 
 def _read_verified() -> dict:
-    try:
-        data = json.loads(verified_path().read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # absent or damaged: only the remembered sizes are lost
+    return read_json(verified_path().name)  # absent or damaged: only the remembered sizes are lost
 
 
 def record_verified(entry: ModelEntry, file: str, size: int, sha256: str) -> None:

@@ -31,7 +31,7 @@ def tiny_decoder(tiny_pair):
 
 
 # The demo pair is assembled once per machine into the real ggufspec home (not the per-test one).
-from ggufspec.registry import home as _home  # noqa: E402
+from ggufspec.home import home as _home  # noqa: E402
 
 REAL_HOME = str(_home())
 

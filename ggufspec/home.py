@@ -1,0 +1,40 @@
+"""ggufspec's own folder and what it remembers there (costs, shapes, verified files).
+
+`$GGUFSPEC_HOME`, else `$XDG_DATA_HOME/ggufspec` (~/.local/share/ggufspec). Everything kept here is
+written atomically (a reader sees the old file or the new one) and is an optimisation or a note:
+failing to read or write it never fails a command.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def home() -> Path:
+    """The ggufspec directory: $GGUFSPEC_HOME, else $XDG_DATA_HOME/ggufspec (~/.local/share/ggufspec)."""
+    if os.environ.get("GGUFSPEC_HOME"):
+        return Path(os.environ["GGUFSPEC_HOME"])
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "ggufspec"
+
+
+def read_json(name: str) -> dict:
+    """A JSON object ggufspec remembers in its home; {} when absent or damaged."""
+    try:
+        data = json.loads((home() / name).read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_json(name: str, data: dict) -> None:
+    """Replace `name` in ggufspec's home atomically; an error is swallowed (see the module's note)."""
+    path = home() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
