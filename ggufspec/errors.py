@@ -29,3 +29,11 @@ class StoreError(GgufspecError):
     """A download, verification or cache problem."""
 
     exit_code = 1
+
+
+class BadReferenceError(GgufspecError):
+    """A model reference (`hf://OWNER/REPO/FILE.gguf`, `OWNER/REPO:QUANT`) that is malformed."""
+
+
+class UnsafeNameError(StoreError):
+    """A file name from a hub, a reference or models.toml that would not land inside the store."""

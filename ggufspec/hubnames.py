@@ -1,0 +1,61 @@
+"""Names that come from outside, checked before any of them becomes a path.
+
+A hub's listing (or a mirror's: `HF_ENDPOINT` may point anywhere), an `hf://OWNER/REPO/FILE.gguf` or
+`OWNER/REPO:QUANT` reference and a user's models.toml all name files that the store then writes under
+`$GGUFSPEC_HOME`. The Hugging Face Hub never lists a name with a `..` segment, an absolute path, a
+backslash or a drive letter, so refusing those loses nothing legitimate, and a subfolder the hub
+really uses (`Q4_K_M/model-Q4_K_M-00001-of-00002.gguf`) passes. `contained` checks the joined path
+as well: what the names allow must still land inside the store's folder.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+DRIVE = re.compile(r"^[A-Za-z]:")
+MAX_NAME = 1024                     # the hub's own limit on a path is far below this
+MAX_LISTING = 20_000                # files in one repository's listing; the largest GGUF repos list a few hundred
+MAX_FILE_BYTES = 8 << 40            # 8 TiB: no GGUF file (a shard, or a whole unsplit model) comes near
+
+
+def unsafe_file_reason(name: object) -> str | None:
+    """Why a repository file name cannot become a path under the store, or None when it can."""
+    if not isinstance(name, str) or not name:
+        return "an empty name"
+    if len(name) > MAX_NAME:
+        return f"a name of {len(name)} characters"
+    if any(ord(c) < 32 or c == "\x7f" for c in name):
+        return "a control character"
+    if "\\" in name:
+        return "a backslash"
+    if name.startswith("/"):
+        return "an absolute path"
+    if DRIVE.match(name):
+        return "a drive letter"
+    segments = name.split("/")
+    if "" in segments:
+        return "an empty path segment"
+    if ".." in segments or "." in segments:
+        return f"a {'..' if '..' in segments else '.'!r} segment"
+    return None
+
+
+def unsafe_repo_reason(repo: object) -> str | None:
+    """Why a repository id is not `OWNER/NAME` as the hub allows it, or None (huggingface_hub's own rule)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+    if not isinstance(repo, str) or repo.count("/") != 1:
+        return "not of the form OWNER/NAME"
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as exc:
+        return str(exc).splitlines()[0].rstrip(".")
+    return None
+
+
+def contained(root: Path, *parts: str) -> Path | None:
+    """root/parts... when it lies inside root once '.' and '..' are folded; None otherwise."""
+    base = os.path.normpath(os.path.abspath(root))
+    joined = os.path.normpath(os.path.join(base, *parts))
+    return Path(joined) if joined.startswith(base + os.sep) else None
