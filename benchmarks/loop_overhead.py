@@ -63,7 +63,7 @@ def main():
     with SpeculativeDecoder(target, draft, n_ctx=n_ctx, n_threads=1, flash_attn="off") as decoder:
         # remembered costs that rule drafting out: a batch of 4 far dearer than anything T(1) will
         # measure (only the least of recent times counts, so T(1) soon holds this machine's own)
-        cannot_pay = decoder._costs["model"] = Costs()
+        cannot_pay = decoder.costs["model"] = Costs()
         for n in (1, 1, 4, 4, 4):
             cannot_pay.add_batch(n, n * 0.25)
         cannot_pay.draft_times.append(0.1)

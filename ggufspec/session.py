@@ -1,0 +1,185 @@
+"""One assembly of a decoder from options: what `run`, `chat`, `serve`, `bench` and `eval` all open.
+
+    ModelOptions --resolve--> files (a registry pair, -m/-md paths, hub references pulled)
+                 --plan-----> -ngl / -ngld (the planner, where this build can offload and none was given)
+                 --rpc------> the target's layers across workers (checked before anything loads)
+                 --open-----> SpeculativeDecoder, its layers placed, in a Session
+
+The engine (`speculate`) knows nothing of the registry, the store, the planner or RPC: they are
+loading and placement concerns, and they live here.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import GgufspecError
+from .speculate import SpeculativeDecoder
+
+Log = Callable[[str], None]
+
+
+def _stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+
+
+@dataclass
+class ModelOptions:
+    """The models and how they load (the CLI's model flags; the Python API's keywords)."""
+
+    pair: str | None = None
+    model: str | None = None            # -m: a GGUF path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT
+    model_draft: str | None = None      # -md
+    no_draft: bool = False              # the target alone: no draft model is loaded
+    needs_draft_model: bool = True      # False for n-gram lookup alone: no draft model is loaded either
+    n_ctx: int = 4096
+    n_threads: int | None = None
+    n_gpu_layers: int | None = None     # None: planned
+    n_gpu_layers_draft: int | None = None
+    flash_attn: str = "auto"
+    rpc: str | None = None              # HOST:PORT[,...]: the target's layers go to these workers
+    strict: bool = False
+
+
+@dataclass
+class Session:
+    """An opened decoder and what it was opened from."""
+
+    decoder: SpeculativeDecoder
+    name: str                           # the pair's name, else the target file's stem (the server's model id)
+    target_path: str
+    draft_path: str | None
+    draft_k: int | None                 # the pair's recommended K, when a registry pair was named
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.decoder.close()
+
+
+def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
+    """Resolve, plan, connect and load. Bad input fails before any model loads."""
+    if options.rpc:
+        from .rpc import parse_endpoints
+        parse_endpoints(options.rpc)
+    pair = options.pair
+    if pair is None and options.model is None:
+        from .registry import load_registry
+        pair = load_registry().default  # named, so that serve can call its model by the pair's name
+    skip_draft = options.no_draft or not options.needs_draft_model
+    target, draft, draft_k = resolve_models(pair, options.model, options.model_draft, skip_draft)
+    draft = None if skip_draft else draft
+    ngl, ngld = planned_offload(target, draft, options.n_ctx, draft_k or 3, options.n_gpu_layers,
+                                options.n_gpu_layers_draft, log)
+    ngl, tensor_split = planned_rpc_split(target, options.rpc, ngl, options.n_ctx)
+    decoder = open_decoder(target, draft, n_ctx=options.n_ctx, n_threads=options.n_threads, n_gpu_layers=ngl,
+                           n_gpu_layers_draft=ngld, strict=options.strict, flash_attn=options.flash_attn,
+                           rpc=options.rpc, tensor_split=tensor_split)
+    return Session(decoder, pair or Path(target).stem, target, draft, draft_k)
+
+
+def resolve_models(pair, model, model_draft, no_draft) -> tuple[str, str | None, int | None]:
+    """Target and draft paths (and the pair's recommended K) from -m/-md or a registry pair."""
+    from . import store
+    if model is not None:
+        if pair is not None:
+            raise GgufspecError("give a PAIR name or -m/-md files, not both")
+        if model_draft is None and not no_draft:
+            raise GgufspecError("-m needs a draft model too: add -md DRAFT.gguf (or --no-draft for the target alone)")
+        return store.resolve_model_arg(model), model_draft and store.resolve_model_arg(model_draft), None
+    target, draft, draft_k = store.pair_paths(pair)
+    return str(target), str(draft), draft_k
+
+
+# ---------------------------------------------------------------- placement: GPU offload, RPC workers
+
+def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld, log: Log = _stderr) -> tuple[int, int]:
+    """-ngl / -ngld as given, else from the planner (only where this build can offload at all)."""
+    from . import plan as P
+    as_given = ngl or 0, ngld if ngld is not None else (ngl or 0)
+    if (ngl is not None and (ngld is not None or draft_path is None)) or not P.gpu_offload_supported():
+        return as_given
+    gpu, host = memory_devices()
+    if gpu is None:  # nothing to plan: everything runs on the CPU
+        return as_given
+    target = P.read_shape(target_path)
+    draft = P.read_shape(draft_path) if draft_path else None
+    result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx, ctx_given=True, n_draft=n_draft)
+    log(result.summary())
+    planned_draft = result.draft.n_gpu_layers if result.draft else 0
+    return (ngl if ngl is not None else result.target.n_gpu_layers,
+            ngld if ngld is not None else planned_draft)
+
+
+def memory_devices(vram: str | None = None, ram: str | None = None):
+    """(the GPU to plan for or None, host memory): detected, or as declared by --vram / --ram."""
+    from . import plan as P
+    if vram is not None:
+        size = P.parse_size(vram)
+        gpu = P.Device("cuda", f"GPU ({vram})", size, size, P.DEFAULT_GPU_BANDWIDTH_GBS)
+    else:
+        gpus = P.detect_gpus()
+        gpu = max(gpus, key=lambda g: g.free) if gpus else None
+    host = P.detect_ram()
+    if ram is not None:
+        host.total = host.free = P.parse_size(ram)
+    return gpu, host
+
+
+def rpc_split(target_shape, rpc: str, rpc_mem, n_ctx: int):
+    """The target's blocks per worker (plan.split_across_hosts), with each worker's free memory and
+    round trip asked from it unless --rpc-mem declares its memory."""
+    from . import plan as P
+    from . import rpc as R
+    declared = P.parse_host_sizes(rpc_mem)
+    hosts, rtt_ms = [], {}
+    for endpoint in R.parse_endpoints(rpc):
+        name = str(endpoint)
+        if name in declared:
+            hosts.append((name, declared[name]))
+            continue
+        hosts.append((name, R.worker_memory(endpoint)[0]))
+        rtt_ms[name] = 1e3 * R.round_trip_time(endpoint)
+    return P.split_across_hosts(target_shape, n_ctx, hosts, rtt_ms)
+
+
+def planned_rpc_split(target_path, rpc: str | None, ngl: int, n_ctx: int):
+    """(-ngl, tensor_split) for a target on RPC workers: as given with -ngl, else the planner's split
+    by the workers' free memory. Without --rpc: (ngl, None)."""
+    if not rpc or ngl:
+        return ngl, None
+    from .plan import read_shape
+    shares, ngl = rpc_split(read_shape(target_path), rpc, (), n_ctx)
+    return ngl, [s.blocks for s in shares[1:]]
+
+
+def open_decoder(target, draft=None, *, rpc: str | None = None, n_gpu_layers: int = 0, tensor_split=None,
+                 **options) -> SpeculativeDecoder:
+    """A SpeculativeDecoder whose target may live on RPC workers (HOST:PORT[,...]).
+
+    The workers are checked (reachable, same protocol) before anything loads; a worker lost mid-run
+    becomes one clear line, the partial statistics and exit code 1 instead of llama.cpp's abort."""
+    if not rpc:
+        return SpeculativeDecoder(target, draft, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split, **options)
+    from . import rpc as R
+    endpoints = R.parse_endpoints(rpc)
+    opened: list[SpeculativeDecoder] = []
+    R.install_abort_message(endpoints, on_abort=lambda _message: _print_partial_stats(opened))
+    devices = tuple(R.target_devices(R.register_workers(endpoints)))
+    n_gpu_layers = n_gpu_layers or -1  # with workers, the target's layers go to them unless -ngl says otherwise
+    decoder = SpeculativeDecoder(target, draft, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
+                                 devices=devices, costs_tag=f"rpc{rpc}", **options)
+    opened.append(decoder)
+    R.keepalive(endpoints, 30)  # a silently cut network fails within a bounded time
+    n_layer = decoder.n_layer
+    offloaded = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers  # -1: all blocks and the output layer
+    decoder.placement = R.layer_placement(devices, n_layer, offloaded, tensor_split)
+    return decoder
+
+
+def _print_partial_stats(opened: list[SpeculativeDecoder]) -> None:
+    if opened and opened[0].last_stats is not None:
+        sys.stderr.write(opened[0].last_stats.llamacpp_block() + "\n")

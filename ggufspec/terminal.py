@@ -1,0 +1,82 @@
+"""What ggufspec prints to a terminal: tokens coloured by origin (`run --color`) and the chat REPL (`chat`)."""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import click
+
+from .errors import GgufspecError
+
+ACCEPTED_COLOR = "\x1b[36m"  # accepted draft tokens, as llama.cpp's speculative example colours them
+RESET_COLOR = "\x1b[0m"
+
+
+def shown(piece, color: bool) -> str:
+    """A piece's text as printed: accepted draft tokens coloured when asked."""
+    return ACCEPTED_COLOR + piece.text + RESET_COLOR if color and piece.from_draft else piece.text
+
+
+def chat_session(decoder, options: dict, system: str | None, color: bool) -> None:
+    start = [{"role": "system", "content": system}] if system else []
+    history = list(start)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+        click.echo("ggufspec chat: /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer",
+                   err=True)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            click.echo("\n(/exit or Ctrl-D quits)", err=True)
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            history = list(start)
+            click.echo("(conversation cleared)", err=True)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            text = chat_turn(decoder, history, options, color)
+        except GgufspecError as exc:  # the session goes on: the turn is dropped
+            history.pop()
+            hint = " (/reset starts a new conversation)" if "context" in str(exc) else ""
+            click.echo(f"ggufspec: error: {exc}{hint}", err=True)
+            continue
+        history.append({"role": "assistant", "content": text})
+
+
+def chat_turn(decoder, history: list[dict], options: dict, color: bool) -> str:
+    """Stream one answer to stdout; Ctrl-C ends it at the next token (the caches stay consistent)."""
+    stop = threading.Event()
+    stream = decoder.stream(decoder.render_chat(history), **options)
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())  # never interrupt llama.cpp mid-call
+    texts = []
+    try:
+        for piece in stream:
+            texts.append(piece.text)
+            sys.stdout.write(shown(piece, color))
+            sys.stdout.flush()
+            if stop.is_set():
+                break
+    finally:
+        stream.close()
+        signal.signal(signal.SIGINT, previous)
+    click.echo()
+    stats = decoder.last_stats
+    click.echo(chat_stats_line(stats, stopped=stop.is_set()), err=True)
+    return "".join(texts)
+
+
+def chat_stats_line(stats, stopped: bool = False) -> str:
+    drafted = f"accepted {stats.n_accept}/{stats.n_drafted} drafted" if stats.n_drafted else "no drafts"
+    return (f"[{stats.n_predict} tokens, {stats.decode_tps:.1f} tok/s, {drafted}, prompt {stats.n_prompt} tokens "
+            f"({stats.n_prompt_cached} cached){', stopped' if stopped else ''}]")
