@@ -1,7 +1,7 @@
 """`ggufspec bench`: the target alone and each speculative configuration, interleaved, per prompt.
 
 Runs alternate A B C ... then ... C B A on the next repeat, so that slow drift of the machine
-(thermal, other load) falls on every configuration alike. A cost model (Leviathan et al. 2023)
+(thermal, other load) falls on every configuration alike. A cost model (`costmodel`: Leviathan et al. 2023)
 predicts each configuration's speedup from the measured acceptance, draft cost and target batch
 costs, printed next to the measured speedup.
 """
@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .costmodel import acceptance_from_tokens_per_step, speedup
 from .errors import GgufspecError
+from .load import chat_prompt, default_threads
 
 
 @dataclass(frozen=True)
@@ -213,20 +215,9 @@ def measure_costs(decoder, k_max: int, repeats: int = 5) -> dict:
     return costs
 
 
-def acceptance_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
-    """Per-token acceptance a with E(a, k) = (1 - a^(k+1)) / (1 - a) equal to the measured mean."""
-    lo, hi = 0.0, 1.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        expected = (1 - mid ** (k + 1)) / (1 - mid) if mid < 1 else k + 1
-        lo, hi = (mid, hi) if expected < tokens_per_step else (lo, mid)
-    return (lo + hi) / 2
-
-
 def predicted_speedup(costs: dict, k: int, a: float) -> float:
-    expected = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
-    step = k * costs["draft_1"] + costs[f"target_{k + 1}"]
-    return expected * costs["target_1"] / step
+    """The cost model's speedup for K = k from measure_costs' figures (costmodel.speedup)."""
+    return speedup(k, a, costs["draft_1"], costs[f"target_{k + 1}"], costs["target_1"])
 
 
 def add_cost_model(result: BenchResult, costs: dict) -> None:
@@ -255,13 +246,11 @@ class NativeSettings:
     n_gpu_layers_draft: int
 
     def args(self, draft: bool) -> list[str]:
-        from .load import default_threads
         args = ["-t", str(self.n_threads or default_threads()), "-ngl", str(self.n_gpu_layers), "-fa", self.flash_attn]
         return args + (["-ngld", str(self.n_gpu_layers_draft)] if draft else [])
 
 
 def _prompt_text(decoder, item: dict) -> str:
-    from .load import chat_prompt
     return chat_prompt(decoder.target_llm, item["prompt"], item.get("system")) if item.get("kind") == "chat" \
         else item["prompt"]
 

@@ -13,6 +13,7 @@ from collections import deque
 
 import numpy as np
 
+from .costmodel import tokens_per_second
 from .errors import DecodeError
 from .native import Context, common_prefix_length
 from .sampling import SamplingParams, distribution, greedy_token, sample
@@ -265,8 +266,8 @@ class Costs:
             return False
         if not self.warm:
             return True  # too few measurements to rule drafting out
-        batch = self.batch_model()
-        best_possible = max((k + 1) / (k * self.t_draft + batch(k + 1)) for k in range(1, max_k + 1))
+        batch = self.batch_model()  # acceptance 1: every draft token kept
+        best_possible = max(tokens_per_second(k, 1.0, self.t_draft, batch(k + 1)) for k in range(1, max_k + 1))
         return best_possible > 1.05 / batch(1)
 
 
@@ -331,8 +332,7 @@ class AdaptiveK:
         batch = self.costs.batch_model()
         a = min(self.acceptance, 0.999)
         t_draft = self.costs.t_draft
-        return [1.0 / batch(1)] + [((1 - a ** (k + 1)) / (1 - a)) / (k * t_draft + batch(k + 1))
-                                   for k in range(1, max_k + 1)]
+        return [tokens_per_second(k, a, t_draft, batch(k + 1)) for k in range(max_k + 1)]  # k = 0: 1 / T(1)
 
     def choose(self, max_k: int) -> int:
         if self.idle:  # the target alone for a while: no arithmetic on these steps

@@ -39,7 +39,9 @@ from functools import cache
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from .backends import find_lib, llama_cpp_lib_dir
 from .errors import GgufspecError
+from .load import default_threads
 
 REBUILD_COMMAND = 'CMAKE_ARGS="-DGGML_RPC=ON" pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36'
 DEFAULT_HOST = "127.0.0.1"
@@ -56,7 +58,6 @@ _CONN_CAPS_SIZE = 24
 _HELLO_RSP_SIZE = 4 + _CONN_CAPS_SIZE
 # enum ggml_backend_dev_type
 _DEV_CPU, _DEV_GPU, _DEV_ACCEL, _DEV_IGPU = 0, 1, 2, 3
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ABORT_EXIT_CODE = 1
 
 
@@ -76,31 +77,18 @@ class WorkerUnreachableError(RpcError):
 
 # -- the native libraries --------------------------------------------------------------------------
 
-def _lib_dir() -> Path:
-    import llama_cpp  # loads libllama and, through it, libggml*: our handles below are the same ones
-    override = os.environ.get("LLAMA_CPP_LIB_PATH")
-    return Path(override) if override else Path(llama_cpp.__file__).parent / "lib"
-
-
-def _find_lib(stem: str) -> Path | None:
-    directory = _lib_dir()
-    for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll", f"lib{stem}.dll"):
-        if (directory / name).is_file():
-            return directory / name
-    return None
-
-
 class _Native:
-    """ctypes prototypes for the ggml calls we make (ggml-rpc.h, ggml-backend.h, ggml.h)."""
+    """ctypes prototypes for the ggml calls we make (ggml-rpc.h, ggml-backend.h, ggml.h), on the
+    libraries llama_cpp has loaded already (the same handles: see _native)."""
 
     def __init__(self):
-        rpc_path = _find_lib("ggml-rpc")
+        rpc_path = find_lib("ggml-rpc")
         if rpc_path is None:
             raise RpcUnsupportedError(
-                f"this llama-cpp-python build has no RPC backend (no ggml-rpc library in {_lib_dir()}); "
+                f"this llama-cpp-python build has no RPC backend (no ggml-rpc library in {llama_cpp_lib_dir()}); "
                 f"rebuild it: {REBUILD_COMMAND} (or ./scripts/install)")
         self.rpc = ctypes.CDLL(str(rpc_path))
-        libs = [ctypes.CDLL(str(p)) for p in (_find_lib("ggml"), _find_lib("ggml-base")) if p]
+        libs = [ctypes.CDLL(str(p)) for p in (find_lib("ggml"), find_lib("ggml-base")) if p]
         vp, sz, u32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32
         size_p = ctypes.POINTER(ctypes.c_size_t)
         self._bind(self.rpc, "ggml_backend_rpc_add_server", vp, [ctypes.c_char_p])
@@ -122,7 +110,8 @@ class _Native:
                 ("ggml_set_abort_callback", vp, [vp])):
             lib = next((lib for lib in libs if hasattr(lib, name)), None)
             if lib is None:
-                raise RpcUnsupportedError(f"the ggml libraries in {_lib_dir()} lack {name}; rebuild: {REBUILD_COMMAND}")
+                raise RpcUnsupportedError(
+                    f"the ggml libraries in {llama_cpp_lib_dir()} lack {name}; rebuild: {REBUILD_COMMAND}")
             self._bind(lib, name, restype, argtypes)
 
     def _bind(self, lib, name, restype, argtypes):
@@ -133,7 +122,7 @@ class _Native:
 
 @cache
 def _native() -> _Native:
-    import llama_cpp
+    import llama_cpp  # loads libllama and, through it, libggml*: our handles are then the same ones
     if not llama_cpp.llama_supports_rpc():
         raise RpcUnsupportedError(
             f"this llama-cpp-python build has no RPC backend; rebuild it: {REBUILD_COMMAND} (or ./scripts/install)")
@@ -274,7 +263,8 @@ def round_trip_time(endpoint: Endpoint | str, repeat: int = 3, timeout: float = 
 # -- devices ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Device:
+class GgmlDevice:
+    """A ggml device handle (ggml_backend_dev_t) that a model's layers can be placed on."""
     handle: int  # ggml_backend_dev_t
     name: str  # "RPC0", "CUDA0", ...
     description: str  # for an RPC device, its endpoint
@@ -287,13 +277,13 @@ class Device:
         return free.value, total.value
 
 
-def _device(handle: int, endpoint: Endpoint | None = None) -> Device:
+def _device(handle: int, endpoint: Endpoint | None = None) -> GgmlDevice:
     native = _native()
-    return Device(handle, native.backend_dev_name(handle).decode(),
-                  (native.backend_dev_description(handle) or b"").decode(), endpoint)
+    return GgmlDevice(handle, native.backend_dev_name(handle).decode(),
+                      (native.backend_dev_description(handle) or b"").decode(), endpoint)
 
 
-def register_workers(endpoints: Sequence[Endpoint | str], timeout: float = 3.0) -> list[Device]:
+def register_workers(endpoints: Sequence[Endpoint | str], timeout: float = 3.0) -> list[GgmlDevice]:
     """The workers' devices, in order. Probes every worker first: any error comes before a native call.
 
     Uses ggml_backend_rpc_add_server (one ggml device per device the worker serves). The devices
@@ -321,7 +311,7 @@ def worker_memory(endpoint: Endpoint | str, timeout: float = 3.0) -> tuple[int, 
     return sum(m[0] for m in memories), sum(m[1] for m in memories)
 
 
-def local_devices() -> list[Device]:
+def local_devices() -> list[GgmlDevice]:
     """This machine's GPUs (what llama.cpp offloads to by default), never the CPU nor RPC workers."""
     native = _native()
     devices = []
@@ -333,7 +323,7 @@ def local_devices() -> list[Device]:
     return devices
 
 
-def target_devices(worker_devices: Sequence[Device]) -> list[Device]:
+def target_devices(worker_devices: Sequence[GgmlDevice]) -> list[GgmlDevice]:
     """The target's device list: the workers first (as llama.cpp orders them), then the local GPUs."""
     return list(worker_devices) + local_devices()
 
@@ -363,7 +353,7 @@ def layer_devices(n_layer: int, n_gpu_layers: int, splits: Sequence[float]) -> l
     return placement
 
 
-def layer_placement(devices: Sequence[Device], n_layer: int, n_gpu_layers: int,
+def layer_placement(devices: Sequence[GgmlDevice], n_layer: int, n_gpu_layers: int,
                     tensor_split: Sequence[float] | None = None) -> dict[str, int]:
     """Blocks (n_layer repeating layers + the output layer) per place: "CPU" (this machine's), each
     worker's endpoint (its devices summed: one entry per host) and each local GPU's name.
@@ -381,7 +371,7 @@ def layer_placement(devices: Sequence[Device], n_layer: int, n_gpu_layers: int,
 
 
 @contextlib.contextmanager
-def model_devices(devices: Sequence[Device]) -> Iterator[ctypes.Array]:
+def model_devices(devices: Sequence[GgmlDevice]) -> Iterator[ctypes.Array]:
     """Within it, every llama_cpp.Llama(...) loads onto exactly `devices` (plus the local CPU).
 
     llama-cpp-python's Llama has no devices argument; it builds its params from
@@ -404,7 +394,7 @@ def model_devices(devices: Sequence[Device]) -> Iterator[ctypes.Array]:
         low_level.llama_model_default_params = original
 
 
-def load_llama(model_path: str | os.PathLike, devices: Sequence[Device], **llama_kwargs):
+def load_llama(model_path: str | os.PathLike, devices: Sequence[GgmlDevice], **llama_kwargs):
     """A llama_cpp.Llama on `devices` (e.g. target_devices(register_workers(...))) and the local CPU.
 
     n_gpu_layers (in llama_kwargs) says how many blocks leave the CPU; tensor_split (one weight
@@ -528,7 +518,14 @@ _GET_MEMORY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes
 
 
 def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS
+    """Whether `host` names this machine only: "localhost", 127.0.0.0/8 or ::1 (a name other than
+    localhost is not resolved: it counts as beyond this machine)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def network_warning(host: str) -> str:
@@ -596,12 +593,11 @@ def start_worker(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, threads: in
     if not 1 <= int(port) <= 65535:
         raise RpcError(f"--port {port}: must be from 1 to 65535")
     address = _bind_address(host)
-    if not is_loopback(host) and not ipaddress.ip_address(address).is_loopback:
+    if not is_loopback(host) and not is_loopback(address):
         print(network_warning(host), file=sys.stderr, flush=True)
     _check_port_free(address, port)
     if threads is None:
-        import psutil
-        threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        threads = default_threads()
     if threads < 1:
         raise RpcError(f"--threads {threads}: must be at least 1")
     native = _native()

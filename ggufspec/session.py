@@ -119,7 +119,7 @@ def memory_devices(vram: str | None = None, ram: str | None = None):
     from . import plan as P
     if vram is not None:
         size = P.parse_size(vram)
-        gpu = P.Device("cuda", f"GPU ({vram})", size, size, P.DEFAULT_GPU_BANDWIDTH_GBS)
+        gpu = P.DeviceMemory("cuda", f"GPU ({vram})", size, size, P.DEFAULT_GPU_BANDWIDTH_GBS)
     else:
         gpus = P.detect_gpus()
         gpu = max(gpus, key=lambda g: g.free) if gpus else None

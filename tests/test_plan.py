@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from ggufspec import plan as P
+from ggufspec.plan import gguf_header as H
 from ggufspec.cli import main
 from llamacpp_log import buffer_sizes
 from tinymodels import write_header_only
@@ -254,17 +255,17 @@ def test_header_is_read_without_parsing_the_vocabulary(tmp_path, monkeypatch):
 def test_ggml_reader_agrees_with_the_gguf_package(tiny_pair, seed_pair, tmp_path):
     for path in (*tiny_pair, write_header_only(tmp_path / "q.gguf", n_layer=4, n_embd=512, n_head=8,
                                                n_head_kv=2, n_ff=1024, n_vocab=32000)):
-        assert P._read_shape_uncached(str(path), "m") == P._read_shape_with_gguf_package(str(path), "m")
+        assert H._read_shape_uncached(str(path), "m") == H._read_shape_with_gguf_package(str(path), "m")
 
 
 def test_a_header_from_the_first_bytes_reads_whole_or_fails_clearly(tiny_pair):
     from gguf import GGUFReader
     data = tiny_pair[0].read_bytes()
     header_end = GGUFReader(tiny_pair[0]).data_offset
-    assert P._read_shape_uncached(None, "t", data=data[:header_end]) == P.read_shape(tiny_pair[0], "t")
+    assert H._read_shape_uncached(None, "t", data=data[:header_end]) == P.read_shape(tiny_pair[0], "t")
     for cut in (200, header_end // 2, header_end - 1):
         with pytest.raises(P.PlanError, match="truncated"):
-            P._read_shape_uncached(None, "t", data=data[:cut])
+            H._read_shape_uncached(None, "t", data=data[:cut])
 
 
 def test_shapes_are_remembered_per_file(tiny_pair, tmp_path, ggufspec_home, monkeypatch):
@@ -275,7 +276,7 @@ def test_shapes_are_remembered_per_file(tiny_pair, tmp_path, ggufspec_home, monk
 
     def no_header_reads(*args, **kwargs):
         raise AssertionError("read the header again")
-    monkeypatch.setattr(P, "_read_shape_uncached", no_header_reads)
+    monkeypatch.setattr(H, "_read_shape_uncached", no_header_reads)
     assert P.read_shape(copy, "named") == P.ModelShape(**{**first.__dict__, "name": "named"})
     with copy.open("ab") as f:
         f.write(b"\0" * 32)  # another file now: size and mtime changed

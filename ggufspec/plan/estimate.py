@@ -1,0 +1,75 @@
+"""The memory and speed model: where a model's bytes go for a given -ngl, and how long a token takes.
+
+Placement follows llama.cpp: -ngl counts blocks from the end, so the last n layers go to the GPU
+(and the output layer too when ngl > n_layer); the token embedding always stays in host memory
+(llama.cpp keeps the input layer there). Each layer's KV cache lives where the layer does; the
+compute buffer goes to the GPU as soon as anything is offloaded (the host keeps about an eighth).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .devices import DeviceMemory
+from .shape import ModelShape
+from .units import MiB
+
+GPU_OVERHEAD = 512 * MiB      # CUDA/Metal context, cuBLAS workspace: measured 300-500 MiB, rounded up
+MARGIN = 0.05                 # of the device budget, kept free
+# The speed model (token_seconds) is an estimate, fitted to measured decode speeds:
+# - GPU: llama-bench tg on an H100 (3350 GB/s), Q4_K_M, 0.5B / 1.5B / 7B (24 / 28 / 28 layers, 0.39 /
+#   0.98 / 4.4 GB read per token): 811 / 543 / 269 tok/s. Small models there are bound by kernel
+#   launches, not bandwidth: a fixed 45 us per layer per token, and 55% of the vendor's bandwidth for
+#   the bytes, reproduce all three within 5% (773 / 558 / 275).
+# - CPU: the measured copy bandwidth as is, and 20 us per layer (thread synchronisation: tiny models
+#   with 2 to 24 layers, 15-18 us a layer at 1 and 2 threads on a 2-core EPYC). The demo pair there:
+#   1.5B target 39 ms/token (estimate 50), 0.5B draft 23 ms (estimate 20).
+GPU_LAYER_SECONDS = 45e-6
+GPU_BANDWIDTH_EFFICIENCY = 0.55
+CPU_LAYER_SECONDS = 20e-6
+
+
+@dataclass
+class Placement:
+    n_gpu_layers: int        # llama.cpp's -ngl: n_layer + 1 puts the output layer there too
+    gpu_bytes: int
+    cpu_bytes: int
+    weights_gpu: int
+    kv_gpu: int
+    compute_gpu: int
+
+
+def placement(shape: ModelShape, ngl: int, n_ctx: int) -> Placement:
+    """The bytes on the GPU and in host memory for -ngl ngl at context n_ctx."""
+    ngl = max(0, min(ngl, shape.n_layer + 1))
+    layers_on_gpu = min(ngl, shape.n_layer)
+    weights_gpu = sum(shape.layer_bytes[shape.n_layer - layers_on_gpu:])  # llama.cpp offloads the last layers
+    if ngl > shape.n_layer:
+        weights_gpu += shape.output_bytes
+    kv_gpu = shape.kv_bytes(n_ctx, layers_on_gpu)
+    compute = shape.compute_bytes(n_ctx)
+    compute_gpu = compute if ngl > 0 else 0
+    gpu = weights_gpu + kv_gpu + compute_gpu
+    cpu = shape.weight_bytes - weights_gpu + shape.kv_bytes(n_ctx) - kv_gpu + (compute if ngl == 0 else compute // 8)
+    return Placement(ngl, gpu, cpu, weights_gpu, kv_gpu, compute_gpu)
+
+
+def max_layers(shape: ModelShape, n_ctx: int, budget: int) -> int:
+    """The largest -ngl whose GPU bytes fit in `budget` (0 when none does)."""
+    best = 0
+    for ngl in range(shape.n_layer + 2):
+        if placement(shape, ngl, n_ctx).gpu_bytes <= budget:
+            best = ngl
+    return best
+
+
+def token_seconds(shape: ModelShape, p: Placement, gpu: DeviceMemory | None, ram: DeviceMemory) -> float:
+    """An estimate of one decoded token's time: every weight byte read once, on the device that holds
+    it, at the share of its bandwidth that decode kernels reach, plus a fixed cost per layer (kernel
+    launches and synchronisation: what bounds small models on a GPU, see GPU_LAYER_SECONDS)."""
+    gpu_layers = min(p.n_gpu_layers, shape.n_layer) if gpu is not None else 0
+    cpu_weights = shape.weight_bytes - shape.embd_bytes - p.weights_gpu
+    seconds = cpu_weights / (ram.bandwidth_gbs * 1e9) + (shape.n_layer - gpu_layers) * CPU_LAYER_SECONDS
+    if gpu is not None:
+        seconds += (p.weights_gpu / (gpu.bandwidth_gbs * GPU_BANDWIDTH_EFFICIENCY * 1e9)
+                    + gpu_layers * GPU_LAYER_SECONDS)
+    return seconds

@@ -1,0 +1,145 @@
+"""Choosing -ngl / -ngld (and, when the user did not set it, -c) for a target and its draft.
+
+Every option is priced by the speed model (`estimate.token_seconds`) and, with a draft, by the
+speculative rate of `costmodel` at an assumed acceptance; the fastest that fits wins.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+from ..backends import build_backends
+from ..costmodel import tokens_per_second
+from .devices import DeviceMemory
+from .estimate import GPU_OVERHEAD, MARGIN, Placement, max_layers, placement, token_seconds
+from .shape import ModelShape
+from .units import GiB, MiB
+
+DEFAULT_ACCEPTANCE = 0.7      # for predicting a speculative plan's speed before it has run
+
+
+@dataclass
+class Plan:
+    n_ctx: int
+    target: Placement
+    draft: Placement | None
+    n_draft: int
+    predicted_tps: float
+    predicted_target_alone_tps: float
+    reason: str
+    gpu: DeviceMemory | None
+    ram: DeviceMemory
+    budget: int = 0
+    alternatives: list[dict] = field(default_factory=list)
+
+    def summary(self) -> str:
+        draft = "no draft" if self.draft is None else f"-ngld {self.draft.n_gpu_layers}"
+        return (f"plan: -ngl {self.target.n_gpu_layers} {draft} -c {self.n_ctx} "
+                f"(estimated {self.predicted_tps:.1f} tok/s vs {self.predicted_target_alone_tps:.1f} alone): {self.reason}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Option(NamedTuple):
+    name: str                  # "target alone", "draft on the GPU", "draft on the CPU"
+    n_ctx: int
+    target: Placement
+    draft: Placement | None
+    tps: float                 # predicted tokens per second
+    t_alone: float             # the target alone's seconds a token, at the same context
+
+
+def gpu_budget(gpu: DeviceMemory | None) -> int:
+    """Bytes the plan may put on the GPU: its free memory less the margin and the runtime's overhead."""
+    return 0 if gpu is None else int(gpu.free * (1 - MARGIN)) - GPU_OVERHEAD
+
+
+def _options_at(n_ctx: int, target: ModelShape, draft: ModelShape | None, gpu, ram, budget: int,
+                n_draft: int, acceptance: float) -> list[_Option]:
+    """At one context: the target alone with as many layers as fit, then (with a draft) the draft
+    whole on the GPU or all on the CPU, each with as many target layers as the rest of the budget holds."""
+    alone = placement(target, max_layers(target, n_ctx, budget), n_ctx)
+    t_alone = token_seconds(target, alone, gpu, ram)
+    options = [_Option("target alone", n_ctx, alone, None, 1 / t_alone, t_alone)]
+    if draft is None:
+        return options
+    for draft_ngl in {draft.n_layer + 1, 0} if budget > 0 else {0}:
+        d = placement(draft, draft_ngl, n_ctx)
+        if d.gpu_bytes > budget:
+            continue
+        t = placement(target, max_layers(target, n_ctx, budget - d.gpu_bytes), n_ctx)
+        tps = tokens_per_second(n_draft, acceptance, token_seconds(draft, d, gpu, ram),
+                                token_seconds(target, t, gpu, ram))
+        where = "draft on the GPU" if draft_ngl else "draft on the CPU"
+        options.append(_Option(where, n_ctx, t, d, tps, t_alone))
+    return options
+
+
+def make_plan(target: ModelShape, draft: ModelShape | None, *, gpu: DeviceMemory | None, ram: DeviceMemory,
+              n_ctx: int = 4096, ctx_given: bool = False, n_draft: int = 3,
+              acceptance: float = DEFAULT_ACCEPTANCE) -> Plan:
+    """Draft fully on the GPU first, then as many target layers as fit; compare the options by
+    predicted speed and keep the fastest. Shrinks the context only when the user did not set -c."""
+    budget = gpu_budget(gpu)
+    contexts = [n_ctx] if ctx_given else [c for c in (n_ctx, n_ctx // 2, n_ctx // 4) if c >= 1024] or [n_ctx]
+    options: list[_Option] = []
+    for ctx in contexts:
+        at_ctx = _options_at(ctx, target, draft, gpu, ram, budget, n_draft, acceptance)
+        options += at_ctx
+        if draft is not None and any(o.draft is not None and o.draft.n_gpu_layers == draft.n_layer + 1
+                                     for o in at_ctx):
+            break  # the draft fits whole at this context: no need to shrink it further
+    # the first option (the target alone at the asked context) stands even when the host is short
+    fits = [o for o in options if o.target.cpu_bytes <= ram.free or o is options[0]]
+    best = max(fits, key=lambda o: (o.tps, o.n_ctx))
+    reason = _reason(best, target, draft, gpu, budget, n_ctx)
+    plan = Plan(best.n_ctx, best.target, best.draft, n_draft, best.tps, 1 / best.t_alone, reason, gpu, ram, budget,
+                [{"option": o.name, "n_ctx": o.n_ctx, "ngl": o.target.n_gpu_layers,
+                  "ngld": None if o.draft is None else o.draft.n_gpu_layers, "predicted_tps": o.tps} for o in options])
+    if draft is not None and gpu is not None:
+        plan.reason += _draft_too_big(draft, best.n_ctx, budget)
+    return plan
+
+
+def _reason(best: _Option, target: ModelShape, draft: ModelShape | None, gpu, budget: int, asked_ctx: int) -> str:
+    if gpu is None or budget <= 0:
+        return f"no usable GPU: everything on the CPU ({best.name})"
+    t, d = best.target, best.draft
+    parts = [best.name, f"{min(t.n_gpu_layers, target.n_layer)}/{target.n_layer} target layers on {gpu.name}"
+             + (" with the output layer" if t.n_gpu_layers > target.n_layer else "")]
+    if d is not None and draft is not None:
+        where = "whole on the GPU" if d.n_gpu_layers > draft.n_layer else f"{d.n_gpu_layers} layers on the GPU"
+        parts.append(f"draft {where}")
+    if best.n_ctx != asked_ctx:
+        parts.append(f"context shrunk from {asked_ctx} to {best.n_ctx} to fit")
+    return ", ".join(parts)
+
+
+def _draft_too_big(draft: ModelShape, n_ctx: int, budget: int) -> str:
+    """What to do when the whole draft does not fit on the GPU ("" when it does)."""
+    needed = placement(draft, draft.n_layer + 1, n_ctx).gpu_bytes
+    if needed <= budget:
+        return ""
+    return (f"; the draft needs {needed / GiB:.1f} GiB on the GPU but only {max(budget, 0) / GiB:.1f} GiB is "
+            f"usable: use a smaller -c, keep the draft on the CPU (-ngld 0), or run without a draft (--no-draft)")
+
+
+def plan_table(plan: Plan, target: ModelShape, draft: ModelShape | None) -> str:
+    """Each model's bytes by place, then the devices' budgets and the build's backends."""
+    rows = [("model", "-ngl", "weights GPU", "KV GPU", "compute GPU", "GPU total", "host total")]
+    for shape, p in ((target, plan.target), (draft, plan.draft)):
+        if shape is None or p is None:
+            continue
+        rows.append((shape.name, str(p.n_gpu_layers), *(f"{v / MiB:.0f} MiB" for v in
+                     (p.weights_gpu, p.kv_gpu, p.compute_gpu, p.gpu_bytes, p.cpu_bytes))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    gpu = plan.gpu
+    if gpu is not None:
+        used = plan.target.gpu_bytes + (plan.draft.gpu_bytes if plan.draft else 0)
+        lines.append(f"\n{gpu.name}: {gpu.free / MiB:.0f} MiB free, budget {plan.budget / MiB:.0f} MiB "
+                     f"(margin {MARGIN:.0%} + {GPU_OVERHEAD / MiB:.0f} MiB overhead), planned {used / MiB:.0f} MiB")
+    lines.append(f"{plan.ram.name}: {plan.ram.free / MiB:.0f} MiB available")
+    lines.append(f"llama-cpp-python build: {', '.join(build_backends()) or 'unknown'}")
+    return "\n".join(lines)

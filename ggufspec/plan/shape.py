@@ -1,0 +1,113 @@
+"""A model's shape, as the planner needs it: each layer's bytes and the sizes that set its KV cache
+and compute buffer, from the GGUF header's keys and tensor list.
+
+The memory model, per model and context (n_ctx, n_ubatch), F16 KV cache, no flash attention:
+- weights: each tensor's bytes (where they go is `estimate.placement`'s business).
+- KV cache: n_ctx * (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes per layer, where the layer lives.
+- compute buffer: the largest set of live activations in llama.cpp's reserve graph, for one ubatch:
+  either the output (logits: n_ubatch * n_vocab floats, plus two hidden states) or the attention
+  (KQ: n_ubatch * n_ctx * n_head floats, the F32 mask, the FFN and Q/K/V activations). Checked
+  against llama.cpp's own buffer sizes in tests/test_plan.py.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+from .units import PlanError
+
+KV_BYTES = 2                  # F16 cache
+
+
+@dataclass
+class ModelShape:
+    name: str
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_embd_k_gqa: int
+    n_embd_v_gqa: int
+    n_ff: int
+    n_vocab: int
+    layer_bytes: list[int]
+    embd_bytes: int
+    output_bytes: int          # output matrix + output norm (tied embeddings: the embedding again)
+    other_bytes: int = 0
+    n_ctx_train: int = 0       # the context length it was trained for (0: not in the header)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.embd_bytes + self.output_bytes + self.other_bytes
+
+    def kv_bytes(self, n_ctx: int, n_layers: int | None = None) -> int:
+        n = self.n_layer if n_layers is None else n_layers
+        return n * n_ctx * (self.n_embd_k_gqa + self.n_embd_v_gqa) * KV_BYTES
+
+    def compute_bytes(self, n_ctx: int, n_ubatch: int = 512) -> int:
+        n_ub = min(n_ubatch, n_ctx)
+        output = 4 * n_ub * (self.n_vocab + 2 * self.n_embd)
+        attention = 4 * n_ub * (n_ctx * (self.n_head + 1) + self.n_ff + 3 * self.n_embd + self.n_embd_k_gqa
+                                + self.n_embd_v_gqa)
+        return max(output, attention)
+
+
+def _tensor_bytes(tensors: list[tuple[str, int]], n_layer: int) -> tuple[list[int], int, int, int]:
+    """(bytes per layer, token embedding, output, everything else) from the tensor list."""
+    layers = [0] * n_layer
+    embd = output = other = 0
+    for tensor_name, size in tensors:
+        if m := re.match(r"blk\.(\d+)\.", tensor_name):
+            layers[int(m[1])] += size
+        elif tensor_name.startswith("token_embd."):
+            embd += size
+        elif tensor_name.startswith(("output.", "output_norm.")):
+            output += size
+        else:
+            other += size
+    if not any(t.startswith("output.") for t, _ in tensors):
+        output += embd  # tied embeddings: the GPU gets its own copy of the matrix for the output layer
+    return layers, embd, output, other
+
+
+def _largest(value):
+    """Some architectures give a per-layer list where most give one number: size for the largest."""
+    return max(value) if isinstance(value, list) else value
+
+
+def shape_from_header(kv, tensors: list[tuple[str, int]], n_tokens: int | None, name: str) -> ModelShape:
+    """kv: key -> value for the keys the planner needs; tensors: (name, bytes); n_tokens: the
+    tokenizer's vocabulary length (None when the file has no token list)."""
+    arch = kv("general.architecture")
+    if not arch:
+        raise PlanError(f"{name}: no general.architecture in the GGUF header")
+    get = lambda key, default=None: kv(f"{arch}.{key}", default)
+    n_layer = get("block_count")
+    if n_layer is None:
+        raise PlanError(f"{name}: no {arch}.block_count in the GGUF header")
+    sizes = _tensor_bytes(tensors, n_layer)
+    n_vocab = n_tokens if n_tokens is not None else get("vocab_size", 0)
+    n_embd, n_head = get("embedding_length"), get("attention.head_count")
+    n_ctx_train = get("context_length", 0) or 0
+    if n_embd is None or not n_head:
+        warnings.warn(f"{name}: architecture {arch!r} lacks the usual shape keys; sizing from tensors alone")
+        return ModelShape(name, arch, n_layer, n_embd or 0, 1, 1, 0, 0, 0, n_vocab, *sizes, n_ctx_train)
+    n_head = _largest(n_head)
+    n_head_kv = _largest(get("attention.head_count_kv", n_head))
+    key_len = get("attention.key_length", n_embd // n_head)
+    value_len = get("attention.value_length", key_len)
+    n_ff = _largest(get("feed_forward_length", 4 * n_embd))
+    return ModelShape(name, arch, n_layer, n_embd, n_head, n_head_kv, n_head_kv * key_len,
+                      n_head_kv * value_len, n_ff, n_vocab, *sizes, n_ctx_train)
+
+
+def shape_from_reader(reader, name: str) -> ModelShape:
+    """The same from the gguf package's GGUFReader (slow on big vocabularies: the fallback only)."""
+    def kv(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return shape_from_header(kv, [(t.name, int(t.n_bytes)) for t in reader.tensors],
+                             None if tokens is None else len(tokens.data), name)
