@@ -173,6 +173,27 @@ def test_stop_strings(server, reference):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_stop_filter_holds_pieces_back_and_trims_the_one_a_stop_starts_in():
+    from ggufspec.stops import StopFilter, cut_at_stop
+
+    def run(pieces, stops):
+        stop_filter = StopFilter(stops)
+        out = []
+        for i, text in enumerate(pieces):
+            out.append([p["text"] for p in stop_filter.push({"text": text, "token": i})])
+            if stop_filter.stopped:
+                break
+        else:
+            out.append([p["text"] for p in stop_filter.flush()])
+        return out, stop_filter.stopped
+    # "at s" waits: its "s" may begin "sat on"; once it does, the piece goes out cut before it
+    pieces = ["the c", "at s", "at on", " the mat"]
+    assert run(pieces, ["sat on", "never"]) == ([["the c"], [], ["at "]], True)
+    assert cut_at_stop("".join(pieces), ["sat on", "never"]) == "the cat "
+    # no stop string after all: the held piece goes out whole, with the next
+    assert run(["a sa", "t by", "e"], ["sat on"]) == ([[], ["a sa", "t by"], ["e"], []], False)
+
+
 def test_eight_concurrent_clients(server, reference):
     prompts = ["the cat", "a dog", "the mat", "def x", "if y", "the dog sat", "for x in", "return x"]
     expected = [reference.generate(p, n_predict=16).text for p in prompts]
