@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from .errors import GgufspecError
+from .stops import StopFilter, cut_at_stop
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 MODES = ("target", "speculative")
@@ -63,10 +64,7 @@ def load_problems(limit: int | None = None) -> list[dict]:
 
 def truncate_at_stop(text: str) -> str:
     """The completion up to (not including) the first stop sequence."""
-    return text[:min((i for s in STOP_SEQUENCES if (i := text.find(s)) >= 0), default=len(text))]
-
-
-LONGEST_STOP = max(map(len, STOP_SEQUENCES))
+    return cut_at_stop(text, STOP_SEQUENCES)
 
 
 def complete(decoder, prompt: str, *, speculative: bool, n_predict: int, n_draft, temperature: float, seed: int,
@@ -74,19 +72,17 @@ def complete(decoder, prompt: str, *, speculative: bool, n_predict: int, n_draft
     """Generate until a stop sequence, EOS or n_predict: (text, tokens, stats, stopped at a stop sequence)."""
     stream = decoder.stream(prompt, n_predict=n_predict, n_draft=n_draft, temperature=temperature, seed=seed,
                             use_draft=speculative, **options)
-    text, tokens, stopped = "", [], False
+    text, tokens, stops = "", [], StopFilter(STOP_SEQUENCES)
     try:
         for piece in stream:
             tokens.append(piece.token)
             text += piece.text
-            # only the new text (and a stop sequence's length before it) can hold a new match
-            window = text[-(len(piece.text) + LONGEST_STOP):]
-            if any(s in window for s in STOP_SEQUENCES):
-                stopped = True
+            stops.push({"text": piece.text})  # what it releases is truncate_at_stop's part of the text
+            if stops.stopped:
                 break
     finally:
         stream.close()
-    return text, tokens, decoder.last_stats, stopped
+    return text, tokens, decoder.last_stats, stops.stopped
 
 
 def _generate_all(decoder, problems, *, samples, n_predict, n_draft, temperature, seed, progress, options):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,3 +154,36 @@ def tokenize(llm: llama_cpp.Llama, text: str) -> list[int]:
     if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos:  # a template that writes BOS itself
         tokens = tokens[1:]
     return tokens
+
+
+# ---------------------------------------------------------------- what a loaded model is (GET /props)
+
+def gpu_offload_supported() -> bool:
+    """Whether this llama.cpp build can place layers off the CPU (a GPU or RPC backend)."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def layer_count(llm: llama_cpp.Llama) -> int:
+    return llama_cpp.llama_model_n_layer(llm._model.model)
+
+
+def offloaded_layers(llm: llama_cpp.Llama) -> int:
+    """How many layers run off the CPU; the output layer counts as one more, as in llama.cpp's -ngl."""
+    requested = llm.model_params.n_gpu_layers  # -1 was stored as INT32_MAX: every layer
+    return min(requested, layer_count(llm) + 1) if gpu_offload_supported() else 0
+
+
+def model_description(llm: llama_cpp.Llama) -> str:
+    """llama.cpp's one-line description of the model: architecture, size, quantization."""
+    desc = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(llm._model.model, desc, len(desc))
+    return desc.value.decode(errors="replace")
+
+
+def parameter_count(llm: llama_cpp.Llama) -> int:
+    return llama_cpp.llama_model_n_params(llm._model.model)
+
+
+def weights_size(llm: llama_cpp.Llama) -> int:
+    """The model's tensors, in bytes."""
+    return llama_cpp.llama_model_size(llm._model.model)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from test_server import STABLE_CHAT_TEMPLATE, make_chat_pair
+from serverproc import make_chat_pair
+from tinymodels import CHAT_TEMPLATE as STABLE_CHAT_TEMPLATE
 from tinymodels import Shape, make_weights, write_model
 
 GGUFSPEC = str(Path(sys.executable).with_name("ggufspec"))

@@ -13,13 +13,12 @@ import os
 import re
 import shutil
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from test_server import STABLE_CHAT_TEMPLATE, start_server, stop_server
-from tinymodels import Shape, make_weights, write_model
+from serverproc import start_server, stop_server
+from tinymodels import CHAT_TEMPLATE, Shape, make_weights, write_model
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -46,10 +45,10 @@ def slow_chat_pair(tmp_path_factory):
     shape = Shape(n_layer=8, n_embd=256, n_ff=768)
     weights = make_weights(shape, seed=2)
     weights["output.weight"][2] = 0  # no end-of-sequence: answers run to max_tokens
-    target = write_model(directory / "target.gguf", shape, weights, STABLE_CHAT_TEMPLATE)
+    target = write_model(directory / "target.gguf", shape, weights, CHAT_TEMPLATE)
     draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith("blk.0.")}
     draft = write_model(directory / "draft.gguf", Shape(n_layer=1, n_embd=256, n_ff=768), draft_weights,
-                        STABLE_CHAT_TEMPLATE)
+                        CHAT_TEMPLATE)
     return target, draft
 
 

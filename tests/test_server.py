@@ -8,78 +8,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from ggufspec import SpeculativeDecoder
+from serverproc import make_chat_pair, start_server, stop_server
 from tinymodels import Shape, make_weights, write_model
 
-GGUFSPEC = str(Path(sys.executable).with_name("ggufspec"))
 API_KEY = "sesame"
-# Like real templates (ChatML...), a conversation's rendering starts with the previous turn's prompt,
-# so the KV cache can be reused across turns (tinymodels.CHAT_TEMPLATE does not open the turn the same way).
-STABLE_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-
-
-def make_chat_pair(directory: Path) -> tuple[Path, Path]:
-    """The tiny pair of conftest's tiny_pair (same weights), with STABLE_CHAT_TEMPLATE."""
-    shape = Shape(eos_bias=4.0)
-    weights = make_weights(shape, seed=0)
-    target = write_model(directory / "target.gguf", shape, weights, STABLE_CHAT_TEMPLATE)
-    draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith("blk.0.")}
-    draft = write_model(directory / "draft.gguf", Shape(eos_bias=4.0, n_layer=1), draft_weights, STABLE_CHAT_TEMPLATE)
-    return target, draft
-
-
-class Server:
-    def __init__(self, url: str, proc: subprocess.Popen, log: Path):
-        self.url, self.proc, self.log = url, proc, log
-
-    def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
-                             timeout=60, **kwargs)
-
-    def health(self, **kwargs) -> dict:
-        response = httpx.get(self.url + "/health", timeout=10, **kwargs)
-        assert response.status_code == 200
-        return response.json()
-
-
-def start_server(tmp_path: Path, *args: str) -> Server:
-    log = tmp_path / "server.log"
-    env = {**os.environ, "GGUFSPEC_HOME": str(tmp_path / "home")}
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([GGUFSPEC, "serve", "--port", "0", "-t", "1", *args], stdout=subprocess.DEVNULL,
-                                stderr=stderr, env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
-        if match:
-            return Server(match.group(1), proc, log)
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("the server did not start: " + log.read_text())
-
-
-def stop_server(server: Server) -> None:
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        assert server.proc.wait(timeout=20) == 0, server.log.read_text()
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-    assert "Traceback" not in server.log.read_text(), server.log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +171,27 @@ def test_stop_strings(server, reference):
                                                               stop=stops, stream=True))
         assert text == expected[:cut]
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_stop_filter_holds_pieces_back_and_trims_the_one_a_stop_starts_in():
+    from ggufspec.stops import StopFilter, cut_at_stop
+
+    def run(pieces, stops):
+        stop_filter = StopFilter(stops)
+        out = []
+        for i, text in enumerate(pieces):
+            out.append([p["text"] for p in stop_filter.push({"text": text, "token": i})])
+            if stop_filter.stopped:
+                break
+        else:
+            out.append([p["text"] for p in stop_filter.flush()])
+        return out, stop_filter.stopped
+    # "at s" waits: its "s" may begin "sat on"; once it does, the piece goes out cut before it
+    pieces = ["the c", "at s", "at on", " the mat"]
+    assert run(pieces, ["sat on", "never"]) == ([["the c"], [], ["at "]], True)
+    assert cut_at_stop("".join(pieces), ["sat on", "never"]) == "the cat "
+    # no stop string after all: the held piece goes out whole, with the next
+    assert run(["a sa", "t by", "e"], ["sat on"]) == ([[], ["a sa", "t by"], ["e"], []], False)
 
 
 def test_eight_concurrent_clients(server, reference):

@@ -1,0 +1,22 @@
+"""`ggufspec serve`: an OpenAI-compatible HTTP API over one `SpeculativeDecoder`.
+
+Each request sends its whole prompt (or conversation); the decoder keeps the longest prefix its KV
+cache shares with it, so a conversation that grows turn by turn is only evaluated once.
+
+`GET /` is a chat page (ggufspec/static/chat.html, self-contained) that shows the speculation: each
+token coloured by origin, K per step, and the time saved against the target alone; `GET /props`
+describes the pair for it (llama-server has an endpoint of that name).
+
+One concern a module:
+- app.py: `create_app`, the routes (thin: parse, submit, respond) and the API-key middleware
+- schemas.py: request bodies, and what they ask of the decoder (`request_options`, prompt, messages, stops)
+- jobs.py: the `Engine` (one worker thread, one generation at a time, --max-queue, 429) and a request's `Job`
+- responses.py: OpenAI's response objects and stream chunks, `usage`, `timings`
+- speculation.py: the `ggufspec` fields: each token's origin and step, the prompt's cache, the time saved
+- props.py: GET /props, the pair as its models describe themselves
+- errors.py: errors in OpenAI's shape and the app's exception handlers
+The stop strings are `ggufspec.stops`, which `ggufspec eval` uses too.
+"""
+from .app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,133 @@
+"""The app: HTTP to jobs, jobs to OpenAI's JSON. The routes only parse, submit and hand over."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from .errors import APIError, add_error_handlers, engine_error
+from .jobs import ClientGone, Engine, Job
+from .props import pair_props
+from .responses import Reply, stream_events, whole_answer
+from .schemas import (ChatBody, CompletionBody, GenerationBody, message_dicts, request_options, single_prompt,
+                      stop_strings)
+
+
+class V1Middleware:
+    """For /v1/* and /props: 401 without `Authorization: Bearer KEY` when a key is set, and every POST
+    body read as JSON whatever its Content-Type (as llama.cpp's server does: `curl -d` sends a form
+    type). The page at / and /health need no key. Pure ASGI, so streaming responses pass through."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.key = app, api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        guarded = scope.get("path", "").startswith("/v1") or scope.get("path") == "/props"
+        if scope["type"] != "http" or not guarded or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.key is not None:
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                error = APIError(401, "invalid or missing API key: send the header Authorization: Bearer KEY",
+                                 "authentication_error", "invalid_api_key")
+                return await error.response()(scope, receive, send)
+        if scope["method"] == "POST":
+            headers[b"content-type"] = b"application/json"
+            scope = {**scope, "headers": list(headers.items())}
+        await self.app(scope, receive, send)
+
+
+def chat_page() -> str:
+    return resources.files("ggufspec").joinpath("static", "chat.html").read_text(encoding="utf-8")
+
+
+def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_key: str | None = None,
+               max_queue: int = 16, aliases: tuple[str, ...] = (), info: dict | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
+    `aliases`: other model ids accepted in requests (file names). `info`: shown in /v1/models' meta."""
+    engine = Engine(decoder, max_queue)
+    defaults = dict(defaults or {})
+    accepted_models = {model_name, *aliases}
+    created = int(time.time())
+
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(engine.close)  # stops the running generation within a step
+
+    app = FastAPI(title="ggufspec", lifespan=lifespan)
+    app.state.engine = engine
+    app.add_middleware(V1Middleware, api_key=api_key)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    add_error_handlers(app)
+
+    def check_model(requested: str | None) -> None:
+        # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
+        if requested and requested not in accepted_models:
+            raise APIError(404, f"model {requested!r} is not served here; this server serves {model_name!r}",
+                           code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        last = engine.last and {"n_predict": engine.last.n_predict, "stop_reason": engine.last.stop_reason}
+        return {"status": "ok", "model": model_name, "busy": engine.busy, "waiting": engine.waiting, "last": last}
+
+    props = pair_props(decoder, model_name, defaults)  # read once, before the worker runs anything
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return HTMLResponse(chat_page(), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/props")
+    async def props_endpoint():
+        return props
+
+    @app.get("/v1/models")
+    async def models():
+        meta = {"n_ctx": decoder.n_ctx, **(info or {})}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "ggufspec", "meta": meta}]}
+
+    async def answer(request: Request, body: GenerationBody, job_args: dict, chat: bool):
+        check_model(body.model)
+        job = Job(options=request_options(body, defaults), stops=stop_strings(body.stop), **job_args)
+        reply = Reply(model_name, chat)
+        engine.submit(job)
+        return await respond(job, reply, request, body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionBody):
+        return await answer(request, body, {"prompt": single_prompt(body.prompt)}, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatBody):
+        return await answer(request, body, {"messages": message_dicts(body.messages)}, chat=True)
+
+    return app
+
+
+async def respond(job: Job, reply: Reply, request: Request, body: GenerationBody):
+    """The submitted job's answer: whole, or a stream once the job has started (its errors until
+    then are the HTTP status); a client gone before the answer cancels it."""
+    streaming = False
+    try:
+        kind, value = await job.next_event(request)  # waits its turn, then the prompt is checked
+        if kind == "error":
+            raise engine_error(value)
+        if not body.stream:
+            return await whole_answer(job, reply, request)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        response = EventSourceResponse(stream_events(job, reply, include_usage), sep="\n")
+        streaming = True
+        return response
+    except ClientGone:
+        return JSONResponse({}, status_code=499)  # nginx's "client closed request"; nobody reads it
+    finally:
+        if not streaming:  # from here on the stream's own `finally` cancels it
+            job.cancel()

@@ -1,0 +1,53 @@
+"""GET /props: the pair as the chat page shows it (files, quantization, size, placement) and the
+request defaults, with the fields of llama-server's endpoint of that name for its clients."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .. import __version__, load
+from ..plan import build_backends
+
+QUANT_IN_NAME = re.compile(r"(?i)(?:^|[-_.])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)$")
+
+
+def quantization(llm) -> str | None:
+    """Q4_K_M, F16...: GGUF's general.file_type, else the file name's quantization suffix."""
+    import gguf
+    try:
+        name = gguf.LlamaFileType(int(llm.metadata["general.file_type"])).name
+    except (AttributeError, KeyError, TypeError, ValueError):
+        name = None
+    if name and name != "GUESSED":
+        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    stem = Path(getattr(llm, "model_path", "") or "").stem
+    match = QUANT_IN_NAME.search(stem)
+    return match.group(1).upper() if match else None
+
+
+def model_info(llm) -> dict | None:
+    """One model of the pair as /props shows it."""
+    if llm is None:
+        return None
+    path = Path(llm.model_path)
+    return {"file": path.name, "name": llm.metadata.get("general.name") or path.stem,
+            "quantization": quantization(llm), "description": load.model_description(llm),
+            "n_params": load.parameter_count(llm), "size_bytes": load.weights_size(llm),
+            "n_layer": load.layer_count(llm), "n_gpu_layers": load.offloaded_layers(llm)}
+
+
+def pair_props(decoder, model_name: str, defaults: dict) -> dict:
+    """GET /props: the pair, its placement, the request defaults. The llama-server fields
+    (default_generation_settings, total_slots, model_path, build_info) are there for its clients."""
+    params = {"n_predict": defaults.get("n_predict", -1), "temperature": defaults.get("temperature", 0.0),
+              "top_k": defaults.get("top_k", 40), "top_p": defaults.get("top_p", 0.95),
+              "min_p": defaults.get("min_p", 0.05), "seed": defaults.get("seed"),
+              "speculative.n_max": defaults.get("draft_max", 8), "speculative.n_min": defaults.get("draft_min", 0),
+              "speculative.p_min": defaults.get("draft_p_min", 0.0)}
+    return {"model": model_name, "version": __version__, "n_ctx": decoder.n_ctx,
+            "target": model_info(decoder.target_llm), "draft": model_info(getattr(decoder, "draft_llm", None)),
+            "gpu_offload": load.gpu_offload_supported(), "backends": build_backends(),
+            "placement": decoder.placement,
+            "defaults": defaults,
+            "default_generation_settings": {"n_ctx": decoder.n_ctx, "params": params},
+            "total_slots": 1, "model_path": str(decoder.target_llm.model_path), "build_info": f"ggufspec {__version__}"}

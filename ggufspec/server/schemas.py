@@ -1,0 +1,122 @@
+"""Request bodies (pydantic), and what they ask of the decoder: its stream() keywords, the prompt or
+the conversation, the stop strings."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import APIError
+
+
+class Strict(BaseModel):
+    # NaN and infinity parse as JSON in Python; they are never a valid sampling value
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class Speculative(Strict):
+    """llama.cpp server's per-request draft settings."""
+    n_max: int | None = Field(None, ge=0)
+    n_min: int | None = None
+    p_min: float | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class GenerationBody(Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens (chat)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculative: Speculative | None = None
+    draft: Literal["auto"] | int | None = None  # ggufspec's own: K, 0 = the target alone, or "auto"
+    lookup: bool | None = None
+    hybrid: bool | None = None
+
+
+class CompletionBody(GenerationBody):
+    prompt: str | list[str] | list[int]
+
+
+class ContentPart(Strict):
+    type: str
+    text: str | None = None
+
+
+class Message(Strict):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls...: passed to the chat template
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatBody(GenerationBody):
+    messages: list[Message] = Field(min_length=1)
+
+
+def request_options(body: GenerationBody, defaults: dict) -> dict:
+    """The decoder's stream() keywords: the server's defaults, overridden by what the request sets."""
+    if body.n != 1:
+        raise APIError(400, f"n must be 1: this server generates one choice per request, got {body.n}")
+    options = dict(defaults)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is not None:
+        options["n_predict"] = max_tokens
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        if getattr(body, name) is not None:
+            options[name] = getattr(body, name)
+    if body.seed is not None:
+        if body.seed < -1:
+            raise APIError(400, f"seed must be >= 0 (or -1 for a random one), got {body.seed}", code="invalid_value")
+        options["seed"] = None if body.seed == -1 else body.seed
+    if body.draft is not None:
+        options["n_draft"] = body.draft
+    if body.lookup and body.hybrid:
+        raise APIError(400, "choose one of lookup and hybrid", code="invalid_value")
+    if body.lookup is not None or body.hybrid is not None:
+        options["drafter"] = "lookup" if body.lookup else "hybrid" if body.hybrid else "model"
+    spec = body.speculative
+    if spec is not None:
+        for name, option in (("n_max", "draft_max"), ("n_min", "draft_min"), ("p_min", "draft_p_min")):
+            if getattr(spec, name) is not None:
+                options[option] = getattr(spec, name)
+        if spec.n_max is not None and options.get("n_draft") != "auto":  # a fixed K is capped too
+            options["n_draft"] = min(options.get("n_draft", spec.n_max), spec.n_max)
+    return options
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """The request's stop strings as a list; empty ones stop nothing."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    return [s for s in stops if s]
+
+
+def single_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
+    """/v1/completions' prompt: a text, token ids, or a list of one text."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request, got {len(prompt)}")
+        return prompt[0]
+    return prompt
+
+
+def message_dicts(messages: list[Message]) -> list[dict]:
+    """Messages as the chat template wants them: content a string (text parts joined)."""
+    result = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise APIError(400, "only text content is supported (no images or audio)", code="invalid_value")
+            content = "".join(part.text or "" for part in content)
+        result.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+    return result

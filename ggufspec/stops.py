@@ -1,0 +1,73 @@
+"""Stop strings: generation ends where one of them first appears, and the text ends just before it.
+
+`StopFilter` is for text that goes out piece by piece while it is generated (the server's answers,
+`ggufspec eval`'s completions); `cut_at_stop` is the same cut on a whole text.
+"""
+from __future__ import annotations
+
+
+def first_stop(text: str, stops, start: int = 0) -> int | None:
+    """Where the first of `stops` to appear in `text` (at or after `start`) begins; None: nowhere."""
+    return min((i for s in stops if (i := text.find(s, start)) >= 0), default=None)
+
+
+def cut_at_stop(text: str, stops) -> str:
+    """`text` up to (not including) the first stop string."""
+    end = first_stop(text, stops)
+    return text if end is None else text[:end]
+
+
+class StopFilter:
+    """Holds pieces back while the text might be running into a stop string; cuts at the first one.
+
+    A piece is a dict with a "text" (and whatever else its owner keeps in it). Pieces go out whole,
+    except the one a stop string starts in, which goes out trimmed (pieces after it never go out),
+    so the pieces' texts always add up to the text before the first stop string.
+    """
+
+    def __init__(self, stops):
+        self.stops = list(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""        # everything generated so far
+        self.sent = 0         # characters of it released
+        self.pending: list[dict] = []
+        self.stopped = False
+
+    def push(self, piece: dict) -> list[dict]:
+        """The pieces that can go out now that `piece` came (none after a stop string)."""
+        if not self.stops:
+            return [piece]
+        self.pending.append(piece)
+        self.text += piece["text"]
+        # a stop string never starts in text already released: it would have been held back
+        found = first_stop(self.text, self.stops, max(0, self.sent - self.longest))
+        if found is not None:
+            self.stopped = True
+            return self._release(found)
+        return self._release(len(self.text) - self._partial_stop_length())
+
+    def flush(self) -> list[dict]:
+        """The generation ended without a stop string: what was held back goes out."""
+        released, self.pending = self.pending, []
+        return released
+
+    def _partial_stop_length(self) -> int:
+        """How many trailing characters are the beginning of a stop string."""
+        return max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+
+    def _release(self, end: int) -> list[dict]:
+        released, position = [], self.sent
+        while self.pending:
+            piece = self.pending[0]
+            if position + len(piece["text"]) <= end:
+                released.append(self.pending.pop(0))
+                position += len(piece["text"])
+                continue
+            if self.stopped:  # the piece the stop string starts in: its part before the stop string
+                if end > position:
+                    released.append({**piece, "text": piece["text"][:end - position]})
+                    position = end
+                self.pending = []
+            break
+        self.sent = position
+        return released
