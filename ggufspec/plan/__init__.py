@@ -28,7 +28,6 @@ from .rpc_split import HostShare, parse_host_sizes, rpc_token_seconds, split_acr
 from .shape import KV_BYTES, ModelShape, shape_from_header, shape_from_reader
 from .units import GiB, MiB, PlanError, parse_size
 
-Device = DeviceMemory  # the old name, until its callers say DeviceMemory
 
 __all__ = [
     "CPU_LAYER_SECONDS", "DEFAULT_ACCEPTANCE", "DEFAULT_GPU_BANDWIDTH_GBS", "DEFAULT_RAM_BANDWIDTH_GBS",
