@@ -65,6 +65,8 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
                 stats.decode_seconds = time.perf_counter() - started
                 if target.is_end_of_generation(token):  # the end marker itself is not output
                     stats.stop_reason = "eos"
+                    if target.n_past > len(tokens):  # drop what was verified past the end while that is cheap
+                        _rewind(target, draft_ctx, len(tokens))
                     return
                 tokens.append(token)
                 n_generated += 1

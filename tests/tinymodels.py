@@ -271,13 +271,13 @@ def write_gemma2(path: Path, shape: Shape, weights: dict[str, np.ndarray], windo
     return _finish(writer, weights, path)
 
 
-def make_gemma2_pair(directory: Path, seed: int = 0, window: int = 16, n_layer: int = 4,
+def make_gemma2_pair(directory: Path, seed: int = 0, window: int = 16, n_layer: int = 4, emb_scale: float = 0.1, weight_scale: float = 4.0,
                      eos_bias: float = 0.0) -> tuple[Path, Path]:
     """A Gemma 2 target with a small sliding window and its first 2 layers as the draft."""
-    shape = Shape(n_layer=n_layer, eos_bias=eos_bias)
+    shape = Shape(n_layer=n_layer, eos_bias=eos_bias, weight_scale=weight_scale)
     base = make_weights(shape, seed)
     weights = {k: v for k, v in base.items() if k != "output.weight"}  # gemma 2 ties the output to the embeddings
-    weights["token_embd.weight"] = base["output.weight"] * np.float32(4.0)
+    weights["token_embd.weight"] = base["output.weight"] * np.float32(emb_scale)
     for i in range(n_layer):
         weights[f"blk.{i}.post_attention_norm.weight"] = np.ones(shape.n_embd, np.float32)
         weights[f"blk.{i}.post_ffw_norm.weight"] = np.ones(shape.n_embd, np.float32)
