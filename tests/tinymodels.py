@@ -191,7 +191,7 @@ def _finish(writer: gguf.GGUFWriter, weights: dict[str, np.ndarray], path: Path)
 
 
 def make_mamba_weights(n_layer: int, n_embd: int, d_state: int, d_conv: int, dt_rank: int, seed: int,
-                       eos_bias: float = 0.0, layer_scale: float = 1.0,
+                       eos_bias: float | None = 0.0, layer_scale: float = 1.0,
                        late_scale: float = 0.3, n_early: int = 2) -> dict[str, np.ndarray]:
     """Mamba (v1) weights in llama.cpp's names (src/models/mamba.cpp; numpy shapes reversed)."""
     rng = np.random.default_rng(seed)
@@ -204,7 +204,10 @@ def make_mamba_weights(n_layer: int, n_embd: int, d_state: int, d_conv: int, dt_
     weights = {"token_embd.weight": w(n_vocab, n_embd, scale=1.0),
                "output_norm.weight": np.ones(n_embd, np.float32),
                "output.weight": w(n_vocab, n_embd, scale=8.0)}
-    weights["output.weight"][2] += np.float32(eos_bias / np.sqrt(n_embd))
+    if eos_bias is None:  # no end of sequence: its logit is 0, below the largest of the others
+        weights["output.weight"][2] = 0.0
+    else:
+        weights["output.weight"][2] += np.float32(eos_bias / np.sqrt(n_embd))
     for i in range(n_layer):
         p = f"blk.{i}."
         out_scale = layer_scale if i < n_early else layer_scale * late_scale  # the draft's layers dominate
@@ -241,7 +244,7 @@ def write_mamba(path: Path, weights: dict[str, np.ndarray], n_layer: int, n_embd
     return _finish(writer, weights, path)
 
 
-def make_mamba_pair(directory: Path, seed: int = 0, n_layer: int = 4, n_embd: int = 64, eos_bias: float = 4.0,
+def make_mamba_pair(directory: Path, seed: int = 0, n_layer: int = 4, n_embd: int = 64, eos_bias: float | None = 4.0,
                     draft_layers: int = 2) -> tuple[Path, Path]:
     """A Mamba target and, as its draft, its first `draft_layers` layers (same embeddings and output)."""
     dims = dict(n_embd=n_embd, d_state=16, d_conv=4, dt_rank=8)
