@@ -289,3 +289,57 @@ def make_gemma2_pair(directory: Path, seed: int = 0, window: int = 16, n_layer: 
     draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(("blk.0.", "blk.1."))}
     draft = write_gemma2(directory / "gemma2-draft.gguf", draft_shape, draft_weights, window)
     return target, draft
+
+
+def make_lfm2_pair(directory: Path, seed: int = 0, n_embd: int = 64, l_cache: int = 3,
+                   eos_bias: float | None = 4.0) -> tuple[Path, Path]:
+    """LFM2, a hybrid (short convolutions, recurrent state, beside attention layers), one of the
+    architectures where llama.cpp keeps per-token rollback states (n_rs_seq). Target: conv, conv,
+    attention, conv; draft: its first three (a draft with no attention layer crashes llama.cpp)."""
+    kinds = ["conv", "conv", "attn", "conv"]
+    rng = np.random.default_rng(seed)
+    n_vocab = len(vocabulary()[0])
+    n_head, n_head_kv, n_ff = 4, 2, 128
+    head = n_embd // n_head
+
+    def w(*dims, scale=1.0):
+        return (rng.standard_normal(dims) * scale / np.sqrt(dims[-1])).astype(np.float32)
+
+    weights = {"token_embd.weight": w(n_vocab, n_embd, scale=1.0), "token_embd_norm.weight": np.ones(n_embd, np.float32),
+               "output.weight": w(n_vocab, n_embd, scale=8.0)}
+    if eos_bias is None:
+        weights["output.weight"][2] = 0.0
+    else:
+        weights["output.weight"][2] += np.float32(eos_bias / np.sqrt(n_embd))
+    for i, kind in enumerate(kinds):
+        p = f"blk.{i}."
+        scale = 1.0 if i < 2 else 0.3
+        weights.update({p + "attn_norm.weight": np.ones(n_embd, np.float32), p + "ffn_norm.weight": np.ones(n_embd, np.float32),
+                        p + "ffn_gate.weight": w(n_ff, n_embd), p + "ffn_up.weight": w(n_ff, n_embd),
+                        p + "ffn_down.weight": w(n_embd, n_ff, scale=scale)})
+        if kind == "conv":
+            weights.update({p + "shortconv.conv.weight": w(n_embd, l_cache),
+                            p + "shortconv.in_proj.weight": w(3 * n_embd, n_embd),
+                            p + "shortconv.out_proj.weight": w(n_embd, n_embd, scale=scale)})
+        else:
+            weights.update({p + "attn_q_norm.weight": np.ones(head, np.float32), p + "attn_k_norm.weight": np.ones(head, np.float32),
+                            p + "attn_q.weight": w(n_embd, n_embd), p + "attn_k.weight": w(head * n_head_kv, n_embd),
+                            p + "attn_v.weight": w(head * n_head_kv, n_embd),
+                            p + "attn_output.weight": w(n_embd, n_embd, scale=scale)})
+
+    def write(path, layers):
+        vocab, types = vocabulary()
+        writer = gguf.GGUFWriter(str(path), "lfm2")
+        writer.add_context_length(2048)
+        writer.add_embedding_length(n_embd)
+        writer.add_block_count(len(layers))
+        writer.add_feed_forward_length(n_ff)
+        writer.add_head_count(n_head)
+        writer.add_head_count_kv([n_head_kv if k == "attn" else 0 for k in layers])
+        writer.add_rope_dimension_count(head)
+        writer.add_uint32("lfm2.shortconv.l_cache", l_cache)
+        _write_common(writer, vocab, types, CHAT_TEMPLATE)
+        keep = tuple(f"blk.{i}." for i in range(len(layers)))
+        return _finish(writer, {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(keep)}, path)
+
+    return write(directory / "lfm2-target.gguf", kinds), write(directory / "lfm2-draft.gguf", kinds[:3])
