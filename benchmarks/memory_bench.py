@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from ggufspec import SpeculativeDecoder  # noqa: E402
-from tinymodels import make_mamba_pair  # noqa: E402
+from ggufspec.load import LoadParams, open_model  # noqa: E402
+from tinymodels import make_lfm2_pair, make_mamba_pair  # noqa: E402
 
 
 def run_one(dec, prompt, n, draft):
@@ -46,34 +47,61 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--draft", default="3", help="comma-separated K values")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--arch", choices=["mamba", "lfm2"], default="mamba",
+                    help="lfm2: a hybrid where llama.cpp has per-token rollback states; each K runs twice, "
+                         "rolled back by snapshots and by n_rs_seq")
     args = ap.parse_args()
-    configs = ["none"] + [int(k) for k in args.draft.split(",")] + ["auto"]
+    ks = [int(k) for k in args.draft.split(",")] + ["auto"]
     with tempfile.TemporaryDirectory() as tmp:
-        target, draft = make_mamba_pair(Path(tmp), n_layer=args.layers, n_embd=args.n_embd, eos_bias=None)
+        if args.arch == "mamba":
+            target, draft = make_mamba_pair(Path(tmp), n_layer=args.layers, n_embd=args.n_embd, eos_bias=None)
+            title = f"Mamba target {args.layers} layers x {args.n_embd}, draft its first 2 layers"
+        else:
+            target, draft = make_lfm2_pair(Path(tmp), n_embd=args.n_embd, eos_bias=None)
+            title = f"LFM2 target (conv, conv, attention, conv) x {args.n_embd}, draft its first 3 layers"
         prompt = [1, 260, 261, 262, 263, 264, 265, 266]
-        with SpeculativeDecoder(target, draft, n_ctx=args.tokens + 64, n_threads=args.threads) as dec:
+        n_ctx = args.tokens + 64
+        llms = []
+
+        def decoder(n_rs_seq=0):
+            params = LoadParams(n_ctx=n_ctx, n_threads=args.threads, n_rs_seq=n_rs_seq)
+            llms.extend([open_model(target, "target", params), open_model(draft, "draft", LoadParams(
+                n_ctx=n_ctx, n_threads=args.threads))])
+            return SpeculativeDecoder(llms[-2], llms[-1])
+
+        decoders = {"snapshot": decoder()}
+        if args.arch == "lfm2":
+            decoders["n_rs_seq 8"] = decoder(8)
+        configs = [("none", name) for name in decoders] + [(k, name) for k in ks for name in decoders]
+        for dec in decoders.values():
             run_one(dec, prompt, 16, 3)  # warm up graphs; auto measures its costs on first use
             run_one(dec, prompt, 16, "auto")
-            results = {c: [] for c in configs}
-            for r in range(args.rounds):
-                for c in (configs if r % 2 == 0 else configs[::-1]):
-                    results[c].append(run_one(dec, prompt, args.tokens, c))
-            costs = dec.costs.get("model")
-    base = max(x["tps"] for x in results["none"])
-    print(f"Mamba target {args.layers} layers x {args.n_embd}, draft its first 2 layers; {args.tokens} tokens, "
-          f"{args.rounds} rounds, {args.threads} threads")
+        results = {c: [] for c in configs}
+        for r in range(args.rounds):
+            for c in (configs if r % 2 == 0 else configs[::-1]):
+                results[c].append(run_one(decoders[c[1]], prompt, args.tokens, c[0]))
+        costs = {name: dec.costs.get("model") for name, dec in decoders.items()}
+        for dec in decoders.values():
+            dec.close()
+        for llm in llms:
+            llm.close()
+    base = max(x["tps"] for x in results[("none", "snapshot")])
+    print(f"{title}; {args.tokens} tokens, {args.rounds} rounds, {args.threads} threads")
     print("| config | tok/s (best) | tok/s (median) | vs target alone | target tokens evaluated | "
           "re-evaluated after restore | accepted / drafted |")
     print("|---|---|---|---|---|---|---|")
     for c in configs:
         runs = results[c]
         best = max(runs, key=lambda x: x["tps"])
-        name = {"none": "--no-draft", "auto": "--draft auto"}.get(c, f"--draft {c}")
+        name = {"none": "--no-draft", "auto": "--draft auto"}.get(c[0], f"--draft {c[0]}")
+        if len(decoders) > 1:
+            name += f" ({c[1]})"
         print(f"| {name} | {best['tps']:.0f} | {statistics.median(x['tps'] for x in runs):.0f} | "
               f"{best['tps'] / base:.2f}x | {best['evaluated']} | {best['replayed']} | "
               f"{best['accepted']} / {best['drafted']} |")
-    if costs is not None:
-        print("auto's costs:", costs.summary())
+    for name, c in costs.items():
+        if c is not None:
+            print(f"auto's costs ({name}):", c.summary())
 
 
 if __name__ == "__main__":

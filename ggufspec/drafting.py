@@ -73,8 +73,8 @@ class VocabBridge:
         self.keep(common_prefix_length(self.tokens, tokens))
         return len(self.tokens)
 
-    def checkpoint(self, upcoming: int = 1, persistent: bool = False) -> None:
-        self.inner.checkpoint(upcoming, persistent)
+    def checkpoint(self, upcoming: int = 1, persistent: bool = False, force: bool = False) -> None:
+        self.inner.checkpoint(upcoming, persistent, force)
 
     def close(self) -> None:
         self.inner.close()

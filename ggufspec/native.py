@@ -162,10 +162,11 @@ class Context:
     def needs_snapshots(self) -> bool:
         return self.rollback == "snapshot" or self.n_swa > 0
 
-    def checkpoint(self, upcoming: int = 1, persistent: bool = False) -> None:
+    def checkpoint(self, upcoming: int = 1, persistent: bool = False, force: bool = False) -> None:
         """The sequence may be cut back to here after the next `upcoming` tokens: save what a cut
         cannot recover (nothing for a KV cache). `persistent`: also keep it along the conversation,
-        so a later prompt sharing this prefix reuses it."""
+        so a later prompt sharing this prefix reuses it. `force`: save even where llama.cpp's
+        per-token rollback states (n_rs_seq) could cut the next batch once (for two cuts in a row)."""
         if not self.needs_snapshots:
             return
         n = len(self.tokens)
@@ -174,7 +175,7 @@ class Context:
             self._keep_checkpoint(n)
         if upcoming <= 0 or self.rollback != "snapshot" or self._scratch.pos == n:
             return  # a sliding window drops a suffix by itself
-        if self.n_rs_seq >= upcoming and self.n_ubatch > upcoming:
+        if self.n_rs_seq >= upcoming and self.n_ubatch > upcoming and not force:
             return  # llama.cpp keeps per-token states of the next batch: seq_rm cuts within it
         self._save(self._scratch)
 

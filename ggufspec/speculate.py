@@ -113,11 +113,11 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, siz
             continue
         for run in range(repeats + 1):
             start = ctx.n_past
-            if n == 1:  # a single token is never cut back in a step
-                ctx.checkpoint(upcoming=1)
+            if n == 1:  # a single token is never cut back in a step: its save is not timed
+                ctx.checkpoint(upcoming=1, force=True)
             t0 = time.perf_counter()
-            if n > 1:
-                ctx.checkpoint(upcoming=n)
+            if n > 1:  # forced: the second cut below needs it even where n_rs_seq cuts the first
+                ctx.checkpoint(upcoming=n, force=True)
             ctx.decode([token] * n, n_logits=n if ctx is target else 1)
             if n > 1:
                 ctx.keep(start + 1)
