@@ -136,3 +136,34 @@ def test_speculative_sampling_matches_target(mamba_pair, decoder):
         pairs[tuple(tokens)] = pairs.get(tuple(tokens), 0) + 1
     assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, draws) > 1e-3
     assert chi_square_pvalue(pairs, joint, draws) > 1e-3
+
+
+@pytest.mark.parametrize("n_rs_seq", [0, 8])
+def test_a_hybrid_rolls_back_by_snapshot_or_by_n_rs_seq(tmp_path, n_rs_seq):
+    """LFM2 (short convolutions beside attention): identical to the target alone either way; with
+    llama.cpp's per-token rollback states (n_rs_seq) the target re-evaluates nothing."""
+    from ggufspec.load import LoadParams, open_model
+    from tinymodels import make_lfm2_pair
+    target_path, draft_path = make_lfm2_pair(tmp_path)
+    target = open_model(target_path, "target", LoadParams(n_ctx=256, n_threads=1, n_rs_seq=n_rs_seq))
+    draft = open_model(draft_path, "draft", LoadParams(n_ctx=256, n_threads=1))
+    with SpeculativeDecoder(target, draft) as dec:
+        assert dec.target.hybrid and dec.target.n_rs_seq == n_rs_seq
+        near_ties = checked = 0
+        for prompt in prompts(3, seed=2):
+            expected, margins, _ = target_alone(target_path, prompt, 40, 256, "on")
+            for k in [1, 3, 5, "auto"]:
+                dec.target.keep(0)
+                replayed = dec.target.n_replayed
+                got = dec.generate(prompt, n_predict=40, n_draft=k)
+                diff = first_difference(got.tokens, expected)
+                if diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE:
+                    near_ties += 1
+                    continue
+                assert got.tokens == expected, f"K={k} first difference at {diff}"
+                checked += 1
+                if n_rs_seq and k != "auto":
+                    assert dec.target.n_replayed == replayed
+        assert near_ties <= checked // 10
+    target.close()
+    draft.close()
