@@ -74,6 +74,9 @@ class VocabBridge:
         self.keep(common_prefix_length(self.tokens, tokens))
         return len(self.tokens)
 
+    def checkpoint(self, upcoming: int = 1, persistent: bool = False, force: bool = False) -> None:
+        self.inner.checkpoint(upcoming, persistent, force)
+
     def close(self) -> None:
         self.inner.close()
 
@@ -102,6 +105,7 @@ class ModelDrafter:
         except DecodeError:  # the draft's context is full (a bridged vocabulary takes more tokens)
             return [], []     # the target goes on alone
         self.catch_up_seconds = time.perf_counter() - t0 if lag > self.CATCH_UP else 0.0
+        ctx.checkpoint(upcoming=k - 1)  # memory that cannot drop a suffix saves its state first
         while True:
             logits = ctx.logits(0)
             if params.greedy:

@@ -30,6 +30,12 @@ class LoadParams:
     flash_attn: str = "auto"  # on | off | auto (llama.cpp's default: on where the backend has it)
     devices: tuple | None = None       # RPC workers (and local GPUs) to place layers on; None: llama.cpp's default
     tensor_split: tuple | None = None  # how those devices share the offloaded layers (one weight each)
+    # a sliding-window model's cache holds the window only, as llama-server's default; True keeps
+    # every position (llama.cpp's --swa-full: more memory, any prefix reusable without checkpoints)
+    swa_full: bool = False
+    # recurrent rollback snapshots per sequence (llama.cpp's n_rs_seq, where the architecture has
+    # them); 0: roll back by saving and restoring the recurrent state
+    n_rs_seq: int = 0
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -46,7 +52,7 @@ def flash_attn_type(setting: str | bool) -> int:
 
 
 @contextlib.contextmanager
-def _context_flash_attn(kind: int):
+def _context_flash_attn(kind: int, n_rs_seq: int = 0):
     """Make the next llama context use flash-attention type `kind`.
 
     Llama(flash_attn=...) is a bool (on or off); llama.cpp's own default, auto (on where the
@@ -58,6 +64,8 @@ def _context_flash_attn(kind: int):
 
     def with_flash_attn(*args, params, **kwargs):
         params.flash_attn_type = kind
+        if n_rs_seq and hasattr(params, "n_rs_seq"):
+            params.n_rs_seq = n_rs_seq
         return original(*args, params=params, **kwargs)
     _internals.LlamaContext = with_flash_attn
     try:
@@ -89,8 +97,8 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     try:
         options = dict(n_ctx=params.n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
-                       logits_all=False, verbose=False)
-        with _context_flash_attn(flash_attn_type(params.flash_attn)):
+                       logits_all=False, verbose=False, swa_full=params.swa_full)
+        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq):
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 from .rpc import load_llama
                 split = list(params.tensor_split) if params.tensor_split else None

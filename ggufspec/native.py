@@ -4,12 +4,23 @@
 `llama_decode` with logits requested only where the caller reads them, `llama_get_logits_ith`, and
 `llama_memory_seq_rm` to cut the KV cache back. It tracks `tokens`, exactly the tokens the KV cache
 holds, so callers never compute positions themselves and a new prompt can reuse the cached prefix.
+
+Memory that cannot drop a suffix (recurrent: Mamba, RWKV; hybrid: recurrent layers beside attention)
+rolls back as llama.cpp's server does: `checkpoint()` saves the sequence's small recurrent state
+(`llama_state_seq_get_data_ext` with `LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`) before tokens that may be
+dropped, and `keep(n)` restores it and re-evaluates only the kept tokens after it. Where the context
+has recurrent rollback snapshots (`n_rs_seq`, a few architectures), a cut within the last batch is a
+plain `llama_memory_seq_rm`. A sliding-window cache (`swa_full=False`) cuts a suffix like any KV
+cache, but going back further than its window needs a checkpoint too. Checkpoints along the
+conversation (bounded in count and bytes, like llama-server's `--ctx-checkpoints`) let a new prompt
+reuse the cached prefix on every kind of memory. Callers only ever call `keep` and `checkpoint`.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import sys
+import time
 from typing import Sequence
 
 import llama_cpp
@@ -44,6 +55,20 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+MAX_CHECKPOINTS = 8              # conversation checkpoints per context (llama-server: --ctx-checkpoints)
+MAX_CHECKPOINT_BYTES = 256 << 20  # and their bytes together
+CHECKPOINT_EVERY = 256           # tokens between automatic conversation checkpoints
+
+
+class _Snapshot:
+    """A sequence's partial state (recurrent state, or the sliding window) after its first `pos` tokens."""
+
+    __slots__ = ("pos", "buffer", "size")
+
+    def __init__(self):
+        self.pos, self.buffer, self.size = -1, None, 0
+
+
 class Context:
     def __init__(self, llm: llama_cpp.Llama, name: str):
         self.llm = llm
@@ -59,6 +84,23 @@ class Context:
         self._logit_rows = 0
         self._pieces: dict[int, bytes] = {}
         self._logit_views: dict[int, np.ndarray] = {}
+        model = llm._model.model
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(model))
+        self.hybrid = bool(llama_cpp.llama_model_is_hybrid(model))
+        swa_full = bool(getattr(llm.context_params, "swa_full", True))
+        self.n_swa = 0 if swa_full else int(llama_cpp.llama_model_n_swa(model))  # 0: the cache holds it all
+        self.n_rs_seq = int(llama_cpp.llama_n_rs_seq(self.ctx)) if hasattr(llama_cpp, "llama_n_rs_seq") else 0
+        self.n_ubatch = llama_cpp.llama_n_ubatch(self.ctx)
+        # what a cut needs: "cut" (seq_rm), "snapshot" (restore a saved state and re-evaluate)
+        self.rollback = "snapshot" if (self.recurrent or self.hybrid) else "cut"
+        self.n_evaluated = 0   # tokens given to llama_decode, all of them
+        self.n_replayed = 0    # of which re-evaluated after restoring a snapshot
+        self.n_restores = 0
+        self.restore_seconds = 0.0  # restoring and re-evaluating, in total
+        self._last_batch = 0   # tokens in the last llama_decode (n_rs_seq rolls back within it)
+        self._least_seconds: dict[int, float] = {}  # least time seen for a batch of n <= 8 tokens
+        self._scratch = _Snapshot()  # before the tokens being verified or drafted
+        self._kept: list[_Snapshot] = []  # along the conversation
 
     def decode(self, tokens: Sequence[int], n_logits: int = 1) -> None:
         """Append `tokens` to the cache; keep logits for the last `n_logits` of them.
@@ -82,7 +124,12 @@ class Context:
             batch.seq_id[i][0] = _SEQ
             batch.logits[i] = i >= first_logit
         batch.n_tokens = n
+        t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self.ctx, batch)
+        if n <= 8:
+            seconds = time.perf_counter() - t0
+            if seconds < self._least_seconds.get(n, float("inf")):
+                self._least_seconds[n] = seconds
         if rc != 0:
             # 1: no KV slot (context full); 2: aborted; < 0: error. The cache may hold part of
             # the batch: cut it back so the caller's view stays true.
@@ -90,6 +137,8 @@ class Context:
             raise DecodeError(f"llama_decode failed on the {self.name} model (code {rc})")
         self.tokens.extend(tokens)
         self._logit_rows = n_logits
+        self.n_evaluated += n
+        self._last_batch = n
 
     def logits(self, row: int) -> np.ndarray:
         """Logits of the row-th of the last decode's logit positions (a view, valid until the next decode)."""
@@ -109,20 +158,140 @@ class Context:
     def n_past(self) -> int:
         return len(self.tokens)
 
+    @property
+    def needs_snapshots(self) -> bool:
+        return self.rollback == "snapshot" or self.n_swa > 0
+
+    def checkpoint(self, upcoming: int = 1, persistent: bool = False, force: bool = False) -> None:
+        """The sequence may be cut back to here after the next `upcoming` tokens: save what a cut
+        cannot recover (nothing for a KV cache). `persistent`: also keep it along the conversation,
+        so a later prompt sharing this prefix reuses it. `force`: save even where llama.cpp's
+        per-token rollback states (n_rs_seq) could cut the next batch once (for two cuts in a row)."""
+        if not self.needs_snapshots:
+            return
+        n = len(self.tokens)
+        last_kept = max((c.pos for c in self._kept), default=0)
+        if n > 0 and (persistent or n >= last_kept + CHECKPOINT_EVERY) and n != last_kept:
+            self._keep_checkpoint(n)
+        if upcoming <= 0 or self.rollback != "snapshot" or self._scratch.pos == n:
+            return  # a sliding window drops a suffix by itself
+        if self.n_rs_seq >= upcoming and self.n_ubatch > upcoming and not force:
+            return  # llama.cpp keeps per-token states of the next batch: seq_rm cuts within it
+        self._save(self._scratch)
+
+    def _save(self, snap: _Snapshot) -> bool:
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, _SEQ, flags)
+        if snap.buffer is None or len(snap.buffer) < size:
+            snap.buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = llama_cpp.llama_state_seq_get_data_ext(self.ctx, snap.buffer, size, _SEQ, flags) if size else 0
+        snap.pos, snap.size = (len(self.tokens), written) if written else (-1, 0)
+        return bool(written)
+
+    def _keep_checkpoint(self, n: int) -> None:
+        snap = _Snapshot()
+        if not self._save(snap):
+            return
+        self._kept.append(snap)
+        while self._kept and (len(self._kept) > MAX_CHECKPOINTS
+                              or sum(c.size for c in self._kept) > MAX_CHECKPOINT_BYTES):
+            self._kept.pop(0)  # the oldest goes first, as in llama-server
+
+    def _restore(self, snap: _Snapshot) -> bool:
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        if not llama_cpp.llama_state_seq_set_data_ext(self.ctx, snap.buffer, snap.size, _SEQ, flags):
+            return False
+        # the full-attention part of a hybrid or sliding-window memory is cut as usual
+        llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, snap.pos, -1)
+        del self.tokens[snap.pos:]
+        self.n_restores += 1
+        return True
+
+    def _window_holds(self, n_tokens: int) -> bool:
+        """Whether a sliding-window cache cut back to n_tokens still holds the window before it."""
+        if not self.n_swa or n_tokens == 0:
+            return True
+        pos_min = llama_cpp.llama_memory_seq_pos_min(self.memory, _SEQ)
+        return 0 <= pos_min <= max(0, n_tokens - self.n_swa)
+
+    def _cut(self, n_tokens: int) -> bool:
+        """Drop the suffix without re-evaluating anything, where the memory can."""
+        if n_tokens == 0:
+            llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)
+            return True
+        if self.rollback == "snapshot" and not (self.n_rs_seq and len(self.tokens) - n_tokens < self._last_batch
+                                                and len(self.tokens) - n_tokens <= self.n_rs_seq):
+            return False
+        if not self._window_holds(n_tokens):
+            return False
+        if not llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, n_tokens, -1):
+            return False
+        self._last_batch = 0  # llama.cpp's rollback snapshots are single-use
+        return True
+
+    def _best_snapshot(self, n_tokens: int) -> _Snapshot | None:
+        usable = [s for s in (self._scratch, *self._kept) if 0 < s.pos <= n_tokens]
+        return max(usable, key=lambda s: s.pos, default=None)
+
+    def _forget_after(self, n_tokens: int) -> None:
+        self._kept = [c for c in self._kept if c.pos <= n_tokens]
+        if self._scratch.pos > n_tokens:
+            self._scratch.pos = -1
+
     def keep(self, n_tokens: int) -> None:
-        """Cut the KV cache back to its first n_tokens (the only way the engine rewinds)."""
+        """Cut the cache back to its first n_tokens (the only way the engine rewinds).
+
+        A KV cache drops the suffix; other memory restores the latest state saved at or before
+        n_tokens and re-evaluates only the tokens between it and n_tokens."""
         if n_tokens >= len(self.tokens):
             return
-        if not llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, n_tokens, -1):
-            # some caches (recurrent, sliding-window) cannot drop a suffix: start again empty
-            llama_cpp.llama_memory_clear(self.memory, True)
-            n_tokens = 0
-        del self.tokens[n_tokens:]
+        self._forget_after(n_tokens)
+        if self._cut(n_tokens):
+            del self.tokens[n_tokens:]
+            return
+        t0 = time.perf_counter()
+        replay = self.tokens[:n_tokens]
+        snap = self._best_snapshot(n_tokens)
+        if snap is None or not self._restore(snap):
+            llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)  # nothing saved: from the start
+            del self.tokens[:]
+        replay = replay[len(self.tokens):]
+        self.n_replayed += len(replay)
+        self._replay(replay)
+        self.restore_seconds += time.perf_counter() - t0
+
+    def _replay(self, tokens: list[int]) -> None:
+        """Re-evaluate kept tokens: one batch, or one token at a time where this machine's measured
+        times say that is cheaper (on some CPUs a recurrent batch of 2 costs 4 single tokens)."""
+        n = len(tokens)
+        single, batch = self._least_seconds.get(1), self._least_seconds.get(n)
+        if 1 < n <= 8 and single is not None and batch is not None and n * single < batch:
+            for token in tokens:
+                self.decode([token], n_logits=0)
+        else:
+            self.decode(tokens, n_logits=0)
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
-        """Keep the longest prefix the cache shares with `tokens`; returns its length."""
-        self.keep(common_prefix_length(self.tokens, tokens))
+        """Keep the longest prefix the cache shares with `tokens` that can be kept without
+        re-evaluating anything (up to a checkpoint, for memory that cannot cut); returns its length."""
+        n = common_prefix_length(self.tokens, tokens)
+        if n < len(self.tokens):
+            self._forget_after(n)
+            if self._cut(n):
+                del self.tokens[n:]
+            else:
+                snap = self._best_snapshot(n)
+                if snap is None or not self._restore(snap):
+                    llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)
+                    del self.tokens[:]
         return len(self.tokens)
+
+    def can_roll_back(self) -> bool:
+        """Whether a suffix can be dropped at all: by a cut, or by saving and restoring state."""
+        if self.rollback == "cut":
+            return True
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        return llama_cpp.llama_state_seq_get_size_ext(self.ctx, _SEQ, flags) > 0
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))

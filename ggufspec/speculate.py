@@ -53,15 +53,20 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             t1 = time.perf_counter()
             n_accepted, own_token = _verify(target, tokens, proposals, draft_probs, params, rng)
             t2 = time.perf_counter()
+            target_rewind = draft_rewind = 0.0
             if proposals:
-                _rewind(target, draft_ctx, len(tokens) + n_accepted)
+                target_rewind, draft_rewind = _rewind(target, draft_ctx, len(tokens) + n_accepted)
             if drafter is not None:  # a catch-up after the draft sat idle is not a per-token cost
-                controller.observe(len(proposals), n_accepted, t1 - t0 - drafter.catch_up_seconds, t2 - t1)
+                # restoring a state and re-evaluating the kept tokens is part of what a step costs
+                controller.observe(len(proposals), n_accepted, t1 - t0 - drafter.catch_up_seconds + draft_rewind,
+                                   t2 - t1 + target_rewind)
             stats.add_step(len(proposals), n_accepted, t1 - t0, t2 - t1)
             for i, token in enumerate(proposals[:n_accepted] + [own_token]):
                 stats.decode_seconds = time.perf_counter() - started
                 if target.is_end_of_generation(token):  # the end marker itself is not output
                     stats.stop_reason = "eos"
+                    if target.n_past > len(tokens):  # drop what was verified past the end while that is cheap
+                        _rewind(target, draft_ctx, len(tokens))
                     return
                 tokens.append(token)
                 n_generated += 1
@@ -83,6 +88,7 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
     stats.n_prompt_cached = target.reuse_prefix(tokens[:-1])
     t0 = time.perf_counter()
     target.decode(tokens[stats.n_prompt_cached:-1], n_logits=0)
+    target.checkpoint(upcoming=0, persistent=True)  # where the next turn of a conversation starts from
     stats.prompt_seconds = time.perf_counter() - t0
     if draft is not None:
         draft.reuse_prefix(tokens[:-1])
@@ -97,6 +103,8 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, siz
 
     The tokens are appended after whatever the caches hold and cut off again, so a cached
     conversation survives. Each size's first run pays for building its graph and is not kept.
+    Where the memory cannot drop a suffix (recurrent), a target batch of n > 1 is timed with what a
+    rejection costs on top: saving the state before it, restoring it, re-evaluating one token.
     """
     jobs = [(target, n) for n in sizes] + ([(draft, 1)] if draft is not None else [])
     started = time.perf_counter()
@@ -104,10 +112,17 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, siz
         if ctx.n_past + n > ctx.n_ctx:
             continue
         for run in range(repeats + 1):
+            start = ctx.n_past
+            if n == 1:  # a single token is never cut back in a step: its save is not timed
+                ctx.checkpoint(upcoming=1, force=True)
             t0 = time.perf_counter()
+            if n > 1:  # forced: the second cut below needs it even where n_rs_seq cuts the first
+                ctx.checkpoint(upcoming=n, force=True)
             ctx.decode([token] * n, n_logits=n if ctx is target else 1)
+            if n > 1:
+                ctx.keep(start + 1)
             seconds = time.perf_counter() - t0
-            ctx.keep(ctx.n_past - n)
+            ctx.keep(start)
             if run == 0:
                 continue
             if ctx is target:
@@ -129,6 +144,7 @@ def _verify(target: Context, tokens: list[int], proposals: list[int], draft_prob
     at its position it is rejected like any token the target gives probability 0.
     """
     n_valid = next((i for i, t in enumerate(proposals) if t >= target.n_vocab), len(proposals))
+    target.checkpoint(upcoming=n_valid)  # memory that cannot drop a suffix saves its state first
     target.decode(tokens[target.n_past:] + proposals[:n_valid], n_logits=n_valid + 1)
     n_accepted, own_token = len(proposals), None
     for i, proposed in enumerate(proposals[:n_valid + 1]):
@@ -146,11 +162,15 @@ def _verify(target: Context, tokens: list[int], proposals: list[int], draft_prob
     return n_accepted, own_token
 
 
-def _rewind(target: Context, draft: Context | None, n_keep: int) -> None:
-    """Cut both caches back to the sequence's first n_keep tokens (all it holds that was kept)."""
+def _rewind(target: Context, draft: Context | None, n_keep: int) -> tuple[float, float]:
+    """Cut both caches back to the sequence's first n_keep tokens (all it holds that was kept).
+    Returns the seconds each took (a restore and re-evaluation where the memory cannot cut)."""
+    t0 = time.perf_counter()
     target.keep(n_keep)
+    t1 = time.perf_counter()
     if draft is not None:
         draft.keep(n_keep)
+    return t1 - t0, time.perf_counter() - t1
 
 
 @dataclass(frozen=True)
@@ -299,6 +319,8 @@ class SpeculativeDecoder:
         check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
         wants_draft = use_draft and n_draft != 0 and (self.draft is not None or drafter != "model")
         chosen = self._drafter(drafter, draft_p_min, draft_min) if wants_draft else None
+        if chosen is not None and not self._can_roll_back(chosen):
+            chosen = None  # the target alone, said once
         if adaptive:  # the machine's costs outlive a generation
             costs = self._costs.setdefault(drafter, Costs())
             if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
@@ -318,6 +340,19 @@ class SpeculativeDecoder:
         max_tokens = n_predict if n_predict > 0 else self.n_ctx
         return speculative_steps(self.target, chosen, tokens, controller=controller, params=params,
                                  max_tokens=max_tokens, stats=self.last_stats)
+
+    def _can_roll_back(self, drafter) -> bool:
+        contexts = [self.target] + ([drafter.context] if getattr(drafter, "context", None) is not None else [])
+        for ctx in contexts:
+            inner = getattr(ctx, "inner", ctx)
+            if not inner.can_roll_back():
+                if not getattr(self, "_said_no_rollback", False):
+                    import sys
+                    sys.stderr.write(f"ggufspec: the {inner.name} model's memory can neither drop tokens nor save "
+                                     f"its state; running the target alone\n")
+                    self._said_no_rollback = True
+                return False
+        return True
 
     def _drafter(self, kind: str, p_min: float, n_min: int = 0):
         if kind not in ("model", "lookup", "hybrid"):

@@ -159,3 +159,187 @@ def write_header_only(path: Path, *, n_layer: int, n_embd: int, n_head: int, n_h
     with open(path, "r+b") as f:
         f.truncate(header_end + 32 + data + 32 * len(writer.tensors[0]))  # alignment padding, generously
     return path
+
+
+# ---------------------------------------------------------------- recurrent and sliding-window memory
+
+def _write_common(writer: gguf.GGUFWriter, vocab: list[str], types: list, chat_template: str | None) -> None:
+    writer.add_name("tiny")
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(vocab)
+    writer.add_token_scores([0.0] * 3 + [-1000.0] * 256 + [-float(i) for i in range(len(vocab) - 259)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+
+
+def _finish(writer: gguf.GGUFWriter, weights: dict[str, np.ndarray], path: Path) -> Path:
+    for name, tensor in weights.items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def make_mamba_weights(n_layer: int, n_embd: int, d_state: int, d_conv: int, dt_rank: int, seed: int,
+                       eos_bias: float | None = 0.0, layer_scale: float = 1.0,
+                       late_scale: float = 0.3, n_early: int = 2) -> dict[str, np.ndarray]:
+    """Mamba (v1) weights in llama.cpp's names (src/models/mamba.cpp; numpy shapes reversed)."""
+    rng = np.random.default_rng(seed)
+    n_vocab = len(vocabulary()[0])
+    d_inner = 2 * n_embd
+
+    def w(*dims, scale=layer_scale):
+        return (rng.standard_normal(dims) * scale / np.sqrt(dims[-1])).astype(np.float32)
+
+    weights = {"token_embd.weight": w(n_vocab, n_embd, scale=1.0),
+               "output_norm.weight": np.ones(n_embd, np.float32),
+               "output.weight": w(n_vocab, n_embd, scale=8.0)}
+    if eos_bias is None:  # no end of sequence: its logit is 0, below the largest of the others
+        weights["output.weight"][2] = 0.0
+    else:
+        weights["output.weight"][2] += np.float32(eos_bias / np.sqrt(n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        out_scale = layer_scale if i < n_early else layer_scale * late_scale  # the draft's layers dominate
+        weights.update({
+            p + "attn_norm.weight": np.ones(n_embd, np.float32),
+            p + "ssm_in.weight": w(2 * d_inner, n_embd),
+            p + "ssm_conv1d.weight": w(d_inner, d_conv, scale=1.0),
+            p + "ssm_conv1d.bias": np.zeros(d_inner, np.float32),
+            p + "ssm_x.weight": w(dt_rank + 2 * d_state, d_inner),
+            p + "ssm_dt.weight": w(d_inner, dt_rank),
+            p + "ssm_dt.bias": np.zeros(d_inner, np.float32),
+            # A = -exp(A_log), stored already negated as llama.cpp's converter does
+            p + "ssm_a": -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1)),
+            p + "ssm_d": np.ones(d_inner, np.float32),
+            p + "ssm_out.weight": w(n_embd, d_inner, scale=out_scale),
+        })
+    return weights
+
+
+def write_mamba(path: Path, weights: dict[str, np.ndarray], n_layer: int, n_embd: int, d_state: int, d_conv: int,
+                dt_rank: int, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    vocab, types = vocabulary()
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_context_length(2048)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(2 * n_embd)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(dt_rank)
+    _write_common(writer, vocab, types, chat_template)
+    return _finish(writer, weights, path)
+
+
+def make_mamba_pair(directory: Path, seed: int = 0, n_layer: int = 4, n_embd: int = 64, eos_bias: float | None = 4.0,
+                    draft_layers: int = 2) -> tuple[Path, Path]:
+    """A Mamba target and, as its draft, its first `draft_layers` layers (same embeddings and output)."""
+    dims = dict(n_embd=n_embd, d_state=16, d_conv=4, dt_rank=8)
+    weights = make_mamba_weights(n_layer, seed=seed, eos_bias=eos_bias, **dims)
+    target = write_mamba(directory / "mamba-target.gguf", weights, n_layer, **dims)
+    keep = tuple(f"blk.{i}." for i in range(draft_layers))
+    draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(keep)}
+    draft = write_mamba(directory / "mamba-draft.gguf", draft_weights, draft_layers, **dims)
+    return target, draft
+
+
+def write_gemma2(path: Path, shape: Shape, weights: dict[str, np.ndarray], window: int,
+                 chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """Gemma 2: every other layer attends over a sliding window of `window` tokens (layer 0 does)."""
+    vocab, types = vocabulary(shape.extra_words)
+    writer = gguf.GGUFWriter(str(path), "gemma2")
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_key_length(shape.n_embd // shape.n_head)
+    writer.add_value_length(shape.n_embd // shape.n_head)
+    writer.add_sliding_window(window)
+    _write_common(writer, vocab, types, chat_template)
+    return _finish(writer, weights, path)
+
+
+def make_gemma2_pair(directory: Path, seed: int = 0, window: int = 16, n_layer: int = 4, emb_scale: float = 0.1, weight_scale: float = 4.0,
+                     eos_bias: float = 0.0) -> tuple[Path, Path]:
+    """A Gemma 2 target with a small sliding window and its first 2 layers as the draft."""
+    shape = Shape(n_layer=n_layer, eos_bias=eos_bias, weight_scale=weight_scale)
+    base = make_weights(shape, seed)
+    weights = {k: v for k, v in base.items() if k != "output.weight"}  # gemma 2 ties the output to the embeddings
+    weights["token_embd.weight"] = base["output.weight"] * np.float32(emb_scale)
+    for i in range(n_layer):
+        weights[f"blk.{i}.post_attention_norm.weight"] = np.ones(shape.n_embd, np.float32)
+        weights[f"blk.{i}.post_ffw_norm.weight"] = np.ones(shape.n_embd, np.float32)
+    target = write_gemma2(directory / "gemma2-target.gguf", shape, weights, window)
+    draft_shape = Shape(**{**shape.__dict__, "n_layer": 2})
+    draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(("blk.0.", "blk.1."))}
+    draft = write_gemma2(directory / "gemma2-draft.gguf", draft_shape, draft_weights, window)
+    return target, draft
+
+
+def make_lfm2_pair(directory: Path, seed: int = 0, n_embd: int = 64, l_cache: int = 3,
+                   eos_bias: float | None = 4.0) -> tuple[Path, Path]:
+    """LFM2, a hybrid (short convolutions, recurrent state, beside attention layers), one of the
+    architectures where llama.cpp keeps per-token rollback states (n_rs_seq). Target: conv, conv,
+    attention, conv; draft: its first three (a draft with no attention layer crashes llama.cpp)."""
+    kinds = ["conv", "conv", "attn", "conv"]
+    rng = np.random.default_rng(seed)
+    n_vocab = len(vocabulary()[0])
+    n_head, n_head_kv, n_ff = 4, 2, 128
+    head = n_embd // n_head
+
+    def w(*dims, scale=1.0):
+        return (rng.standard_normal(dims) * scale / np.sqrt(dims[-1])).astype(np.float32)
+
+    weights = {"token_embd.weight": w(n_vocab, n_embd, scale=1.0), "token_embd_norm.weight": np.ones(n_embd, np.float32),
+               "output.weight": w(n_vocab, n_embd, scale=8.0)}
+    if eos_bias is None:
+        weights["output.weight"][2] = 0.0
+    else:
+        weights["output.weight"][2] += np.float32(eos_bias / np.sqrt(n_embd))
+    for i, kind in enumerate(kinds):
+        p = f"blk.{i}."
+        scale = 1.0 if i < 2 else 0.3
+        weights.update({p + "attn_norm.weight": np.ones(n_embd, np.float32), p + "ffn_norm.weight": np.ones(n_embd, np.float32),
+                        p + "ffn_gate.weight": w(n_ff, n_embd), p + "ffn_up.weight": w(n_ff, n_embd),
+                        p + "ffn_down.weight": w(n_embd, n_ff, scale=scale)})
+        if kind == "conv":
+            weights.update({p + "shortconv.conv.weight": w(n_embd, l_cache),
+                            p + "shortconv.in_proj.weight": w(3 * n_embd, n_embd),
+                            p + "shortconv.out_proj.weight": w(n_embd, n_embd, scale=scale)})
+        else:
+            weights.update({p + "attn_q_norm.weight": np.ones(head, np.float32), p + "attn_k_norm.weight": np.ones(head, np.float32),
+                            p + "attn_q.weight": w(n_embd, n_embd), p + "attn_k.weight": w(head * n_head_kv, n_embd),
+                            p + "attn_v.weight": w(head * n_head_kv, n_embd),
+                            p + "attn_output.weight": w(n_embd, n_embd, scale=scale)})
+
+    def write(path, layers):
+        vocab, types = vocabulary()
+        writer = gguf.GGUFWriter(str(path), "lfm2")
+        writer.add_context_length(2048)
+        writer.add_embedding_length(n_embd)
+        writer.add_block_count(len(layers))
+        writer.add_feed_forward_length(n_ff)
+        writer.add_head_count(n_head)
+        writer.add_head_count_kv([n_head_kv if k == "attn" else 0 for k in layers])
+        writer.add_rope_dimension_count(head)
+        writer.add_uint32("lfm2.shortconv.l_cache", l_cache)
+        _write_common(writer, vocab, types, CHAT_TEMPLATE)
+        keep = tuple(f"blk.{i}." for i in range(len(layers)))
+        return _finish(writer, {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(keep)}, path)
+
+    return write(directory / "lfm2-target.gguf", kinds), write(directory / "lfm2-draft.gguf", kinds[:3])

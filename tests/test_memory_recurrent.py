@@ -1,0 +1,169 @@
+"""A recurrent (Mamba) target and draft: lossless, rolled back by state snapshots, never re-evaluated whole."""
+import numpy as np
+import pytest
+from llama_cpp import Llama
+
+from ggufspec import SamplingParams, SpeculativeDecoder
+from ggufspec.drafting import Costs
+from ggufspec.sampling import distribution
+from ggufspec.speculate import measure_step_costs
+from test_greedy_identity import NEAR_TIE, first_difference, prompts, target_alone
+from test_sampling_distribution import chi_square_pvalue
+from tinymodels import make_mamba_pair
+
+
+@pytest.fixture(scope="module")
+def mamba_pair(tmp_path_factory):
+    return make_mamba_pair(tmp_path_factory.mktemp("mamba"))
+
+
+@pytest.fixture(scope="module")
+def decoder(mamba_pair):
+    with SpeculativeDecoder(*mamba_pair, n_ctx=256, n_threads=1) as dec:
+        yield dec
+
+
+def check_identity(path, prompt, got, n_ctx=256):
+    expected, margins, _ = target_alone(path, prompt, len(got.tokens), n_ctx)
+    diff = first_difference(got.tokens, expected[:len(got.tokens)])
+    if diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE:
+        return False  # a near-tie: reported by the caller
+    assert diff is None, f"first difference at {diff}"
+    return True
+
+
+def test_the_memory_is_known(decoder):
+    assert decoder.target.recurrent and decoder.target.rollback == "snapshot"
+    assert decoder.target.can_roll_back() and decoder.draft.can_roll_back()
+
+
+def test_greedy_equals_target_alone_for_every_k(mamba_pair, decoder):
+    near_ties = checked = 0
+    for prompt in prompts(5, seed=11):
+        expected, margins, reason = target_alone(mamba_pair[0], prompt, 40, decoder.n_ctx)
+        for k in [1, 2, 3, 4, 5, "auto"]:
+            got = decoder.generate(prompt, n_predict=40, n_draft=k, temperature=0)
+            diff = first_difference(got.tokens, expected)
+            if diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE:
+                near_ties += 1
+                continue
+            assert got.tokens == expected, f"K={k} prompt={prompt} first difference at {diff}"
+            assert got.stats.stop_reason == reason
+            checked += 1
+    print(f"{checked} runs identical, {near_ties} skipped at a near-tie < {NEAR_TIE}")
+    assert near_ties <= checked // 10
+
+
+def test_a_step_evaluates_only_its_batch_and_the_kept_tokens(decoder):
+    """No whole-sequence re-evaluation: per step the target evaluates its batch (1 + k) and, after a
+    rejection, at most the k tokens it keeps again after restoring its state."""
+    for k in (1, 3, 5):
+        prompt = prompts(1, seed=20 + k)[0]
+        target = decoder.target
+        decoder.target.keep(0)
+        before, replayed = target.n_evaluated, target.n_replayed
+        out = decoder.generate(prompt, n_predict=60, n_draft=k, temperature=0)
+        s = out.stats
+        evaluated = target.n_evaluated - before
+        assert s.n_drafted > 0 and s.n_accept < s.n_drafted  # there were rejections to roll back
+        assert target.n_replayed - replayed <= s.n_accept + s.n_steps
+        assert evaluated <= len(prompt) + s.n_steps + s.n_drafted + s.n_accept + s.n_steps
+        print(f"K={k}: {evaluated / len(out.tokens):.2f} target tokens evaluated per generated token")
+
+
+def test_a_two_turn_conversation_reuses_its_prefix(mamba_pair, decoder):
+    first = prompts(1, seed=3)[0] * 2
+    out1 = decoder.generate(first, n_predict=24, n_draft=3)
+    second = first + out1.tokens + [265, 266, 267]
+    before = decoder.target.n_evaluated
+    out2 = decoder.generate(second, n_predict=24, n_draft=3)
+    assert out2.stats.n_prompt_cached == len(first) + len(out1.tokens) - 1
+    assert decoder.target.n_evaluated - before <= 2 + 3 + 4 * out2.stats.n_steps + out2.stats.n_drafted
+    check_identity(mamba_pair[0], second, out2)
+    # a third prompt that leaves the answer: back to the checkpoint where the first prompt ended
+    third = first + [270, 271]
+    out3 = decoder.generate(third, n_predict=24, n_draft=2)
+    assert out3.stats.n_prompt_cached == len(first) - 1
+    check_identity(mamba_pair[0], third, out3)
+
+
+def test_chat_turns_reuse_the_cache(decoder):
+    history = [{"role": "user", "content": "the cat sat"}]
+    first = decoder.chat(history, n_predict=12, n_draft=3)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and the dog"}]
+    second = decoder.chat(history, n_predict=12, n_draft=3)
+    assert second.stats.n_prompt_cached >= first.stats.n_prompt - 1  # at least up to where the first prompt ended
+
+
+def test_measuring_costs_leaves_the_cache_as_it_found_it(mamba_pair, decoder):
+    prompt = prompts(1, seed=4)[0]
+    out = decoder.generate(prompt, n_predict=20, n_draft=2)
+    held = list(decoder.target.tokens)
+    measure_step_costs(decoder.target, decoder.draft, Costs(), token=prompt[0])
+    assert decoder.target.tokens == held
+    follow = prompt + out.tokens + [262, 263]
+    again = decoder.generate(follow, n_predict=20, n_draft=2)
+    assert again.stats.n_prompt_cached == len(held)  # all that was cached (the answer, but for its last token unless it ended)
+    check_identity(mamba_pair[0], follow, again)
+
+
+PROMPT = [1, 261, 262, 263]
+
+
+def exact_first_and_second(path, params):
+    """p(first), p(first, second) from the plain Llama API, each prefix evaluated from an empty state."""
+    llm = Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(PROMPT)
+    p1 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
+    joint = {}
+    for a in np.flatnonzero(p1):
+        llm.n_tokens = 0  # a recurrent state cannot be cut back: start again
+        llm.eval(PROMPT + [int(a)])
+        p2 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
+        for b in np.flatnonzero(p2):
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    return p1, joint
+
+
+def test_speculative_sampling_matches_target(mamba_pair, decoder):
+    params = SamplingParams(temperature=1.0, top_k=8, top_p=1.0, min_p=0.0)
+    p1, joint = exact_first_and_second(mamba_pair[0], params)
+    first, pairs, draws = {}, {}, 1500
+    for seed in range(draws):
+        tokens = decoder.generate(PROMPT, n_predict=2, n_draft=3, temperature=params.temperature, top_k=params.top_k,
+                                  top_p=params.top_p, min_p=params.min_p, seed=seed).tokens
+        first[tokens[0]] = first.get(tokens[0], 0) + 1
+        pairs[tuple(tokens)] = pairs.get(tuple(tokens), 0) + 1
+    assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, draws) > 1e-3
+    assert chi_square_pvalue(pairs, joint, draws) > 1e-3
+
+
+@pytest.mark.parametrize("n_rs_seq", [0, 8])
+def test_a_hybrid_rolls_back_by_snapshot_or_by_n_rs_seq(tmp_path, n_rs_seq):
+    """LFM2 (short convolutions beside attention): identical to the target alone either way; with
+    llama.cpp's per-token rollback states (n_rs_seq) the target re-evaluates nothing."""
+    from ggufspec.load import LoadParams, open_model
+    from tinymodels import make_lfm2_pair
+    target_path, draft_path = make_lfm2_pair(tmp_path)
+    target = open_model(target_path, "target", LoadParams(n_ctx=256, n_threads=1, n_rs_seq=n_rs_seq))
+    draft = open_model(draft_path, "draft", LoadParams(n_ctx=256, n_threads=1))
+    with SpeculativeDecoder(target, draft) as dec:
+        assert dec.target.hybrid and dec.target.n_rs_seq == n_rs_seq
+        near_ties = checked = 0
+        for prompt in prompts(3, seed=2):
+            expected, margins, _ = target_alone(target_path, prompt, 40, 256, "on")
+            for k in [1, 3, 5, "auto"]:
+                dec.target.keep(0)
+                replayed = dec.target.n_replayed
+                got = dec.generate(prompt, n_predict=40, n_draft=k)
+                diff = first_difference(got.tokens, expected)
+                if diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE:
+                    near_ties += 1
+                    continue
+                assert got.tokens == expected, f"K={k} first difference at {diff}"
+                checked += 1
+                if n_rs_seq and k != "auto":
+                    assert dec.target.n_replayed == replayed
+        assert near_ties <= checked // 10
+    target.close()
+    draft.close()

@@ -1,0 +1,95 @@
+"""A sliding-window target (Gemma 2, window 16) with a window-sized cache, as llama-server's default:
+lossless over runs far longer than the window, and a new prompt reuses the cache through checkpoints."""
+import llama_cpp
+import pytest
+
+from ggufspec import SpeculativeDecoder
+from ggufspec.load import LoadParams, open_model
+from test_greedy_identity import NEAR_TIE, first_difference, prompts, target_alone
+from tinymodels import make_gemma2_pair
+
+N_CTX = 512
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory):
+    return make_gemma2_pair(tmp_path_factory.mktemp("gemma2"), window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def decoder(gemma_pair):
+    # n_batch 64 makes the window cache 256 cells (llama.cpp pads it to 256): a 300-token run overflows it
+    params = LoadParams(n_ctx=N_CTX, n_threads=1, n_batch=64)
+    target, draft = (open_model(path, role, params) for path, role in zip(gemma_pair, ("target", "draft")))
+    with SpeculativeDecoder(target, draft) as dec:
+        yield dec
+    target.close()
+    draft.close()
+
+
+def test_the_cache_holds_the_window_only(decoder):
+    assert decoder.target.n_swa == WINDOW and decoder.target_llm.context_params.swa_full is False
+    decoder.generate(prompts(1)[0], n_predict=300, n_draft=0)
+    assert llama_cpp.llama_memory_seq_pos_min(decoder.target.memory, 0) > 0  # early positions are gone
+
+
+def test_swa_full_opts_out(gemma_pair):
+    llm = open_model(gemma_pair[0], "target", LoadParams(n_ctx=128, n_threads=1, swa_full=True))
+    with SpeculativeDecoder(llm) as dec:
+        assert dec.target.n_swa == 0 and llm.context_params.swa_full is True
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def strict_decoder(gemma_pair):
+    """Verification token by token (n_ubatch 1): bit-identical to the target alone, near-ties included
+    (this model's logits are close together: batched rounding alone flips many of its 300 tokens)."""
+    params = LoadParams(n_ctx=N_CTX, n_threads=1, strict=True)
+    target = open_model(gemma_pair[0], "target", params, strict=True)
+    draft = open_model(gemma_pair[1], "draft", LoadParams(n_ctx=N_CTX, n_threads=1))
+    with SpeculativeDecoder(target, draft) as dec:
+        yield dec
+    target.close()
+    draft.close()
+
+
+def test_greedy_equals_target_alone_far_past_the_window(gemma_pair, strict_decoder):
+    decoder = strict_decoder
+    assert decoder.target.n_swa == WINDOW
+    near_ties = checked = 0
+    for prompt in prompts(2, seed=5):
+        expected, margins, reason = target_alone(gemma_pair[0], prompt, 300, N_CTX, "on")
+        for k in [1, 2, 3, 4, 5, "auto"]:
+            got = decoder.generate(prompt, n_predict=300, n_draft=k, temperature=0)
+            assert llama_cpp.llama_memory_seq_pos_min(decoder.target.memory, 0) > 0
+            diff = first_difference(got.tokens, expected)
+            if diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE:
+                near_ties += 1
+                continue
+            assert got.tokens == expected, f"K={k} prompt={prompt} first difference at {diff}"
+            assert got.stats.stop_reason == reason
+            checked += 1
+    print(f"{checked} runs identical, {near_ties} at a near-tie < {NEAR_TIE}")
+    assert near_ties == 0
+
+
+def test_a_conversation_reuses_its_prefix_past_the_window(gemma_pair, decoder):
+    first = prompts(1, seed=8)[0]
+    out1 = decoder.generate(first, n_predict=280, n_draft=3)
+    second = first + out1.tokens + [265, 266]
+    out2 = decoder.generate(second, n_predict=20, n_draft=3)
+    assert out2.stats.n_prompt_cached == len(first) + len(out1.tokens) - 1  # the window moved on with it
+    expected, margins, _ = target_alone(gemma_pair[0], second, 20, N_CTX, "on")
+    diff = first_difference(out2.tokens, expected)
+    assert diff is None or margins[diff] < NEAR_TIE
+    # a prompt leaving the conversation where the window no longer reaches: the checkpoint where
+    # the first prompt ended, not the whole prompt again
+    third = first + [270, 271]
+    before = decoder.target.n_evaluated
+    out3 = decoder.generate(third, n_predict=20, n_draft=3)
+    assert out3.stats.n_prompt_cached == len(first) - 1
+    assert decoder.target.n_evaluated - before < 3 + 5 * 20
+    expected, margins, _ = target_alone(gemma_pair[0], third, 20, N_CTX, "on")
+    diff = first_difference(out3.tokens, expected)
+    assert diff is None or margins[diff] < NEAR_TIE
