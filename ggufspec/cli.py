@@ -104,6 +104,8 @@ def model_options(command):
                      help="Put the target's layers on these `ggufspec worker`s; the draft stays local."),
         click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
         click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower."),
+        click.option("--swa-full", is_flag=True, help="Full-size caches for sliding-window layers (default: "
+                     "window-sized, as llama-server; rollback through checkpoints)."),
     )(command)
 
 
@@ -138,6 +140,7 @@ def open_session(opts: dict, *, needs_draft_model: bool | None = None):
                            no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
                            n_gpu_layers=opts.pop("n_gpu_layers"), n_gpu_layers_draft=opts.pop("n_gpu_layers_draft"),
                            flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"),
+                           swa_full=opts.pop("swa_full"),
                            needs_draft_model=not opts["lookup"] if needs_draft_model is None else needs_draft_model)
     opts["use_draft"] = not no_draft
     return open_(options, log=lambda line: click.echo(line, err=True))
@@ -474,40 +477,23 @@ def serve(host, port, api_key, max_queue, **opts):
     (max_tokens, temperature, top_p, top_k, min_p, seed, stop, draft, speculative.n_max/n_min/p_min).
     """
     try:
-        import uvicorn
-
         from .server import create_app
+        from .server.listen import exit_quietly_on_signals, listen, serve_forever
     except ImportError as exc:
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: end quietly then,
-    # through the `with` below, so the decoder closes (and saves its measured step costs)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: sys.exit(0))
+    exit_quietly_on_signals()
     sock = listen(host, port)  # a port in use fails before the models load
     with open_session(opts) as session:
-        decoder = session.decoder
         defaults = stream_options(opts)
         defaults["use_draft"] = True  # --no-draft only leaves the draft model out: a request may still ask for lookup
         target = Path(session.target_path)
-        app = create_app(decoder, model_name=session.name, defaults=defaults, api_key=api_key,
+        app = create_app(session.decoder, model_name=session.name, defaults=defaults, api_key=api_key,
                          max_queue=max_queue, aliases=(target.name, target.stem),
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
                                "defaults": defaults})
-        if not is_loopback(host) and not api_key:
-            click.echo(f"ggufspec: warning: listening on {host} without --api-key: anyone who can reach this "
-                       f"machine can use the model", err=True)
-        bound_host, bound_port = sock.getsockname()[:2]
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        click.echo(f"ggufspec: serving {session.name} at http://{shown}:{bound_port}/v1 "
-                   f"(OpenAI API; Ctrl-C stops)", err=True)
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                app.state.engine.stop()  # a long answer must not hold up the shutdown
-                super().handle_exit(sig, frame)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        Server(config).run(sockets=[sock])
+        serve_forever(app, sock, name=session.name, host=host, api_key=api_key)
 
 
 def check_defaults(opts: dict) -> None:
@@ -519,32 +505,6 @@ def check_defaults(opts: dict) -> None:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
     if opts["n_predict"] == 0 or opts["n_predict"] < -1:
         raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {opts['n_predict']}")
-
-
-def listen(host: str, port: int):
-    """A listening socket (uvicorn serves it), so that port 0 works and the real URL can be printed."""
-    import socket
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as exc:
-        raise GgufspecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @main.command(context_settings={"show_default": True})

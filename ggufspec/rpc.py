@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 from .backends import find_lib, llama_cpp_lib_dir
 from .errors import GgufspecError
+from .netaddr import is_loopback
 from .load import default_threads
 
 REBUILD_COMMAND = 'CMAKE_ARGS="-DGGML_RPC=ON" pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36'
@@ -515,17 +516,6 @@ def _set_keepalive(sock: socket.socket, timeout_s: float) -> None:
 
 _memory_callbacks: list = []  # kept alive while the server runs
 _GET_MEMORY_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only: "localhost", 127.0.0.0/8 or ::1 (a name other than
-    localhost is not resolved: it counts as beyond this machine)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def network_warning(host: str) -> str:

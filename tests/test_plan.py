@@ -60,10 +60,10 @@ def seed_pair(tmp_path_factory):
 
 
 def cuda(gib, name="NVIDIA GeForce RTX 4090"):
-    return P.Device("cuda", name, int(gib * GiB), int(gib * GiB), P.bandwidth_for(name))
+    return P.DeviceMemory("cuda", name, int(gib * GiB), int(gib * GiB), P.bandwidth_for(name))
 
 
-RAM = P.Device("cpu", "system RAM", 128 * GiB, 120 * GiB, 60)
+RAM = P.DeviceMemory("cpu", "system RAM", 128 * GiB, 120 * GiB, 60)
 
 
 def test_seed_setup_puts_the_draft_and_45_target_layers_on_a_24gib_gpu(seed_pair):

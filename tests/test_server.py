@@ -344,6 +344,6 @@ def test_a_client_killed_mid_answer_leaves_the_server_serving(busy_server, slow_
 
 
 def test_loopback_hosts():
-    from ggufspec.cli import is_loopback
+    from ggufspec.netaddr import is_loopback
     assert all(map(is_loopback, ["127.0.0.1", "localhost", "::1", "127.0.0.2"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.4", "example.com"]))

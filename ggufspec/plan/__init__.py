@@ -31,7 +31,7 @@ from .units import GiB, MiB, PlanError, parse_size
 
 __all__ = [
     "CPU_LAYER_SECONDS", "DEFAULT_ACCEPTANCE", "DEFAULT_GPU_BANDWIDTH_GBS", "DEFAULT_RAM_BANDWIDTH_GBS",
-    "Device", "DeviceMemory", "GPU_BANDWIDTH_EFFICIENCY", "GPU_BANDWIDTH_GBS", "GPU_LAYER_SECONDS",
+    "DeviceMemory", "GPU_BANDWIDTH_EFFICIENCY", "GPU_BANDWIDTH_GBS", "GPU_LAYER_SECONDS",
     "GPU_OVERHEAD", "GiB", "HostShare", "KV_BYTES", "MARGIN", "MiB", "ModelShape", "Placement", "Plan",
     "PlanError", "SHAPES_KEPT", "bandwidth_for", "build_backends", "detect_gpus", "detect_ram",
     "gpu_budget", "gpu_offload_supported", "llama_cpp_lib_dir", "make_plan", "max_layers",
