@@ -5,7 +5,7 @@
 import llama_cpp  # noqa: F401  (isort: skip)
 
 from .errors import GgufspecError
-from .report import Stats
+from .stats import Stats
 from .sampling import SamplingParams
 from .speculate import Generation, Piece, SpeculativeDecoder
 

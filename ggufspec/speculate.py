@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import ContextFullError, GgufspecError
 from .native import Context
-from .report import Stats
+from .stats import Stats
 from .drafting import (AdaptiveK, AutoDrafting, Costs, FixedK, HybridDrafter, LookupDrafter, ModelDrafter,
                        VocabBridge)
 from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample

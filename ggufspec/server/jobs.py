@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 
 from ..errors import ContextFullError, GgufspecError
-from ..report import Stats
+from ..stats import Stats
 from ..stops import StopFilter
 from .errors import APIError
 from .speculation import StepTracker, prompt_info, time_estimate

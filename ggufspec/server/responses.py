@@ -8,7 +8,7 @@ import uuid
 
 from fastapi import Request
 
-from ..report import Stats
+from ..stats import Stats
 from .errors import engine_error
 from .jobs import Job
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..report import Stats
+from ..stats import Stats
 
 
 class StepTracker:
