@@ -27,16 +27,6 @@ def listen(host: str, port: int):
     return sock
 
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def exit_quietly_on_signals() -> None:
     """uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: end quietly
     then (SystemExit), so the caller's `with` closes the decoder and saves its measured step costs."""

@@ -1,0 +1,47 @@
+"""The `ggufspec` command group, its --version, and how errors become one line and an exit code."""
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+
+import click
+
+from .. import __version__
+from ..errors import GgufspecError
+
+
+def fail(message: str, exit_code: int = 2):
+    click.echo(f"ggufspec: error: {message}", err=True)
+    sys.exit(exit_code)
+
+
+def friendly_errors(command):
+    """Turn GgufspecError into a one-line message and its exit code."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except GgufspecError as exc:
+            fail(str(exc), exc.exit_code)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, help="Show the version and the backends "
+              "of the installed llama-cpp-python build, and exit.", callback=lambda ctx, _, value: _print_version(ctx, value))
+def main():
+    """Lossless speculative decoding for GGUF models."""
+    # A shell starts background jobs with SIGINT ignored, and the ignore is inherited: put Python's
+    # handler back so that Ctrl-C and `kill -INT` always stop a run (KeyboardInterrupt, handled per command).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _print_version(ctx, value) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    import llama_cpp
+    from ..backends import build_backends
+    click.echo(f"ggufspec {__version__} (llama-cpp-python {llama_cpp.__version__}, "
+               f"backends: {', '.join(build_backends())})")
+    ctx.exit()

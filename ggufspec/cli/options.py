@@ -1,0 +1,147 @@
+"""What several commands share: the model, drafting and sampling flags, and turning them into an
+opened Session (`ggufspec.session`) and the decoder's stream() keywords."""
+from __future__ import annotations
+
+import re
+
+import click
+
+from ..errors import GgufspecError
+
+
+class RenamedOption(click.Option):
+    """An option llama.cpp renamed: --help shows the current name first, the old spelling still works."""
+
+    def get_help_record(self, ctx):
+        every, self.opts = self.opts, self.opts[:1]
+        try:
+            record = super().get_help_record(ctx)
+        finally:
+            self.opts = every
+        return record and (record[0], f"{record[1]} (also: {', '.join(every[1:])})")
+
+
+def options(*decorators):
+    """Several click options as one decorator, in the order they are listed in --help."""
+    def apply(command):
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+    return apply
+
+
+def model_options(command):
+    """The models and how they are loaded: shared by run, serve and chat."""
+    return options(
+        click.argument("pair", required=False),
+        click.option("-m", "--model", "model", help="Target model (GGUF path, hf://... or OWNER/REPO:QUANT)."),
+        click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path)."),
+        click.option("-c", "--ctx-size", "n_ctx", default=4096, help="Context size in tokens."),
+        click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads [default: physical cores]."),
+        click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None,
+                     help="Target layers on the GPU [default: planned]."),
+        click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
+                     help="Draft layers on the GPU [default: planned]."),
+        click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+                     help="Flash attention (auto: where the backend has it)."),
+        click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
+                     help="Put the target's layers on these `ggufspec worker`s; the draft stays local."),
+        click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
+        click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower."),
+        click.option("--swa-full", is_flag=True, help="Full-size caches for sliding-window layers (default: "
+                     "window-sized, as llama-server; rollback through checkpoints)."),
+    )(command)
+
+
+def generation_options(n_predict: int):
+    """Drafting and sampling: shared by run, serve (as the defaults of every request) and chat."""
+    return options(
+        click.option("-n", "--n-predict", default=n_predict,
+                     help="Tokens to generate (-1: until EOS or the context is full)."),
+        click.option("--draft", "n_draft", default="auto",
+                     help="Tokens drafted per step, K (0: the target alone), or 'auto' (chosen every step, 0 included)."),
+        click.option("--spec-draft-n-max", "--draft-max", "draft_max", cls=RenamedOption, default=8,
+                     help="Largest K for --draft auto."),
+        click.option("--spec-draft-n-min", "--draft-min", "draft_min", cls=RenamedOption, default=0,
+                     help="Do not verify drafts shorter than this."),
+        click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
+                     help="Stop drafting when the draft's probability of its token is below this."),
+        click.option("--lookup", is_flag=True, help="Draft by n-gram lookup in the prompt and output (no draft model needed)."),
+        click.option("--hybrid", is_flag=True, help="A lookup match when there is one, else the draft model."),
+        click.option("--temp", "temperature", default=0.0, help="Temperature (0 or -1: greedy)."),
+        click.option("--top-k", default=40, help="Top-k (0: off)."),
+        click.option("--top-p", default=0.95, help="Top-p (1: off)."),
+        click.option("--min-p", default=0.05, help="Min-p (0: off)."),
+        click.option("-s", "--seed", type=int, default=None, help="Sampling seed [default: random]."),
+    )
+
+
+def open_session(opts: dict, *, requests_choose_drafting: bool = False):
+    """The Session the model options describe (consumed from `opts`); see `ggufspec.session`.
+
+    --no-draft loads no draft model and, for run and chat, drafts nothing (K = 0). A server's requests
+    choose their own drafting: there it only leaves the draft model out (a request may ask for lookup)."""
+    from ..session import ModelOptions, open_session as open_
+    no_draft = opts.pop("no_draft")
+    options = ModelOptions(pair=opts.pop("pair"), model=opts.pop("model"), model_draft=opts.pop("model_draft"),
+                           no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
+                           n_gpu_layers=opts.pop("n_gpu_layers"), n_gpu_layers_draft=opts.pop("n_gpu_layers_draft"),
+                           flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"),
+                           swa_full=opts.pop("swa_full"),
+                           needs_draft_model=not opts["lookup"])
+    if no_draft and not requests_choose_drafting:
+        opts["n_draft"] = "0"
+    return open_(options, log=lambda line: click.echo(line, err=True))
+
+
+def stream_options(opts: dict) -> dict:
+    """The decoder's stream() keywords from the generation options (consumed from `opts`)."""
+    lookup, hybrid = opts.pop("lookup"), opts.pop("hybrid")
+    if lookup and hybrid:
+        raise GgufspecError("choose one of --lookup and --hybrid")
+    return {"n_predict": opts.pop("n_predict"), "n_draft": parse_draft(opts.pop("n_draft")),
+            "draft_max": opts.pop("draft_max"), "draft_min": opts.pop("draft_min"),
+            "draft_p_min": opts.pop("draft_p_min"), "drafter": "lookup" if lookup else "hybrid" if hybrid else "model",
+            "temperature": opts.pop("temperature"), "top_k": opts.pop("top_k"), "top_p": opts.pop("top_p"),
+            "min_p": opts.pop("min_p"), "seed": opts.pop("seed")}
+
+
+def parse_draft(value: str):
+    if value == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise GgufspecError(f"--draft takes a number K >= 0 (0: the target alone) or 'auto', got {value!r}") from None
+
+
+def check_defaults(opts: dict) -> None:
+    """Sampling and draft defaults that would fail every request fail at start instead."""
+    from ..sampling import SamplingParams
+    SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], opts["seed"])
+    n_draft = parse_draft(opts["n_draft"])
+    if n_draft != "auto" and n_draft < 0:
+        raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
+    if opts["n_predict"] == 0 or opts["n_predict"] < -1:
+        raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {opts['n_predict']}")
+
+
+def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise GgufspecError("give the prompt with -p or -f, not both")
+    text = prompt_file.read() if prompt_file is not None else prompt
+    if text is None:
+        raise GgufspecError("no prompt: give one with -p TEXT or -f FILE")
+    return process_escapes(text) if escape else text
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's -e: \\n \\r \\t \\' \\" \\\\ and \\xHH."""
+    simple = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+
+    def replace(match):
+        body = match.group(1)
+        if body[0] == "x":
+            return chr(int(body[1:], 16))
+        return simple.get(body, "\\" + body)
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|.)", replace, text)
