@@ -8,18 +8,17 @@ never taken for models.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import importlib.util
 import os
 import re
 import shutil
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BadReferenceError, StoreError, UnsafeNameError
+from .huberrors import HubUnreachable, endpoint, hub_errors, origin  # noqa: F401  (HubUnreachable: store.HubUnreachable)
 from .home import home, read_json, write_json
 from .hubnames import MAX_FILE_BYTES, MAX_LISTING, contained, unsafe_file_reason, unsafe_repo_reason
 from .registry import ModelEntry, Registry, load_registry
@@ -201,104 +200,6 @@ def demo_pair_paths(progress: bool = True, registry: Registry | None = None) -> 
 
 # ---------------------------------------------------------------- pulling from the hub
 
-def _endpoint_env() -> str:
-    return os.environ.get("HF_ENDPOINT", "").strip().rstrip("/")
-
-
-def _endpoint() -> str:
-    """The hub's address. HF_ENDPOINT is read per call, not at import: huggingface_hub's own constant
-    is frozen at import time (and an empty HF_ENDPOINT would leave it empty)."""
-    from huggingface_hub import constants
-    return _endpoint_env() or constants.ENDPOINT or "https://huggingface.co"
-
-
-class HubUnreachable(StoreError):
-    """No connection to the hub could be made (refused, DNS, offline mode): nothing was transferred."""
-
-
-def _hub_errors(label: str, *, transfer: bool = False, endpoint: str | None = None):
-    """huggingface_hub's exceptions as one-line StoreErrors that say how to fix the problem.
-
-    Outside a transfer (HEAD requests, listings) every transport error means the hub was not
-    reached; during one, only a failure to connect does: anything else cut a transfer that had
-    started, which the next pull resumes."""
-    from huggingface_hub import errors as hf_errors
-
-    @contextlib.contextmanager
-    def mapping():
-        try:
-            yield
-        except hf_errors.OfflineModeIsEnabled:
-            raise HubUnreachable(f"{label}: HF_HUB_OFFLINE is set, so the hub is not asked; unset it to pull") from None
-        except hf_errors.GatedRepoError:
-            raise StoreError(f"{label}: the repository is gated: accept its licence on the hub, then "
-                             f"`hf auth login` or set HF_TOKEN") from None
-        except hf_errors.RepositoryNotFoundError:
-            raise StoreError(f"{label}: repository not found (or private: set HF_TOKEN)") from None
-        except hf_errors.EntryNotFoundError:
-            raise StoreError(f"{label}: file not found in the repository; check the name with the hub") from None
-        except hf_errors.RevisionNotFoundError:
-            raise StoreError(f"{label}: revision not found") from None
-        except hf_errors.HfHubHTTPError as exc:
-            raise StoreError(f"{label}: hub error: {str(exc).splitlines()[0]}") from None
-        except Exception as exc:
-            if not _is_transport_error(exc):
-                raise
-            if not transfer or _is_connect_error(exc):
-                raise HubUnreachable(_unreachable_message(endpoint or _endpoint(), exc)) from None
-            raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: {_reason(exc)}); "
-                             f"run pull again to resume") from None
-    return mapping()
-
-
-def _is_transport_error(exc: Exception) -> bool:
-    """A dropped connection or timeout, whichever HTTP stack this huggingface_hub version uses."""
-    from huggingface_hub import errors as hf_errors
-    module = type(exc).__module__.split(".")[0]
-    return (isinstance(exc, (OSError, hf_errors.LocalEntryNotFoundError))
-            or module.startswith(("httpx", "httpcore", "requests", "urllib3", "h11")))
-
-
-def _unreachable_message(where: str, exc: Exception) -> str:
-    hint = (f"check HF_ENDPOINT (set to {_endpoint_env()}) and the network" if _endpoint_env()
-            else "check the network (HF_ENDPOINT points ggufspec at another hub or a mirror)")
-    return f"cannot reach the hub at {where} ({_reason(exc)}): {hint}"
-
-
-def _origin(url: str) -> str:
-    """scheme://host[:port] of a URL: where a transfer connects (the hub, or the CDN it redirects to)."""
-    from urllib.parse import urlsplit
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}" if parts.netloc else url
-
-
-CONNECT_ERRORS = {"ConnectError", "ConnectTimeout", "NewConnectionError", "NameResolutionError"}
-
-
-def _causes(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _is_connect_error(exc: Exception) -> bool:
-    """No connection was made at all: refused, unresolvable name, unreachable network, connect timeout."""
-    return any(isinstance(e, (ConnectionRefusedError, socket.gaierror)) or type(e).__name__ in CONNECT_ERRORS
-               or (isinstance(e, OSError) and e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH))
-               for e in _causes(exc))
-
-
-def _reason(exc: Exception) -> str:
-    """The innermost cause's message, on one line: 'Connection refused' rather than a wrapper's prose."""
-    for e in reversed(list(_causes(exc))):
-        text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
-        if text:
-            return text.splitlines()[0]
-    return type(exc).__name__
-
-
 @dataclass(frozen=True)
 class RemoteFile:
     file: str
@@ -313,11 +214,11 @@ def remote_files(entry: ModelEntry) -> list[RemoteFile]:
     found = []
     for file in entry.files:
         final_path(entry, file)  # a name that cannot be stored is refused before the hub is asked
-        url = hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=_endpoint())
-        with _hub_errors(f"{entry.repo}/{file}"):
+        url = hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=endpoint())
+        with hub_errors(f"{entry.repo}/{file}"):
             meta = get_hf_file_metadata(url)
         if meta.size is not None and not 0 <= meta.size <= MAX_FILE_BYTES:
-            raise StoreError(f"{entry.repo}/{file}: the hub at {_endpoint()} reports a size of {meta.size} bytes, "
+            raise StoreError(f"{entry.repo}/{file}: the hub at {endpoint()} reports a size of {meta.size} bytes, "
                              f"which no GGUF file has; nothing was written")
         etag = (meta.etag or "").strip('"').lower()
         found.append(RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None, meta.location or url))
@@ -372,7 +273,7 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     partial.parent.mkdir(parents=True, exist_ok=True)
     if remote.size is not None and _staged_bytes(entry, remote.file) > remote.size:
         partial.unlink()  # not a prefix of this file: start again
-    with partial.open("ab") as out, _hub_errors(label, transfer=True, endpoint=_origin(remote.url)), \
+    with partial.open("ab") as out, hub_errors(label, transfer=True, where=origin(remote.url)), \
             _progress_bars(progress):
         resume = out.tell()
         if remote.size is None or resume < remote.size:
@@ -381,7 +282,7 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     if remote.size is not None and received != remote.size:
         # a complete answer of another length than the hub announced: not a cut transfer to resume
         partial.unlink()
-        raise StoreError(f"{label}: the hub at {_endpoint()} announced {remote.size} bytes but sent {received}; "
+        raise StoreError(f"{label}: the hub at {endpoint()} announced {remote.size} bytes but sent {received}; "
                          f"the download was deleted")
     expected = entry.sha256.get(remote.file) or remote.lfs_sha256
     with _progress(partial.stat().st_size, f"verifying {remote.file}", progress) as bar:
@@ -493,19 +394,19 @@ def _repo_files(repo: str) -> list[str]:
     # model_info is one request, made once: an unreachable hub fails at once, where the paginated
     # tree listing (list_repo_files) retries with backoff for half a minute first
     from huggingface_hub import HfApi
-    with _hub_errors(repo):
-        info = HfApi(endpoint=_endpoint()).model_info(repo)
+    with hub_errors(repo):
+        info = HfApi(endpoint=endpoint()).model_info(repo)
     return _checked_listing(repo, [s.rfilename for s in info.siblings or []])
 
 
 def _checked_listing(repo: str, names: list[str]) -> list[str]:
     """A repository's file names as the hub listed them, refused whole if any could not be stored."""
     if len(names) > MAX_LISTING:
-        raise StoreError(f"{repo}: the hub at {_endpoint()} lists {len(names)} files (more than {MAX_LISTING}); "
+        raise StoreError(f"{repo}: the hub at {endpoint()} lists {len(names)} files (more than {MAX_LISTING}); "
                          f"refusing the listing, nothing was written")
     for name in names:
         if reason := unsafe_file_reason(name):
-            raise UnsafeNameError(f"{repo}: the hub at {_endpoint()} lists a file named {name!r}, refused "
+            raise UnsafeNameError(f"{repo}: the hub at {endpoint()} lists a file named {name!r}, refused "
                                   f"({reason}); nothing was written")
     return names
 

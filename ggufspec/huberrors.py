@@ -1,0 +1,109 @@
+"""The hub's failures as one-line StoreErrors that say how to fix them, whichever HTTP stack
+huggingface_hub uses: an unreachable hub, a gated or missing repository, a transfer cut midway
+(which the next pull resumes). And where the hub is: HF_ENDPOINT, read per call."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+
+from .errors import StoreError
+
+
+def _endpoint_env() -> str:
+    return os.environ.get("HF_ENDPOINT", "").strip().rstrip("/")
+
+
+def endpoint() -> str:
+    """The hub's address. HF_ENDPOINT is read per call, not at import: huggingface_hub's own constant
+    is frozen at import time (and an empty HF_ENDPOINT would leave it empty)."""
+    from huggingface_hub import constants
+    return _endpoint_env() or constants.ENDPOINT or "https://huggingface.co"
+
+
+class HubUnreachable(StoreError):
+    """No connection to the hub could be made (refused, DNS, offline mode): nothing was transferred."""
+
+
+def hub_errors(label: str, *, transfer: bool = False, where: str | None = None):
+    """huggingface_hub's exceptions as one-line StoreErrors that say how to fix the problem.
+
+    Outside a transfer (HEAD requests, listings) every transport error means the hub was not
+    reached; during one, only a failure to connect does: anything else cut a transfer that had
+    started, which the next pull resumes."""
+    from huggingface_hub import errors as hf_errors
+
+    @contextlib.contextmanager
+    def mapping():
+        try:
+            yield
+        except hf_errors.OfflineModeIsEnabled:
+            raise HubUnreachable(f"{label}: HF_HUB_OFFLINE is set, so the hub is not asked; unset it to pull") from None
+        except hf_errors.GatedRepoError:
+            raise StoreError(f"{label}: the repository is gated: accept its licence on the hub, then "
+                             f"`hf auth login` or set HF_TOKEN") from None
+        except hf_errors.RepositoryNotFoundError:
+            raise StoreError(f"{label}: repository not found (or private: set HF_TOKEN)") from None
+        except hf_errors.EntryNotFoundError:
+            raise StoreError(f"{label}: file not found in the repository; check the name with the hub") from None
+        except hf_errors.RevisionNotFoundError:
+            raise StoreError(f"{label}: revision not found") from None
+        except hf_errors.HfHubHTTPError as exc:
+            raise StoreError(f"{label}: hub error: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:
+            if not _is_transport_error(exc):
+                raise
+            if not transfer or _is_connect_error(exc):
+                raise HubUnreachable(_unreachable_message(where or endpoint(), exc)) from None
+            raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: {_reason(exc)}); "
+                             f"run pull again to resume") from None
+    return mapping()
+
+
+def _is_transport_error(exc: Exception) -> bool:
+    """A dropped connection or timeout, whichever HTTP stack this huggingface_hub version uses."""
+    from huggingface_hub import errors as hf_errors
+    module = type(exc).__module__.split(".")[0]
+    return (isinstance(exc, (OSError, hf_errors.LocalEntryNotFoundError))
+            or module.startswith(("httpx", "httpcore", "requests", "urllib3", "h11")))
+
+
+def _unreachable_message(where: str, exc: Exception) -> str:
+    hint = (f"check HF_ENDPOINT (set to {_endpoint_env()}) and the network" if _endpoint_env()
+            else "check the network (HF_ENDPOINT points ggufspec at another hub or a mirror)")
+    return f"cannot reach the hub at {where} ({_reason(exc)}): {hint}"
+
+
+def origin(url: str) -> str:
+    """scheme://host[:port] of a URL: where a transfer connects (the hub, or the CDN it redirects to)."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.netloc else url
+
+
+CONNECT_ERRORS = {"ConnectError", "ConnectTimeout", "NewConnectionError", "NameResolutionError"}
+
+
+def _causes(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _is_connect_error(exc: Exception) -> bool:
+    """No connection was made at all: refused, unresolvable name, unreachable network, connect timeout."""
+    return any(isinstance(e, (ConnectionRefusedError, socket.gaierror)) or type(e).__name__ in CONNECT_ERRORS
+               or (isinstance(e, OSError) and e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH))
+               for e in _causes(exc))
+
+
+def _reason(exc: Exception) -> str:
+    """The innermost cause's message, on one line: 'Connection refused' rather than a wrapper's prose."""
+    for e in reversed(list(_causes(exc))):
+        text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
+        if text:
+            return text.splitlines()[0]
+    return type(exc).__name__
