@@ -7,6 +7,7 @@ import re
 import click
 
 from ..errors import GgufspecError
+from ..sampling import SamplingParams  # the sampling defaults, in one place
 
 
 class RenamedOption(click.Option):
@@ -68,10 +69,10 @@ def generation_options(n_predict: int):
                      help="Stop drafting when the draft's probability of its token is below this."),
         click.option("--lookup", is_flag=True, help="Draft by n-gram lookup in the prompt and output (no draft model needed)."),
         click.option("--hybrid", is_flag=True, help="A lookup match when there is one, else the draft model."),
-        click.option("--temp", "temperature", default=0.0, help="Temperature (0 or -1: greedy)."),
-        click.option("--top-k", default=40, help="Top-k (0: off)."),
-        click.option("--top-p", default=0.95, help="Top-p (1: off)."),
-        click.option("--min-p", default=0.05, help="Min-p (0: off)."),
+        click.option("--temp", "temperature", default=SamplingParams.temperature, help="Temperature (0 or -1: greedy)."),
+        click.option("--top-k", default=SamplingParams.top_k, help="Top-k (0: off)."),
+        click.option("--top-p", default=SamplingParams.top_p, help="Top-p (1: off)."),
+        click.option("--min-p", default=SamplingParams.min_p, help="Min-p (0: off)."),
         click.option("-s", "--seed", type=int, default=None, help="Sampling seed [default: random]."),
     )
 
@@ -117,7 +118,6 @@ def parse_draft(value: str):
 
 def check_defaults(opts: dict) -> None:
     """Sampling and draft defaults that would fail every request fail at start instead."""
-    from ..sampling import SamplingParams
     SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], opts["seed"])
     n_draft = parse_draft(opts["n_draft"])
     if n_draft != "auto" and n_draft < 0:
