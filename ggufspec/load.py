@@ -6,6 +6,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -100,9 +101,8 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
                        logits_all=False, verbose=False, swa_full=params.swa_full)
         with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq):
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
-                from .rpc import load_llama
                 split = list(params.tensor_split) if params.tensor_split else None
-                return load_llama(path, params.devices, tensor_split=split, **options)
+                return load_on_devices(path, params.devices, tensor_split=split, **options)
             return llama_cpp.Llama(model_path=str(path), **options)
     except (ValueError, RuntimeError) as exc:
         raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {exc}") from None
@@ -195,3 +195,41 @@ def parameter_count(llm: llama_cpp.Llama) -> int:
 def weights_size(llm: llama_cpp.Llama) -> int:
     """The model's tensors, in bytes."""
     return llama_cpp.llama_model_size(llm._model.model)
+
+
+# ---------------------------------------------------------------- loading onto chosen ggml devices
+
+@contextlib.contextmanager
+def model_devices(devices: Sequence) -> Iterator[ctypes.Array]:
+    """Within it, every llama_cpp.Llama(...) loads onto exactly `devices` (plus the local CPU).
+
+    llama-cpp-python's Llama has no devices argument; it builds its params from
+    llama_model_default_params(), which we wrap to fill in the NULL-terminated device array.
+    Not thread-safe: load one model at a time inside it.
+    """
+    import llama_cpp.llama_cpp as low_level
+    array = (ctypes.c_void_p * (len(devices) + 1))(*[d.handle for d in devices], None)
+    original = low_level.llama_model_default_params
+
+    def params_with_devices():
+        params = original()
+        params.devices = ctypes.cast(array, ctypes.c_void_p).value
+        return params
+
+    low_level.llama_model_default_params = params_with_devices
+    try:
+        yield array
+    finally:
+        low_level.llama_model_default_params = original
+
+
+def load_on_devices(model_path: str | os.PathLike, devices: Sequence, **llama_kwargs) -> llama_cpp.Llama:
+    """A llama_cpp.Llama on ggml `devices` (anything with a `handle`: e.g. rpc.target_devices(...)) and the local CPU.
+
+    n_gpu_layers (in llama_kwargs) says how many blocks leave the CPU; tensor_split (one weight
+    per device, same order) how they are shared; by default llama.cpp shares by free memory.
+    """
+    with model_devices(devices) as array:
+        llm = llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
+    llm._ggufspec_devices = array  # llama.cpp copied the pointers; keep the array anyway
+    return llm

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from ggufspec import rpc
+from ggufspec.load import load_on_devices
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -181,7 +182,7 @@ def test_worker_address_checks(needs_rpc, capsys):
 
 def load_split_target(target, endpoints):
     devices = rpc.target_devices(rpc.register_workers(endpoints))
-    return rpc.load_llama(target, devices, n_ctx=256, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1,
+    return load_on_devices(target, devices, n_ctx=256, n_batch=512, n_ubatch=512, n_threads=1, n_threads_batch=1,
                           n_gpu_layers=2, tensor_split=[1, 1], logits_all=False, verbose=False)
 
 
@@ -220,11 +221,12 @@ def test_target_split_across_two_workers_matches_local(workers, tiny_pair, tiny_
 HOST_SCRIPT = """
 import sys
 from ggufspec import SpeculativeDecoder, rpc
+from ggufspec.load import load_on_devices
 from ggufspec.native import quiet_llama_logs
 target, draft, endpoints = sys.argv[1], sys.argv[2], rpc.parse_endpoints(sys.argv[3])
 rpc.install_abort_message(endpoints, on_abort=lambda msg: print("partial stats: n_predict = ...", file=sys.stderr))
 devices = rpc.target_devices(rpc.register_workers(endpoints))
-llm = rpc.load_llama(target, devices, n_ctx=256, n_threads=1, n_threads_batch=1, n_gpu_layers=2,
+llm = load_on_devices(target, devices, n_ctx=256, n_threads=1, n_threads_batch=1, n_gpu_layers=2,
                      tensor_split=[1, 1], verbose=False)
 quiet_llama_logs()
 decoder = SpeculativeDecoder(llm, draft, n_ctx=256, n_threads=1)
