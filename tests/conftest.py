@@ -16,6 +16,13 @@ def ggufspec_home(tmp_path, monkeypatch):
     return home
 
 
+@pytest.fixture(scope="module")
+def needs_rpc():
+    from ggufspec import rpc
+    if not rpc.rpc_supported():
+        pytest.skip(f"this llama-cpp-python build has no RPC backend ({rpc.REBUILD_COMMAND})")
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(target, draft) F32 tiny models: the draft is the target's first layer."""

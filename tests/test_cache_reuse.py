@@ -3,7 +3,7 @@ import pytest
 
 from ggufspec import GgufspecError, SpeculativeDecoder
 from ggufspec.drafting import Costs
-from test_greedy_identity import NEAR_TIE, first_difference, prompts, target_alone
+from reference import NEAR_TIE, first_difference, prompts, target_alone
 
 
 def check_identity(path, prompt, got, n_ctx, flash_attn="auto"):

@@ -4,11 +4,11 @@ import pytest
 
 from ggufspec import GgufspecError
 from ggufspec.session import open_decoder
-from test_rpc import Worker, needs_rpc  # noqa: F401  (fixtures and the worker process)
+from rpcworkers import Worker
 
 
 @pytest.fixture(scope="module")
-def two_workers(needs_rpc, tmp_path_factory):  # noqa: F811
+def two_workers(needs_rpc, tmp_path_factory):
     logs = tmp_path_factory.mktemp("rpc-decoder")
     started = [Worker(logs), Worker(logs)]
     yield started
@@ -31,7 +31,7 @@ def test_target_on_two_workers_gives_the_local_tokens(tiny_pair, tiny_decoder, t
         assert "target layers:" in got.stats.llamacpp_block()
 
 
-def test_unreachable_worker_is_one_line_before_loading(tiny_pair, needs_rpc):  # noqa: F811
+def test_unreachable_worker_is_one_line_before_loading(tiny_pair, needs_rpc):
     with pytest.raises(GgufspecError, match="127.0.0.1:9"):
         open_decoder(tiny_pair[0], tiny_pair[1], rpc="127.0.0.1:9")
 
@@ -41,7 +41,7 @@ def test_bad_endpoint_is_one_line(tiny_pair):
         open_decoder(tiny_pair[0], tiny_pair[1], rpc="nohostport")
 
 
-def test_cli_worker_and_run_with_rpc(tiny_pair, needs_rpc, tmp_path):  # noqa: F811
+def test_cli_worker_and_run_with_rpc(tiny_pair, needs_rpc, tmp_path):
     """`ggufspec worker` as a process, `ggufspec run --rpc` against it: the same text as a local run."""
     import json
     import os
