@@ -9,7 +9,6 @@ and the median are reported.
 """
 import argparse
 import ctypes
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,8 +16,7 @@ from pathlib import Path
 import llama_cpp  # before numpy (see ggufspec/__init__.py)
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tinymodels import Shape, make_weights, write_model  # noqa: E402
+from ggufspec.tinymodels import Shape, make_weights, write_model  # noqa: E402
 
 from ggufspec import SpeculativeDecoder  # noqa: E402
 from ggufspec.drafting import Costs  # noqa: E402

@@ -3,14 +3,13 @@ target tokens each evaluated (rollback restores a saved state and re-evaluates o
 
     .venv/bin/python benchmarks/memory_bench.py [--tokens 256] [--rounds 5] [--n-embd 256 --layers 8]
 
-The models are written at run time with the `gguf` package (tests/tinymodels.py: a Mamba target and
+The models are written at run time with the `gguf` package (ggufspec/tinymodels.py: a Mamba target and
 its first 2 layers as the draft). Each round runs every configuration once on a fresh cache
 (A B C, then C B A, ...); the best round of each is reported (interference only adds time), and the
 median. tok/s counts generated tokens over decode time (the prompt is evaluated before).
 """
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,12 +17,10 @@ from pathlib import Path
 import llama_cpp  # noqa: F401  (before numpy, see ggufspec/__init__.py)
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
 
 from ggufspec import SpeculativeDecoder  # noqa: E402
 from ggufspec.load import LoadParams, open_model  # noqa: E402
-from tinymodels import make_lfm2_pair, make_mamba_pair  # noqa: E402
+from ggufspec.tinymodels import make_lfm2_pair, make_mamba_pair  # noqa: E402
 
 
 def run_one(dec, prompt, n, draft):

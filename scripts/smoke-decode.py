@@ -4,14 +4,12 @@ scripts/install runs it after installing: pip caches the llama-cpp-python wheel 
 the CPU flags it was built with, so a wheel built on a machine with AVX-512 dies with SIGILL on one
 without (the CPU of these VMs varies between runs). Exit code 0: fine; killed by SIGILL: rebuild.
 """
-import sys
 import tempfile
 from pathlib import Path
 
 import llama_cpp  # before numpy (see ggufspec/__init__.py)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tinymodels import Shape, make_weights, write_model  # noqa: E402
+from ggufspec.tinymodels import Shape, make_weights, write_model  # noqa: E402
 
 with tempfile.TemporaryDirectory() as tmp:
     shape = Shape(n_layer=1, n_embd=64, n_ff=256)  # n_ff 256: the quantized-size kernels run too

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tinymodels import Shape, make_pair  # noqa: E402
+from ggufspec.tinymodels import Shape, make_pair  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

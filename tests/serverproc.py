@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tinymodels import Shape, make_pair
+from ggufspec.tinymodels import Shape, make_pair
 
 GGUFSPEC = str(Path(sys.executable).with_name("ggufspec"))
 

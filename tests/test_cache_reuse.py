@@ -80,7 +80,7 @@ def test_bad_flash_attention_setting_is_one_line(tiny_pair):
 
 
 def test_chat_renders_the_template_and_reuses_the_cache(tmp_path):
-    from tinymodels import Shape, make_pair
+    from ggufspec.tinymodels import Shape, make_pair
     target, draft = make_pair(tmp_path, seed=0, shape=Shape(eos_bias=4.0))
     with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as decoder:
         if not decoder.target_llm.metadata.get("tokenizer.chat_template"):

@@ -12,8 +12,8 @@ import pytest
 
 from ggufspec import SpeculativeDecoder
 from serverproc import make_chat_pair
-from tinymodels import CHAT_TEMPLATE as STABLE_CHAT_TEMPLATE
-from tinymodels import Shape, make_weights, write_model
+from ggufspec.tinymodels import CHAT_TEMPLATE
+from ggufspec.tinymodels import Shape, make_weights, write_model
 
 GGUFSPEC = str(Path(sys.executable).with_name("ggufspec"))
 STATS_LINE = re.compile(r"^\[(\d+) tokens, [\d.]+ tok/s, (?:accepted (\d+)/(\d+) drafted|no drafts), "
@@ -57,7 +57,7 @@ def test_ctrl_c_stops_the_answer_not_the_session(tmp_path):
     shape = Shape(n_layer=16, n_embd=256, n_ff=768)
     weights = make_weights(shape, seed=2)
     weights["output.weight"][2] = 0  # no EOS: answers run until stopped
-    target = write_model(tmp_path / "slow.gguf", shape, weights, STABLE_CHAT_TEMPLATE)
+    target = write_model(tmp_path / "slow.gguf", shape, weights, CHAT_TEMPLATE)
     env = {**os.environ, "GGUFSPEC_HOME": str(tmp_path / "home"), "PYTHONIOENCODING": "utf-8"}
     proc = subprocess.Popen([GGUFSPEC, "chat", "-m", str(target), "--no-draft", "-t", "1", "-c", "512", "-n", "2000"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from serverproc import start_server, stop_server
-from tinymodels import CHAT_TEMPLATE, Shape, make_weights, write_model
+from ggufspec.tinymodels import CHAT_TEMPLATE, Shape, make_weights, write_model
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -9,7 +9,7 @@ from ggufspec.cli import main
 from ggufspec.drafting import AdaptiveK, Costs, LookupDrafter
 from ggufspec.sampling import SamplingParams
 from reference import prompts, target_alone
-from tinymodels import Shape, make_weights, write_model
+from ggufspec.tinymodels import Shape, make_weights, write_model
 
 COPY_PROMPT = [1] + [260, 261, 262, 263, 264, 265, 266, 267, 268, 269] * 3
 

@@ -9,7 +9,7 @@ from ggufspec.sampling import distribution
 from ggufspec.speculate import measure_step_costs
 from test_greedy_identity import NEAR_TIE, first_difference, prompts, target_alone
 from test_sampling_distribution import chi_square_pvalue
-from tinymodels import make_mamba_pair
+from ggufspec.tinymodels import make_mamba_pair
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_a_hybrid_rolls_back_by_snapshot_or_by_n_rs_seq(tmp_path, n_rs_seq):
     """LFM2 (short convolutions beside attention): identical to the target alone either way; with
     llama.cpp's per-token rollback states (n_rs_seq) the target re-evaluates nothing."""
     from ggufspec.load import LoadParams, open_model
-    from tinymodels import make_lfm2_pair
+    from ggufspec.tinymodels import make_lfm2_pair
     target_path, draft_path = make_lfm2_pair(tmp_path)
     target = open_model(target_path, "target", LoadParams(n_ctx=256, n_threads=1, n_rs_seq=n_rs_seq))
     draft = open_model(draft_path, "draft", LoadParams(n_ctx=256, n_threads=1))

@@ -6,7 +6,7 @@ import pytest
 from ggufspec import SpeculativeDecoder
 from ggufspec.load import LoadParams, open_model
 from test_greedy_identity import NEAR_TIE, first_difference, prompts, target_alone
-from tinymodels import make_gemma2_pair
+from ggufspec.tinymodels import make_gemma2_pair
 
 N_CTX = 512
 WINDOW = 16

@@ -10,7 +10,7 @@ from ggufspec import plan as P
 from ggufspec.plan import gguf_header as H
 from ggufspec.cli import main
 from llamacpp_log import buffer_sizes
-from tinymodels import write_header_only
+from ggufspec.tinymodels import write_header_only
 
 GiB = 1 << 30
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -96,7 +96,7 @@ def test_plan_splits_a_70b_target_across_two_declared_hosts(tmp_path):
     from click.testing import CliRunner
 
     from ggufspec.cli import main
-    from tinymodels import write_header_only
+    from ggufspec.tinymodels import write_header_only
 
     target = write_header_only(tmp_path / "llama3-70b-q3_k_s.gguf", n_layer=80, n_embd=8192, n_head=64,
                                n_head_kv=8, n_ff=28672, n_vocab=128256)

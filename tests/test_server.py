@@ -18,7 +18,7 @@ import pytest
 
 from ggufspec import SpeculativeDecoder
 from serverproc import make_chat_pair, start_server, stop_server
-from tinymodels import Shape, make_weights, write_model
+from ggufspec.tinymodels import Shape, make_weights, write_model
 
 API_KEY = "sesame"
 

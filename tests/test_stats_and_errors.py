@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.cli import main
-from tinymodels import Shape, make_weights, write_model
+from ggufspec.tinymodels import Shape, make_weights, write_model
 
 
 def test_stats_invariants(tiny_decoder):
@@ -74,7 +74,7 @@ def test_not_a_gguf_file(tiny_pair, tmp_path):
 
 def test_incompatible_vocabularies(tiny_pair, tmp_path):
     shape = Shape()
-    from tinymodels import vocabulary
+    from ggufspec.tinymodels import vocabulary
     tokens, _ = vocabulary()
     tokens[270] = "▁zebra"
     other = write_model(tmp_path / "other.gguf", shape, make_weights(shape, 5), tokens=tokens)
@@ -144,7 +144,7 @@ def test_ctrl_c_stops_cleanly_and_prints_the_statistics(tmp_path):
     import subprocess
     import sys
     import time
-    from tinymodels import Shape, make_weights, write_model
+    from ggufspec.tinymodels import Shape, make_weights, write_model
     shape = Shape(n_layer=16, n_embd=256, n_ff=768)
     weights = make_weights(shape, seed=2)
     weights["output.weight"][2] = 0  # no EOS: it runs until interrupted

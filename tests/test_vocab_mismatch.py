@@ -6,7 +6,7 @@ import pytest
 from ggufspec import SamplingParams, SpeculativeDecoder
 from ggufspec.sampling import accept_or_resample, distribution
 from reference import NEAR_TIE, first_difference, prompts, target_alone
-from tinymodels import Shape, make_weights, vocabulary, write_model
+from ggufspec.tinymodels import Shape, make_weights, vocabulary, write_model
 
 EXTRA = 16  # the bigger model's extra words
 

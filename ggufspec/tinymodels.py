@@ -1,4 +1,7 @@
-"""Tiny llama-architecture GGUF models written with the `gguf` package, for fast tests.
+"""Tiny GGUF models written on the spot with the `gguf` package: to test and try ggufspec without downloads.
+
+The test suite, scripts/smoke-decode.py (can this llama-cpp-python build compute here?) and the
+benchmarks use them. Llama-architecture by default; Mamba, LFM2 and Gemma 2 writers below.
 
 An SPM vocabulary (<unk>, <s>, </s>, 256 byte tokens, a few words) and random F32 weights. A
 "draft" shares the vocabulary and is derived from the target: its first layers and the same
