@@ -1,6 +1,7 @@
 """Drafters and the K controller: lossless under every drafter; K=0 for a useless draft, large K for a perfect one."""
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -76,11 +77,51 @@ def test_lookup_drafts_are_verified_and_accepted_on_copying(tiny_pair, tmp_path)
     assert out.stats.n_accept > 20 and out.stats.n_accept <= out.stats.n_drafted
 
 
-def test_lookup_sampling_keeps_the_distribution_rule(tiny_decoder):
-    # point-mass q: accepted with probability p(x); just check it runs and is reproducible
+def test_lookup_sampling_keeps_the_distribution_rule(tiny_pair, tiny_decoder):
+    """A lookup draft is a point mass q = 1[x]: kept with probability p(x), else replaced by a draw from
+    normalize(max(0, p - q)), so the token that comes out is distributed exactly as the target's p.
+    Checked by chi-square on the target's real distribution after the copy prompt, where lookup
+    proposes the token that continued the pattern; then end to end, seeded runs reproduce."""
+    from llama_cpp import Llama
+
+    from ggufspec.sampling import accept_or_resample, distribution
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1, min_p=0)
+    proposals, q = LookupDrafter(tiny_decoder.target.n_vocab, ngram_min=2).propose(COPY_PROMPT, 1, params, None)
+    assert proposals == [260] and q[0][260] == 1.0  # the lookup's q: a point mass
+    llm = Llama(model_path=str(tiny_pair[0]), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(COPY_PROMPT)
+    p = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
+    llm.close()
+    # this tiny target does not follow the pattern (p[260] ~ 0): put the point mass on its likeliest
+    # token instead, so that both branches of the rule (keep, resample) are exercised
+    x = int(np.argmax(p))
+    assert 0.02 < p[x] < 0.98, p[x]
+    point_mass = np.zeros_like(q[0])
+    point_mass[x] = 1.0
+    rng = np.random.default_rng(0)
+    draws = 20_000
+    counts = np.zeros(len(p))
+    for proposed in (260, x):  # a hopeless proposal and a likely one: out comes p either way
+        counts[:] = 0
+        q_point = q[0] if proposed == 260 else point_mass
+        for _ in range(draws):
+            replaced = accept_or_resample(proposed, p, q_point, rng)
+            counts[proposed if replaced is None else replaced] += 1
+        assert_distributed_as(p, counts, draws)
     a = tiny_decoder.generate(COPY_PROMPT, n_predict=20, n_draft=3, drafter="lookup", temperature=1.0, seed=3)
     b = tiny_decoder.generate(COPY_PROMPT, n_predict=20, n_draft=3, drafter="lookup", temperature=1.0, seed=3)
-    assert a.tokens == b.tokens
+    assert a.tokens == b.tokens and a.stats.n_drafted > 0
+
+
+def assert_distributed_as(p, counts, draws):
+    """Chi-square of observed counts against p (bins expected under 5 pooled)."""
+    from scipy import stats as scipy_stats
+    expected = p * draws
+    common = expected >= 5
+    observed = np.append(counts[common], counts[~common].sum())
+    expected = np.append(expected[common], expected[~common].sum())
+    keep = expected > 0
+    assert scipy_stats.chisquare(observed[keep], expected[keep]).pvalue > 1e-3
 
 
 def test_controller_picks_zero_for_an_unrelated_draft(tiny_pair, tmp_path, monkeypatch):

@@ -48,7 +48,7 @@ def test_cli_runs_and_prints_the_llamacpp_block(tiny_pair):
 
 def test_cli_json(tiny_pair):
     target, draft = tiny_pair
-    result = CliRunner(mix_stderr=False).invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the",
+    result = CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the",
                                                        "-n", "8", "--json", "-c", "128", "-t", "1"]) \
         if "mix_stderr" in CliRunner.__init__.__code__.co_varnames else \
         CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the", "-n", "8", "--json",
@@ -123,9 +123,17 @@ def test_escapes_and_chat(tiny_pair):
     from ggufspec.cli import process_escapes
     assert process_escapes(r"a\nb\tc\x41\\") == "a\nb\tcA\\"
     target, draft = tiny_pair
-    code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "hi", "--chat", "--system", "be brief",
-                           "-n", "8", "-c", "128", "-t", "1")
-    assert code == 0, output
+    result = CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "hi", "--chat",
+                                                   "--system", "be brief", "-n", "8", "-c", "128", "-t", "1",
+                                                   "--draft", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    ran = json.loads(result.stdout)
+    with SpeculativeDecoder(target, draft, n_ctx=128, n_threads=1) as decoder:
+        templated = decoder.tokenize("hi", chat=True, system="be brief")
+        assert templated != decoder.tokenize("hi")  # the template really wraps the prompt
+        expected = decoder.generate("hi", chat=True, system="be brief", n_predict=8, n_draft=2)
+    assert ran["stats"]["n_prompt"] == len(templated)  # the templated prompt, system message included
+    assert ran["tokens"] == expected.tokens
 
 
 def test_utf8_pieces_never_split_a_character():
