@@ -67,7 +67,7 @@ def main():
         cannot_pay.draft_times.append(0.1)
         runs = {
             "bare llama_decode + argmax loop": lambda: bare_loop(bare, prompt, args.tokens),
-            "ggufspec --no-draft": lambda: ggufspec_loop(decoder, prompt, args.tokens, use_draft=False),
+            "ggufspec --no-draft": lambda: ggufspec_loop(decoder, prompt, args.tokens, n_draft=0),
             "ggufspec --draft auto, K=0 (no draft could pay)": lambda: ggufspec_loop(decoder, prompt, args.tokens,
                                                                                     n_draft="auto"),
         }

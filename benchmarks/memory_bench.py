@@ -27,7 +27,7 @@ def run_one(dec, prompt, n, draft):
     for ctx in (dec.target, dec.draft):
         ctx.keep(0)
     before = dec.target.n_evaluated, dec.target.n_replayed
-    kwargs = dict(use_draft=False) if draft == "none" else dict(n_draft=draft)
+    kwargs = dict(n_draft=0) if draft == "none" else dict(n_draft=draft)
     t0 = time.perf_counter()
     out = dec.generate(prompt, n_predict=n, temperature=0, **kwargs)
     seconds = out.stats.decode_seconds or (time.perf_counter() - t0)

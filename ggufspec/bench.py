@@ -34,7 +34,7 @@ FLASH_ATTN_SETTINGS = ("on", "off", "auto")
 
 def parse_configs(draft: str, lookup: bool = False, hybrid: bool = False, against_llamacpp: str | None = None,
                   draft_p_min: float = 0.0) -> list[Config]:
-    configs = [Config("target", {"use_draft": False})]
+    configs = [Config("target", {"n_draft": 0})]
     if against_llamacpp:
         configs.append(Config(LLAMACPP_TARGET, {}, llamacpp_k=0))
     for item in [d.strip() for d in draft.split(",") if d.strip()]:

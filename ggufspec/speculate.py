@@ -299,9 +299,10 @@ class SpeculativeDecoder:
         return self.generate(self.render_chat(messages), **options)
 
     def steps(self, prompt: str | Sequence[int], *, n_predict: int = 128, n_draft: int | str = 3,
-              temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+              temperature: float = SamplingParams.temperature, top_k: int = SamplingParams.top_k,
+              top_p: float = SamplingParams.top_p, min_p: float = SamplingParams.min_p,
               seed: int | None = None, chat: bool = False, system: str | None = None,
-              use_draft: bool = True, drafter: str = "model", draft_p_min: float = 0.0,
+              drafter: str = "model", draft_p_min: float = 0.0,
               draft_max: int = 8, draft_min: int = 0) -> Iterator[tuple[int, bool]]:
         """The step generator: (token id, from_draft) pairs. Statistics land in `last_stats`.
 
@@ -317,7 +318,7 @@ class SpeculativeDecoder:
         tokens = self.tokenize(prompt, chat=chat, system=system)
         adaptive = n_draft == "auto"
         check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
-        wants_draft = use_draft and n_draft != 0 and (self.draft is not None or drafter != "model")
+        wants_draft = n_draft != 0 and (self.draft is not None or drafter != "model")
         chosen = self._drafter(drafter, draft_p_min, draft_min) if wants_draft else None
         if chosen is not None and not self._can_roll_back(chosen):
             chosen = None  # the target alone, said once

@@ -79,7 +79,7 @@ def test_strict_mode_is_identical_to_the_target_alone(demo_paths):
     target, draft = demo_paths
     with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=2, strict=True) as decoder:
         for prompt in PROMPTS[:2]:
-            expected = decoder.generate(prompt, n_predict=48, use_draft=False).tokens
+            expected = decoder.generate(prompt, n_predict=48, n_draft=0).tokens
             got = decoder.generate(prompt, n_predict=48, n_draft=3)
             assert got.tokens == expected
 

@@ -71,7 +71,7 @@ def test_lookup_drafts_are_verified_and_accepted_on_copying(tiny_pair, tmp_path)
     weights["output.weight"][2] = 0  # no EOS: a long run
     target = write_model(tmp_path / "looping.gguf", shape, weights)
     with SpeculativeDecoder(target, None, n_ctx=512, n_threads=1) as decoder:
-        expected = decoder.generate(COPY_PROMPT, n_predict=200, use_draft=False).tokens
+        expected = decoder.generate(COPY_PROMPT, n_predict=200, n_draft=0).tokens
         out = decoder.generate(COPY_PROMPT, n_predict=200, n_draft=4, drafter="lookup")  # auto: machine-dependent
     assert out.tokens == expected
     assert out.stats.n_accept > 20 and out.stats.n_accept <= out.stats.n_drafted

@@ -100,13 +100,13 @@ def test_bad_inputs_are_one_line_errors(eval_decoder):
 
 def test_near_tie_margin_is_the_targets_logit_gap_at_the_parting_token(eval_decoder):
     prompt = load_problems(limit=1)[0]["prompt"]
-    alone = eval_decoder.generate(prompt, n_predict=6, temperature=0, use_draft=False)
+    alone = eval_decoder.generate(prompt, n_predict=6, temperature=0, n_draft=0)
     prefix, chosen = alone.tokens[:3], alone.tokens[3]
     others = [t for t in range(300) if t != chosen]
     margins = [near_tie_margin(eval_decoder, prompt, prefix, chosen, other) for other in others[:20]]
     assert min(margins) >= 0  # the target's greedy choice beats every other token
     assert near_tie_margin(eval_decoder, prompt, prefix, others[0], chosen) == pytest.approx(-margins[0], abs=1e-3)
-    again = eval_decoder.generate(prompt, n_predict=6, temperature=0, use_draft=False)
+    again = eval_decoder.generate(prompt, n_predict=6, temperature=0, n_draft=0)
     assert again.tokens == alone.tokens  # measuring left the decoder as it was
 
 

@@ -40,7 +40,7 @@ def test_greedy_equals_target_alone_for_every_k(tiny_pair, flash_attn_decoders, 
 def test_no_draft_path_is_the_target_alone(tiny_pair, tiny_decoder):
     for prompt in prompts(4, seed=7):
         expected, _, _ = target_alone(tiny_pair[0], prompt, 32, tiny_decoder.n_ctx)
-        got = tiny_decoder.generate(prompt, n_predict=32, use_draft=False)
+        got = tiny_decoder.generate(prompt, n_predict=32, n_draft=0)
         assert got.tokens == expected
         assert got.stats.n_drafted == 0
 

@@ -156,7 +156,7 @@ def test_target_split_across_two_workers_matches_local(workers, tiny_pair, tiny_
         with pytest.raises(rpc.WorkerUnreachableError, match="serving another host"):
             rpc.probe(endpoints[0], timeout=0.5)  # a worker serves one host at a time
         with SpeculativeDecoder(llm, draft, n_ctx=256, n_threads=1) as split:
-            for options in (dict(n_draft=3), dict(n_draft=1), dict(use_draft=False)):
+            for options in (dict(n_draft=3), dict(n_draft=1), dict(n_draft=0)):
                 remote = split.generate("the cat sat", n_predict=48, temperature=0, **options)
                 local = tiny_decoder.generate("the cat sat", n_predict=48, temperature=0, **options)
                 assert remote.tokens == local.tokens, options

@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 from .. import __version__, load
-from ..plan import build_backends
+from ..backends import build_backends
+from ..sampling import SamplingParams
 
 QUANT_IN_NAME = re.compile(r"(?i)(?:^|[-_.])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)$")
 
@@ -39,9 +40,11 @@ def model_info(llm) -> dict | None:
 def pair_props(decoder, model_name: str, defaults: dict) -> dict:
     """GET /props: the pair, its placement, the request defaults. The llama-server fields
     (default_generation_settings, total_slots, model_path, build_info) are there for its clients."""
-    params = {"n_predict": defaults.get("n_predict", -1), "temperature": defaults.get("temperature", 0.0),
-              "top_k": defaults.get("top_k", 40), "top_p": defaults.get("top_p", 0.95),
-              "min_p": defaults.get("min_p", 0.05), "seed": defaults.get("seed"),
+    sampling = SamplingParams()  # what a request gets where the server was given no default
+    params = {"n_predict": defaults.get("n_predict", -1),
+              "temperature": defaults.get("temperature", sampling.temperature),
+              "top_k": defaults.get("top_k", sampling.top_k), "top_p": defaults.get("top_p", sampling.top_p),
+              "min_p": defaults.get("min_p", sampling.min_p), "seed": defaults.get("seed"),
               "speculative.n_max": defaults.get("draft_max", 8), "speculative.n_min": defaults.get("draft_min", 0),
               "speculative.p_min": defaults.get("draft_p_min", 0.0)}
     return {"model": model_name, "version": __version__, "n_ctx": decoder.n_ctx,
