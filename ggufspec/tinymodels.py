@@ -76,27 +76,9 @@ def write_model(path: Path, shape: Shape, weights: dict[str, np.ndarray],
     if tokens is not None:
         vocab = tokens
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny")
-    writer.add_context_length(shape.n_ctx_train)
-    writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
-    writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
+    _write_common(writer, vocab, types, chat_template)
+    _write_transformer_dims(writer, shape)
     writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(vocab)
-    writer.add_token_scores([0.0] * 3 + [-1000.0] * 256 + [-float(i) for i in range(len(vocab) - 259)])
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    if chat_template:
-        writer.add_chat_template(chat_template)
     for name, tensor in weights.items():
         writer.add_tensor(name, tensor)
     writer.write_header_to_file()
@@ -165,6 +147,15 @@ def write_header_only(path: Path, *, n_layer: int, n_embd: int, n_head: int, n_h
 
 
 # ---------------------------------------------------------------- recurrent and sliding-window memory
+
+def _write_transformer_dims(writer: gguf.GGUFWriter, shape: Shape) -> None:
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+
 
 def _write_common(writer: gguf.GGUFWriter, vocab: list[str], types: list, chat_template: str | None) -> None:
     writer.add_name("tiny")
@@ -264,12 +255,7 @@ def write_gemma2(path: Path, shape: Shape, weights: dict[str, np.ndarray], windo
     """Gemma 2: every other layer attends over a sliding window of `window` tokens (layer 0 does)."""
     vocab, types = vocabulary(shape.extra_words)
     writer = gguf.GGUFWriter(str(path), "gemma2")
-    writer.add_context_length(shape.n_ctx_train)
-    writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
-    writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
+    _write_transformer_dims(writer, shape)
     writer.add_key_length(shape.n_embd // shape.n_head)
     writer.add_value_length(shape.n_embd // shape.n_head)
     writer.add_sliding_window(window)

@@ -1,7 +1,9 @@
-"""The reference every identity test compares with: the target alone through plain llama-cpp-python,
-one token per eval, with each step's top-2 margin so that near-ties can be told from real differences."""
+"""The references the lossless tests compare with: the target alone through plain llama-cpp-python, one
+token per eval, with each step's top-2 margin (near-ties told from real differences); and a chi-square
+test of sampled counts against the target's exact distribution."""
 import numpy as np
 from llama_cpp import Llama
+from scipy import stats as scipy_stats
 
 NEAR_TIE = 1e-3  # batched vs single-token F32 logits differ by ~1e-4; closer calls are not decidable
 
@@ -36,3 +38,23 @@ def prompts(n, seed=1):
 
 def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def differs_at_near_tie(got: list[int], expected: list[int], margins: list[float]) -> bool:
+    """Whether `got` leaves the target-alone `expected` at a near-tie (undecidable), not at a real difference."""
+    diff = first_difference(got, expected)
+    return diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE
+
+
+def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
+    """Pearson chi-square, cells with an expected count below 5 pooled into one."""
+    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
+    for key, prob in expected_probs.items():
+        if prob * n >= 5:
+            observed.append(counts.get(key, 0)); expected.append(prob * n)
+        else:
+            pooled_o += counts.get(key, 0); pooled_e += prob * n
+    pooled_o += sum(c for k, c in counts.items() if k not in expected_probs)  # impossible outcomes
+    if pooled_e > 0 or pooled_o > 0:
+        observed.append(pooled_o); expected.append(max(pooled_e, 1e-9))
+    return scipy_stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue

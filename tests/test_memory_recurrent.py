@@ -7,8 +7,7 @@ from ggufspec import SamplingParams, SpeculativeDecoder
 from ggufspec.drafting import Costs
 from ggufspec.sampling import distribution
 from ggufspec.speculate import measure_step_costs
-from test_greedy_identity import NEAR_TIE, first_difference, prompts, target_alone
-from test_sampling_distribution import chi_square_pvalue
+from reference import NEAR_TIE, chi_square_pvalue, differs_at_near_tie, first_difference, prompts, target_alone
 from ggufspec.tinymodels import make_mamba_pair
 
 
@@ -44,7 +43,7 @@ def test_greedy_equals_target_alone_for_every_k(mamba_pair, decoder):
         for k in [1, 2, 3, 4, 5, "auto"]:
             got = decoder.generate(prompt, n_predict=40, n_draft=k, temperature=0)
             diff = first_difference(got.tokens, expected)
-            if diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE:
+            if differs_at_near_tie(got.tokens, expected, margins):
                 near_ties += 1
                 continue
             assert got.tokens == expected, f"K={k} prompt={prompt} first difference at {diff}"
@@ -157,7 +156,7 @@ def test_a_hybrid_rolls_back_by_snapshot_or_by_n_rs_seq(tmp_path, n_rs_seq):
                 replayed = dec.target.n_replayed
                 got = dec.generate(prompt, n_predict=40, n_draft=k)
                 diff = first_difference(got.tokens, expected)
-                if diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE:
+                if differs_at_near_tie(got.tokens, expected, margins):
                     near_ties += 1
                     continue
                 assert got.tokens == expected, f"K={k} first difference at {diff}"

@@ -52,7 +52,7 @@ def test_cli_worker_and_run_with_rpc(tiny_pair, needs_rpc, tmp_path):
     from pathlib import Path
 
     from ggufspec import rpc
-    from test_rpc import free_port
+    from rpcworkers import free_port
 
     exe = str(Path(sys.executable).with_name("ggufspec"))
     port = free_port()

@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 from llama_cpp import Llama
-from scipy import stats as scipy_stats
 
 import ggufspec.speculate
 from ggufspec import SamplingParams
 from ggufspec.sampling import distribution
+from reference import chi_square_pvalue
 
 PROMPT = [1, 261, 262, 263]
 DRAWS = 3000
@@ -26,20 +26,6 @@ def exact_first_and_second(path, params):
         for b in np.flatnonzero(p2):
             joint[(int(a), int(b))] = p1[a] * p2[b]
     return p1, joint
-
-
-def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
-    """Pearson chi-square, cells with an expected count below 5 pooled into one."""
-    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
-    for key, prob in expected_probs.items():
-        if prob * n >= 5:
-            observed.append(counts.get(key, 0)); expected.append(prob * n)
-        else:
-            pooled_o += counts.get(key, 0); pooled_e += prob * n
-    pooled_o += sum(c for k, c in counts.items() if k not in expected_probs)  # impossible outcomes
-    if pooled_e > 0 or pooled_o > 0:
-        observed.append(pooled_o); expected.append(max(pooled_e, 1e-9))
-    return scipy_stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue
 
 
 def draw(decoder, params, k):
