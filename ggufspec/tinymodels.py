@@ -79,13 +79,7 @@ def write_model(path: Path, shape: Shape, weights: dict[str, np.ndarray],
     _write_common(writer, vocab, types, chat_template)
     _write_transformer_dims(writer, shape)
     writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
-    for name, tensor in weights.items():
-        writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, weights, path)
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
