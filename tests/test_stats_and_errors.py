@@ -174,3 +174,19 @@ def test_color_marks_accepted_draft_tokens(tiny_pair):
     code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "the cat", "-n", "24", "--draft", "3",
                            "--color", "-c", "128", "-t", "1")
     assert code == 0 and "\x1b[36m" in output
+
+
+def test_llamacpp_current_and_old_draft_flag_names(tiny_pair):
+    """llama.cpp renamed --draft-max/--draft-min/--draft-p-min to --spec-draft-n-max/-n-min/-p-min:
+    both spellings work, --help shows the current one."""
+    target, draft = tiny_pair
+    runs = {}
+    for names in (("--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min"),
+                  ("--draft-max", "--draft-min", "--draft-p-min")):
+        code, output = run_cli("run", "-m", str(target), "-md", str(draft), "-p", "the cat", "-n", "16", "-t", "1",
+                               "--json", names[0], "2", names[1], "1", names[2], "0.5")
+        assert code == 0, output
+        runs[names[0]] = json.loads(output.splitlines()[-1])["tokens"]
+    assert runs["--spec-draft-n-max"] == runs["--draft-max"]
+    help_text = CliRunner().invoke(main, ["run", "--help"]).output
+    assert "--spec-draft-n-max" in help_text and "(also: --draft-max)" in help_text
