@@ -347,3 +347,20 @@ def test_loopback_hosts():
     from ggufspec.netaddr import is_loopback
     assert all(map(is_loopback, ["127.0.0.1", "localhost", "::1", "127.0.0.2"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.4", "example.com"]))
+
+
+def test_lookup_on_a_server_without_a_draft_model(chat_pair):
+    """`serve --no-draft` loads no draft model, yet a request may still ask for lookup drafting (the
+    command line's K stays the request's default); without it the target runs alone."""
+    from fastapi.testclient import TestClient
+
+    from ggufspec.server import create_app
+    with SpeculativeDecoder(chat_pair[0], None, n_ctx=256, n_threads=1) as decoder:
+        app = create_app(decoder, model_name="tiny", defaults={"n_draft": 3, "n_predict": 16})
+        with TestClient(app) as client:
+            answer = client.post("/v1/completions", json={"prompt": "the cat the cat the cat", "lookup": True})
+            assert answer.status_code == 200, answer.text
+            assert decoder.last_stats.drafter == "lookup" and decoder.last_stats.n_draft == 3
+            plain = client.post("/v1/completions", json={"prompt": "the cat the cat the cat"})
+            assert plain.status_code == 200, plain.text
+            assert decoder.last_stats.drafter == "none"  # no draft model: the target alone
