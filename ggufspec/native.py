@@ -126,7 +126,7 @@ class Context:
         batch.n_tokens = n
         t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self.ctx, batch)
-        if n <= 8:
+        if n <= 8 and self.needs_snapshots:  # only a replay after a restore reads these (see _replay)
             seconds = time.perf_counter() - t0
             if seconds < self._least_seconds.get(n, float("inf")):
                 self._least_seconds[n] = seconds

@@ -14,6 +14,7 @@ turns them into `Piece` records; `SpeculativeDecoder.generate` collects a `Gener
 from __future__ import annotations
 
 import codecs
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -231,6 +232,7 @@ class SpeculativeDecoder:
                 check_gguf_file(model, role)
         flash_attn_type(flash_attn)  # a bad setting fails before loading anything
         self.last_stats: Stats | None = None
+        self._said_no_rollback = False  # a memory that cannot roll back is reported once, not every call
         self.placement: dict[str, int] | None = None  # target layers per host, when placed across RPC workers
         self.n_gpu_layers = n_gpu_layers  # as loaded, for reports (bench passes them to llama.cpp's tools)
         self.n_gpu_layers_draft = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
@@ -347,8 +349,7 @@ class SpeculativeDecoder:
         for ctx in contexts:
             inner = getattr(ctx, "inner", ctx)
             if not inner.can_roll_back():
-                if not getattr(self, "_said_no_rollback", False):
-                    import sys
+                if not self._said_no_rollback:
                     sys.stderr.write(f"ggufspec: the {inner.name} model's memory can neither drop tokens nor save "
                                      f"its state; running the target alone\n")
                     self._said_no_rollback = True
