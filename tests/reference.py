@@ -5,6 +5,8 @@ import numpy as np
 from llama_cpp import Llama
 from scipy import stats as scipy_stats
 
+from ggufspec.sampling import distribution
+
 NEAR_TIE = 1e-3  # batched vs single-token F32 logits differ by ~1e-4; closer calls are not decidable
 
 
@@ -58,3 +60,29 @@ def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
     if pooled_e > 0 or pooled_o > 0:
         observed.append(pooled_o); expected.append(max(pooled_e, 1e-9))
     return scipy_stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue
+
+
+def same_as_target_alone(got, expected: list[int], margins: list[float], label: str) -> bool:
+    """True when a generation is the target's own greedy output; False when it leaves it at a near-tie
+    (not decidable: the caller counts it); a real difference fails the test."""
+    if differs_at_near_tie(got.tokens, expected, margins):
+        return False
+    assert got.tokens == expected, f"{label}: first difference at {first_difference(got.tokens, expected)}"
+    return True
+
+
+def exact_first_and_second(path, prompt: list[int], params) -> tuple[np.ndarray, dict]:
+    """p(first token), and p(first, second) for every first token, from the plain Llama API. Each
+    prefix is evaluated from an empty state: a recurrent state cannot be cut back."""
+    llm = Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(prompt)
+    p1 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
+    joint = {}
+    for a in np.flatnonzero(p1):
+        llm.n_tokens = 0
+        llm.eval(prompt + [int(a)])
+        p2 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
+        for b in np.flatnonzero(p2):
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    llm.close()
+    return p1, joint

@@ -1,31 +1,14 @@
 """Speculative sampling leaves the target's distribution unchanged (chi-square against the exact p)."""
 import numpy as np
 import pytest
-from llama_cpp import Llama
 
 import ggufspec.speculate
 from ggufspec import SamplingParams
-from ggufspec.sampling import distribution
-from reference import chi_square_pvalue
+from reference import chi_square_pvalue, exact_first_and_second
 
 PROMPT = [1, 261, 262, 263]
 DRAWS = 3000
 TEMPERATURE = 1.5
-
-
-def exact_first_and_second(path, params):
-    """p(first token), and p(first, second) for every first token, from the plain Llama API."""
-    llm = Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
-    llm.eval(PROMPT)
-    p1 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
-    joint = {}
-    for a in np.flatnonzero(p1):
-        llm.n_tokens = len(PROMPT)  # rewind the plain Llama to the prompt
-        llm.eval([int(a)])
-        p2 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
-        for b in np.flatnonzero(p2):
-            joint[(int(a), int(b))] = p1[a] * p2[b]
-    return p1, joint
 
 
 def draw(decoder, params, k):
@@ -45,7 +28,7 @@ def unfiltered():
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_sampling_matches_target(tiny_pair, tiny_decoder, unfiltered, k):
-    p1, joint = exact_first_and_second(tiny_pair[0], unfiltered)
+    p1, joint = exact_first_and_second(tiny_pair[0], PROMPT, unfiltered)
     first, pairs = draw(tiny_decoder, unfiltered, k)
     expected_first = {int(t): float(p1[t]) for t in np.flatnonzero(p1)}
     assert chi_square_pvalue(first, expected_first, DRAWS) > 1e-3
@@ -54,7 +37,7 @@ def test_speculative_sampling_matches_target(tiny_pair, tiny_decoder, unfiltered
 
 def test_filters_apply_to_both_models(tiny_pair, tiny_decoder):
     params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05)
-    p1, joint = exact_first_and_second(tiny_pair[0], params)
+    p1, joint = exact_first_and_second(tiny_pair[0], PROMPT, params)
     first, pairs = draw(tiny_decoder, params, 2)
     assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) > 1e-3
     assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
@@ -63,7 +46,7 @@ def test_filters_apply_to_both_models(tiny_pair, tiny_decoder):
 def test_a_wrong_acceptance_rule_is_caught(tiny_pair, tiny_decoder, unfiltered, monkeypatch):
     """Negative control: always accepting the draft gives the draft's distribution, and the test sees it."""
     monkeypatch.setattr(ggufspec.speculate, "accept_or_resample", lambda token, p, q, rng: None)
-    p1, _ = exact_first_and_second(tiny_pair[0], unfiltered)
+    p1, _ = exact_first_and_second(tiny_pair[0], PROMPT, unfiltered)
     first, _ = draw(tiny_decoder, unfiltered, 1)
     assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) < 1e-3
 
