@@ -8,7 +8,7 @@ Cache reuse lives in `_prefill`, and only there: each context keeps the longest 
 shares with the new prompt and evaluates the rest (the draft lazily, when it next drafts), so a
 conversation that grows turn by turn is never evaluated twice.
 
-Layers, as in mlx-lm: `speculative_steps` yields (token, from_draft); `SpeculativeDecoder.stream`
+Layers, as in mlx-lm: `speculative_steps` yields `Step`s (token, from_draft, logprobs); `SpeculativeDecoder.stream`
 turns them into `Piece` records; `SpeculativeDecoder.generate` collects a `Generation`.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import codecs
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import llama_cpp
 import numpy as np
@@ -27,16 +27,27 @@ from .native import Context
 from .stats import Stats
 from .drafting import (AdaptiveK, AutoDrafting, Costs, FixedK, HybridDrafter, LookupDrafter, ModelDrafter,
                        VocabBridge)
-from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample
+from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
+from .sampling import SamplingParams
 
 
-def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, controller, params: SamplingParams,
-                      max_tokens: int, stats: Stats) -> Iterator[tuple[int, bool]]:
-    """Yield (token, from_draft) for each generated token, the target's choice every time.
+class Step(NamedTuple):
+    """One generated token: the target's choice, whether the draft proposed it, and (when asked) its
+    log-probability and the most likely alternatives, from the target's processed distribution."""
 
-    `drafter` proposes (see `drafting`; None: the target alone), `controller` says how many.
+    token: int
+    from_draft: bool
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, controller, judge: TargetJudge,
+                      max_tokens: int, stats: Stats) -> Iterator[Step]:
+    """Yield a `Step` for each generated token, the target's choice every time.
+
+    `drafter` proposes (see `drafting`; None: the target alone), `controller` says how many, `judge`
+    turns the target's logits into its decisions (sampling, constraints, logprobs).
     """
-    rng = np.random.default_rng(params.seed)
     tokens = list(prompt)
     draft_ctx = drafter.context if drafter is not None else None
     _prefill(target, draft_ctx, tokens, stats)
@@ -50,9 +61,9 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
                 return
             k = controller.choose(room - 1) if drafter is not None else 0  # a step adds up to k + 1 tokens
             t0 = time.perf_counter()
-            proposals, draft_probs = drafter.propose(tokens, k, params, rng) if k > 0 else ([], [])
+            proposals, draft_probs = drafter.propose(tokens, k, judge.params, judge.rng) if k > 0 else ([], [])
             t1 = time.perf_counter()
-            n_accepted, own_token = _verify(target, tokens, proposals, draft_probs, params, rng)
+            n_accepted, own_token, scores = _verify(target, tokens, proposals, draft_probs, judge)
             t2 = time.perf_counter()
             target_rewind = draft_rewind = 0.0
             if proposals:
@@ -72,10 +83,12 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
                 tokens.append(token)
                 n_generated += 1
                 stats.n_predict = n_generated
-                yield token, i < n_accepted
+                yield Step(token, i < n_accepted, *scores[i])
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "interrupted"
         raise
+    finally:
+        judge.close()
 
 
 def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats) -> None:
@@ -135,32 +148,29 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, siz
 
 
 def _verify(target: Context, tokens: list[int], proposals: list[int], draft_probs: list[np.ndarray],
-            params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
-    """One target batch over [last token] + proposals. Returns (accepted count, the target's own token).
+            judge: TargetJudge) -> tuple[int, int, list[tuple]]:
+    """One target batch over [last token] + proposals. Returns (accepted count, the target's own
+    token, the scores of the accepted proposals and of the own token).
 
-    Greedy: accept while the target's argmax equals the proposal; the first disagreement (or, when
-    all are accepted, the position after the last) gives the target's own argmax. Sampling: the
-    rejection rule in `accept_or_resample`, and the bonus token drawn from p after k acceptances.
-    A proposal the target's vocabulary lacks cannot be evaluated: the batch stops before it, and
-    at its position it is rejected like any token the target gives probability 0.
+    Row i of the batch is the target's view after tokens + proposals[:i]; the judge decides there in
+    order and stops at the first token that differs from the proposal (greedy: its argmax; sampling:
+    the rejection rule), or takes the bonus token after the last. A proposal the target's vocabulary
+    lacks cannot be evaluated: the batch stops before it, and at its position it is rejected like any
+    token the target gives probability 0.
     """
     n_valid = next((i for i, t in enumerate(proposals) if t >= target.n_vocab), len(proposals))
     target.checkpoint(upcoming=n_valid)  # memory that cannot drop a suffix saves its state first
     target.decode(tokens[target.n_past:] + proposals[:n_valid], n_logits=n_valid + 1)
-    n_accepted, own_token = len(proposals), None
-    for i, proposed in enumerate(proposals[:n_valid + 1]):
-        if params.greedy:
-            best = greedy_token(target.logits(i))
-            own_token = None if best == proposed else best
-        else:
-            own_token = accept_or_resample(proposed, distribution(target.logits(i), params), draft_probs[i], rng)
-        if own_token is not None:
-            n_accepted = i
-            break
-    if own_token is None:  # every proposal kept: the bonus token
-        last = target.logits(len(proposals))
-        own_token = greedy_token(last) if params.greedy else sample(distribution(last, params), rng)
-    return n_accepted, own_token
+    scores = []
+    for i in range(n_valid + 1):
+        proposed = proposals[i] if i < len(proposals) else None
+        history = tokens + proposals[:i] if judge.needs_history and i else tokens
+        token, score = judge.decide(target.logits(i), history, proposed, draft_probs[i] if draft_probs and
+                                    proposed is not None else None)
+        scores.append(score)
+        if token != proposed:
+            return i, token, scores
+    raise AssertionError("unreachable: the last row has no proposal, so its token differs")
 
 
 def _rewind(target: Context, draft: Context | None, n_keep: int) -> tuple[float, float]:
@@ -176,11 +186,14 @@ def _rewind(target: Context, draft: Context | None, n_keep: int) -> tuple[float,
 
 @dataclass(frozen=True)
 class Piece:
-    """One generated token: its text (may be empty mid-UTF-8 character), id, and origin."""
+    """One generated token: its text (may be empty mid-UTF-8 character), id, origin, and (when asked)
+    its logprob and the top alternatives as (token id, logprob)."""
 
     text: str
     token: int
     from_draft: bool
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -190,11 +203,11 @@ class Generation:
     stats: Stats
 
 
-def pieces(target: Context, steps: Iterator[tuple[int, bool]]) -> Iterator[Piece]:
+def pieces(target: Context, steps: Iterator[Step]) -> Iterator[Piece]:
     """Token ids to text, UTF-8 safe: a character split across tokens comes out whole, once."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for token, from_draft in steps:
-        yield Piece(decoder.decode(target.piece(token)), token, from_draft)
+    for step in steps:
+        yield Piece(decoder.decode(target.piece(step.token)), *step)
 
 
 def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: int) -> None:
@@ -305,18 +318,23 @@ class SpeculativeDecoder:
               top_p: float = SamplingParams.top_p, min_p: float = SamplingParams.min_p,
               seed: int | None = None, chat: bool = False, system: str | None = None,
               drafter: str = "model", draft_p_min: float = 0.0,
-              draft_max: int = 8, draft_min: int = 0) -> Iterator[tuple[int, bool]]:
-        """The step generator: (token id, from_draft) pairs. Statistics land in `last_stats`.
+              draft_max: int = 8, draft_min: int = 0, constraints: Constraints | None = None,
+              logprobs: int | None = None) -> Iterator[Step]:
+        """The step generator: a `Step` per token (id, from_draft, logprobs). Statistics land in `last_stats`.
 
         n_draft: K (0: the target alone), or "auto" (K chosen at every step, up to draft_max, 0 included).
         drafter: "model" (the draft model), "lookup" (n-gram prompt lookup, no draft model needed)
         or "hybrid" (a lookup match when there is one, else the draft model).
         draft_p_min / draft_min: as llama.cpp's --draft-p-min / --draft-min, a draft model stops
         when unsure of its next token, and a draft shorter than draft_min is not verified.
+        constraints: logit bias, penalties and a grammar over the target's logits (`processing`).
+        logprobs: None (none), 0 (the chosen token's) or n <= 20 (and the n most likely).
         """
         if self._closed:  # its llama.cpp contexts are freed: using them would crash the process
             raise GgufspecError("this SpeculativeDecoder is closed")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise GgufspecError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
         tokens = self.tokenize(prompt, chat=chat, system=system)
         adaptive = n_draft == "auto"
         check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
@@ -341,7 +359,8 @@ class SpeculativeDecoder:
         if adaptive and chosen is not None:
             self.last_stats.costs = costs.summary()
         max_tokens = n_predict if n_predict > 0 else self.n_ctx
-        return speculative_steps(self.target, chosen, tokens, controller=controller, params=params,
+        judge = TargetJudge(self.target, params, constraints, logprobs)
+        return speculative_steps(self.target, chosen, tokens, controller=controller, judge=judge,
                                  max_tokens=max_tokens, stats=self.last_stats)
 
     def _can_roll_back(self, drafter) -> bool:

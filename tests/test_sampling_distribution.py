@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-import ggufspec.speculate
+import ggufspec.processing
 from ggufspec import SamplingParams
 from reference import chi_square_pvalue, exact_first_and_second
 
@@ -45,7 +45,7 @@ def test_filters_apply_to_both_models(tiny_pair, tiny_decoder):
 
 def test_a_wrong_acceptance_rule_is_caught(tiny_pair, tiny_decoder, unfiltered, monkeypatch):
     """Negative control: always accepting the draft gives the draft's distribution, and the test sees it."""
-    monkeypatch.setattr(ggufspec.speculate, "accept_or_resample", lambda token, p, q, rng: None)
+    monkeypatch.setattr(ggufspec.processing, "accept_or_resample", lambda token, p, q, rng: None)
     p1, _ = exact_first_and_second(tiny_pair[0], PROMPT, unfiltered)
     first, _ = draw(tiny_decoder, unfiltered, 1)
     assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) < 1e-3

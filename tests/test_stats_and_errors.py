@@ -137,13 +137,13 @@ def test_escapes_and_chat(tiny_pair):
 
 
 def test_utf8_pieces_never_split_a_character():
-    from ggufspec.speculate import pieces
+    from ggufspec.speculate import Step, pieces
 
     class Bytes:
         def piece(self, token):
             return bytes([token])
     euro = "€ ok".encode()
-    out = list(pieces(Bytes(), ((b, False) for b in euro)))
+    out = list(pieces(Bytes(), (Step(b, False) for b in euro)))
     assert [p.text for p in out] == ["", "", "€", " ", "o", "k"]
 
 

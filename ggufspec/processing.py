@@ -1,0 +1,232 @@
+"""The target's decision at each position (`TargetJudge`): what its logits go through before a choice,
+the choice (greedy, or speculative sampling's rejection rule), and the log-probabilities reported.
+
+    raw logits --logit_bias--> --penalties--> --grammar--> processed logits
+        processed --filters (top-k, top-p, min-p, temperature: `sampling`)--> the sampling distribution
+        processed --log-softmax--> the logprobs reported (OpenAI reports the model's, not the filtered)
+
+The order is llama.cpp's sampler chain (logit bias, penalties, then the grammar masks what it forbids).
+
+Why speculation stays lossless: the processed logits at a position depend on the sequence before it
+(penalties count it, the grammar has walked it). In a verification batch the target's row i was
+computed after the accepted draft tokens 0..i-1, and `TargetProcessor` is advanced by exactly those
+tokens, in order, before it processes row i (it never sees a rejected one: `accept` is only called for
+tokens that are kept). So row i is processed exactly as it would be by the target alone with that
+history, and a draft token the grammar forbids has probability 0 there: it is rejected.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import llama_cpp
+import numpy as np
+
+from .errors import GgufspecError
+from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Per-request processing of the target's logits (all off by default)."""
+
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    frequency_penalty: float = 0.0   # minus count * this, for each token in the window
+    presence_penalty: float = 0.0    # minus this, once, for each token in the window
+    repeat_penalty: float = 1.0      # llama.cpp's: positive logits divided by it, negative multiplied
+    repeat_last_n: int = 64          # the penalties' window over the sequence, prompt included (-1: all)
+    grammar: str | None = None       # GBNF text
+    grammar_root: str = "root"
+    grammar_patterns: tuple[str, ...] = ()      # lazy grammar: regexes over the output that switch it on
+    grammar_trigger_tokens: tuple[int, ...] = ()  # ...or token ids; with neither, it is on from the start
+
+    def __post_init__(self):
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+                raise GgufspecError(f"{name} must be in [-2, 2], got {value}")
+        if not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
+            raise GgufspecError(f"repeat_penalty must be > 0 (1 disables it), got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise GgufspecError(f"repeat_last_n must be >= -1 (-1: the whole sequence, 0: off), got {self.repeat_last_n}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise GgufspecError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not (math.isfinite(bias) or bias == -math.inf):
+                raise GgufspecError(f"logit_bias values must be numbers, got {bias!r} for token {token}")
+
+    @property
+    def penalises(self) -> bool:
+        return self.repeat_last_n != 0 and (self.frequency_penalty != 0 or self.presence_penalty != 0
+                                            or self.repeat_penalty != 1.0)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.logit_bias) or self.penalises or self.grammar is not None
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    top = logits.max()
+    return logits - top - math.log(np.exp(logits - top).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, n: int) -> tuple[tuple[int, float], ...]:
+    """The n most likely (token id, logprob), most likely first (ties: the lower id first)."""
+    if n <= 0:
+        return ()
+    best = np.argpartition(-logprobs, min(n, len(logprobs) - 1))[:n]
+    best = best[np.lexsort((best, -logprobs[best]))]
+    return tuple((int(t), float(logprobs[t])) for t in best)
+
+
+class TargetProcessor:
+    """One generation's processing of the target's logits: `apply(row, history)` for the position after
+    `history`, then `accept(token)` for the token kept there (see the module's note on order)."""
+
+    def __init__(self, constraints: Constraints, vocab, n_vocab: int):
+        self.constraints = constraints
+        self.n_vocab = n_vocab
+        self._bias = _bias_vector(constraints.logit_bias, n_vocab)
+        self._grammar = Grammar(vocab, constraints) if constraints.grammar is not None else None
+
+    def apply(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        out = logits.astype(np.float32, copy=True)
+        if self._bias is not None:
+            out += self._bias
+        if self.constraints.penalises:
+            _penalise(out, history, self.constraints)
+        if self._grammar is not None:
+            self._grammar.mask(out)
+            if not np.isfinite(out.max()):
+                raise GgufspecError("the grammar allows no token here (it may need an end the model cannot reach)")
+        return out
+
+    def accept(self, token: int) -> None:
+        if self._grammar is not None:
+            self._grammar.accept(token)
+
+    def close(self) -> None:
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
+
+
+def _bias_vector(logit_bias: Mapping[int, float], n_vocab: int) -> np.ndarray | None:
+    if not logit_bias:
+        return None
+    bias = np.zeros(n_vocab, dtype=np.float32)
+    for token, value in logit_bias.items():
+        if token >= n_vocab:
+            raise GgufspecError(f"logit_bias names token {token}, but the model's vocabulary has {n_vocab}")
+        bias[token] = value
+    return bias
+
+
+def _penalise(logits: np.ndarray, history: Sequence[int], c: Constraints) -> None:
+    """llama.cpp's penalties sampler over the last repeat_last_n tokens of the sequence: a repeated
+    token's logit l becomes l / r (l > 0) or l * r (l <= 0), then l - count * frequency - presence."""
+    window = history if c.repeat_last_n == -1 else history[max(0, len(history) - c.repeat_last_n):]
+    counts = Counter(window)
+    if not counts:
+        return
+    ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+    ids_ok = ids < len(logits)
+    ids = ids[ids_ok]
+    n = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))[ids_ok]
+    seen = logits[ids]
+    seen = np.where(seen <= 0, seen * c.repeat_penalty, seen / c.repeat_penalty)
+    logits[ids] = seen - n * c.frequency_penalty - c.presence_penalty
+
+
+_TOKEN_DATA = np.dtype(  # llama_token_data
+    [("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+class Grammar:
+    """llama.cpp's grammar sampler (lazy when trigger patterns or tokens are given), wrapped once."""
+
+    def __init__(self, vocab, c: Constraints):
+        text, root = c.grammar.encode(), c.grammar_root.encode()
+        if c.grammar_patterns or c.grammar_trigger_tokens:
+            patterns = (ctypes.c_char_p * max(1, len(c.grammar_patterns)))(*[p.encode() for p in c.grammar_patterns])
+            tokens = (llama_cpp.llama_token * max(1, len(c.grammar_trigger_tokens)))(*c.grammar_trigger_tokens)
+            self._sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+                vocab, text, root, patterns, len(c.grammar_patterns), tokens, len(c.grammar_trigger_tokens))
+        else:
+            self._sampler = llama_cpp.llama_sampler_init_grammar(vocab, text, root)
+        if not self._sampler:
+            raise GgufspecError("the grammar does not parse (llama.cpp's GBNF parser rejected it; "
+                                "set GGUFSPEC_VERBOSE=1 to see where)")
+        self._data = None
+
+    def mask(self, logits: np.ndarray) -> None:
+        """Set the logits of the tokens the grammar forbids here to -inf, in place."""
+        n = len(logits)
+        if self._data is None or len(self._data) != n:
+            self._data = np.zeros(n, dtype=_TOKEN_DATA)
+        data = self._data
+        data["id"] = np.arange(n, dtype=np.int32)
+        data["logit"] = logits
+        array = llama_cpp.llama_token_data_array(
+            data=data.ctypes.data_as(llama_cpp.llama_token_data_p), size=n, selected=-1, sorted=False)
+        llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
+        # the sampler edits logits in place and keeps the order (it only sets -inf)
+        logits[data["id"][:array.size]] = data["logit"][:array.size]
+
+    def accept(self, token: int) -> None:
+        llama_cpp.llama_sampler_accept(self._sampler, token)
+
+    def close(self) -> None:
+        if self._sampler:
+            llama_cpp.llama_sampler_free(self._sampler)
+            self._sampler = None
+
+    def __del__(self):
+        self.close()
+
+
+class TargetJudge:
+    """The target's decision at each position, as the target alone would make it: its logits through
+    the request's constraints (`processing`), then greedy, or the rejection rule of speculative
+    sampling where a draft proposed a token (written in `sampling.accept_or_resample`)."""
+
+    def __init__(self, target, params: SamplingParams, constraints: Constraints | None = None,
+                 n_logprobs: int | None = None):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.n_logprobs = n_logprobs
+        self._is_end = target.is_end_of_generation
+        active = constraints is not None and constraints.active
+        self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab) if active else None
+        self.needs_history = active and constraints.penalises
+
+    def decide(self, logits: np.ndarray, history: Sequence[int], proposed: int | None,
+               q: np.ndarray | None) -> tuple[int, tuple]:
+        """The token at this position (the proposal itself when it is accepted) and its score."""
+        row = self.processor.apply(logits, history) if self.processor is not None else logits
+        if self.params.greedy:
+            token = greedy_token(row)
+        elif proposed is None:
+            token = sample(distribution(row, self.params), self.rng)
+        else:
+            replacement = accept_or_resample(proposed, distribution(row, self.params), q, self.rng)
+            token = proposed if replacement is None else replacement
+        if self.processor is not None and not self._is_end(token):  # every token decided here is kept
+            self.processor.accept(token)
+        return token, self._score(row, token)
+
+    def _score(self, row: np.ndarray, token: int) -> tuple:
+        if self.n_logprobs is None:
+            return ()
+        logprobs = log_softmax(row)
+        return float(logprobs[token]), top_logprobs(logprobs, self.n_logprobs)
+
+    def close(self) -> None:
+        if self.processor is not None:
+            self.processor.close()

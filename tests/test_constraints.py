@@ -1,0 +1,200 @@
+"""Logit bias, penalties, a grammar and logprobs stay lossless under speculation.
+
+The references are written here, apart from the engine: the target alone through plain
+llama-cpp-python, one token per eval, its logits processed by `reference_process` (bias and
+llama.cpp's penalties, in numpy) and, for a grammar, by a fresh llama.cpp grammar sampler walked
+along the reference's own output.
+"""
+from collections import Counter
+
+import numpy as np
+import pytest
+from llama_cpp import Llama
+
+from ggufspec import SamplingParams
+from ggufspec.errors import GgufspecError
+from ggufspec.processing import Constraints, Grammar, log_softmax
+from ggufspec.sampling import distribution
+from reference import NEAR_TIE, chi_square_pvalue, differs_at_near_tie, first_difference, prompts
+
+# stateful on purpose: a determiner, then a noun, again and again (a grammar that forgot what it
+# accepted would allow determiners only)
+WORDS_GRAMMAR = 'root ::= pair+\npair ::= (" the" | " a") (" cat" | " dog" | " mat")\n'
+KS = [0, 1, 2, 3, 4, 5, "auto"]
+
+
+def reference_process(logits, history, c: Constraints, grammar=None):
+    out = np.array(logits, dtype=np.float32)
+    for token, bias in c.logit_bias.items():
+        out[token] += bias
+    if c.repeat_last_n:
+        window = history[-c.repeat_last_n:] if c.repeat_last_n > 0 else history
+        for token, count in Counter(window).items():
+            l = out[token]
+            l = l * c.repeat_penalty if l <= 0 else l / c.repeat_penalty
+            out[token] = l - count * c.frequency_penalty - c.presence_penalty
+    if grammar is not None:
+        grammar.mask(out)
+    return out
+
+
+def reference_greedy(llm, prompt, n_predict, c: Constraints):
+    """The target alone: (tokens, top-2 margins of the processed logits, logprobs of each token)."""
+    llm.reset()
+    llm.eval(prompt)
+    grammar = Grammar(llm._model.vocab, c) if c.grammar else None
+    out, margins, logprobs = [], [], []
+    for _ in range(n_predict):
+        row = reference_process(llm.scores[llm.n_tokens - 1], prompt + out, c, grammar)
+        token = int(np.argmax(row))
+        if token == llm.token_eos():
+            break
+        top2 = np.sort(row)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        logprobs.append(float(log_softmax(row)[token]))
+        out.append(token)
+        if grammar is not None:
+            grammar.accept(token)
+        llm.eval([token])
+    return out, margins, logprobs
+
+
+@pytest.fixture(scope="module")
+def plain_target(tiny_pair):
+    llm = Llama(model_path=str(tiny_pair[0]), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    yield llm
+    llm.close()
+
+
+CASES = {
+    "bias": Constraints(logit_bias={262: 5.0, 263: -100.0, 2: -3.0}),
+    "penalties": Constraints(frequency_penalty=0.8, presence_penalty=0.5, repeat_penalty=1.3, repeat_last_n=16),
+    "grammar": Constraints(grammar=WORDS_GRAMMAR),
+    "all": Constraints(logit_bias={264: 2.0}, frequency_penalty=0.4, repeat_penalty=1.1, grammar=WORDS_GRAMMAR),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_identity_under_constraints(tiny_decoder, plain_target, case):
+    constraints = CASES[case]
+    decided = near_ties = 0
+    for prompt in prompts(4, seed=7):
+        expected, margins, _ = reference_greedy(plain_target, prompt, 40, constraints)
+        for k in KS:
+            got = tiny_decoder.generate(prompt, n_predict=40, n_draft=k, temperature=0, constraints=constraints)
+            if differs_at_near_tie(got.tokens, expected, margins):
+                near_ties += 1
+                continue
+            assert got.tokens == expected, f"{case} K={k}: first difference at {first_difference(got.tokens, expected)}"
+            decided += 1
+    assert decided >= 0.8 * (decided + near_ties), (decided, near_ties)
+
+
+def test_constraints_change_the_output(tiny_decoder):
+    """The cases above would pass vacuously if the constraints did nothing."""
+    prompt = prompts(1, seed=7)[0]
+    plain = tiny_decoder.generate(prompt, n_predict=40, n_draft=3, temperature=0).tokens
+    for case, constraints in CASES.items():
+        assert tiny_decoder.generate(prompt, n_predict=40, n_draft=3, temperature=0,
+                                     constraints=constraints).tokens != plain, case
+
+
+def test_grammar_output_matches_the_grammar(tiny_decoder):
+    for k in (0, 3, "auto"):
+        text = tiny_decoder.generate(prompts(1, seed=3)[0], n_predict=30, n_draft=k,
+                                     constraints=CASES["grammar"]).text
+        words = text.split(" ")[1:]
+        assert text.startswith(" ") and len(words) >= 2 and len(words) % 2 == 0, (k, text)
+        assert all(w in ("the", "a") for w in words[0::2]) and all(w in ("cat", "dog", "mat") for w in words[1::2]), (k, text)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_are_the_targets_for_every_token(tiny_decoder, plain_target, k):
+    """Draft-accepted tokens included (llama-server reports 0.0 for them)."""
+    constraints = CASES["bias"]
+    prompt = prompts(1, seed=11)[0]
+    expected, margins, expected_logprobs = reference_greedy(plain_target, prompt, 40, constraints)
+    got = list(tiny_decoder.stream(prompt, n_predict=40, n_draft=k, constraints=constraints, logprobs=3))
+    n = first_difference([p.token for p in got], expected) or len(expected)
+    assert n > 5
+    assert np.allclose([p.logprob for p in got[:n]], expected_logprobs[:n], atol=5e-3)
+    for piece in got:
+        tops = piece.top_logprobs
+        assert len(tops) == 3 and [lp for _, lp in tops] == sorted((lp for _, lp in tops), reverse=True)
+        assert piece.logprob <= tops[0][1] + 1e-6
+    if k:
+        assert any(p.from_draft for p in got)
+
+
+def test_no_logprobs_unless_asked(tiny_decoder):
+    piece = next(iter(tiny_decoder.stream("the cat", n_predict=2, n_draft=2)))
+    assert piece.logprob is None and piece.top_logprobs == ()
+    piece = next(iter(tiny_decoder.stream("the cat", n_predict=2, n_draft=2, logprobs=0)))
+    assert piece.logprob is not None and piece.top_logprobs == ()
+
+
+# ---------------------------------------------------------------- sampling: chi-square
+
+PROMPT = [1, 261, 262, 263]
+DRAWS = 3000
+SAMPLED = Constraints(logit_bias={265: 3.0, 266: -2.0}, frequency_penalty=1.0, presence_penalty=0.5,
+                      repeat_penalty=1.5, grammar=WORDS_GRAMMAR)
+
+
+def exact_processed(llm, params, c: Constraints):
+    """p(first) and p(first, second) of the target alone after the constraints."""
+    def dist_after(prefix):
+        llm.reset()
+        llm.eval(PROMPT + prefix)
+        grammar = Grammar(llm._model.vocab, c)
+        for token in prefix:
+            grammar.accept(token)
+        row = reference_process(llm.scores[llm.n_tokens - 1], PROMPT + prefix, c, grammar)
+        grammar.close()
+        return distribution(row, params)
+    p1 = dist_after([])
+    joint = {}
+    for a in np.flatnonzero(p1):
+        p2 = dist_after([int(a)])
+        for b in np.flatnonzero(p2):
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    return p1, joint
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_sampling_matches_the_constrained_target(tiny_decoder, plain_target, k):
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+    p1, joint = exact_processed(plain_target, params, SAMPLED)
+    first, pairs = Counter(), Counter()
+    for seed in range(DRAWS):
+        tokens = tiny_decoder.generate(PROMPT, n_predict=2, n_draft=k, temperature=1.5, top_k=0, top_p=1.0,
+                                       min_p=0.0, seed=seed, constraints=SAMPLED).tokens
+        first[tokens[0]] += 1
+        pairs[tuple(tokens)] += 1
+    assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) > 1e-3
+    assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
+
+
+# ---------------------------------------------------------------- bad input, one line each
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"frequency_penalty": 3.0}, "frequency_penalty must be in [-2, 2]"),
+    ({"presence_penalty": float("nan")}, "presence_penalty must be in [-2, 2]"),
+    ({"repeat_penalty": 0.0}, "repeat_penalty must be > 0"),
+    ({"repeat_last_n": -2}, "repeat_last_n must be >= -1"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
+])
+def test_bad_constraints_are_one_line(kwargs, says):
+    with pytest.raises(GgufspecError, match=None) as caught:
+        Constraints(**kwargs)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_bad_grammar_and_vocabulary_errors(tiny_decoder):
+    with pytest.raises(GgufspecError, match="grammar does not parse"):
+        tiny_decoder.generate("the", n_predict=4, constraints=Constraints(grammar="root ::= (unclosed"))
+    with pytest.raises(GgufspecError, match="vocabulary has"):
+        tiny_decoder.generate("the", n_predict=4, constraints=Constraints(logit_bias={10**6: 1.0}))
+    with pytest.raises(GgufspecError, match="logprobs must be between 0 and 20"):
+        tiny_decoder.generate("the", n_predict=4, logprobs=21)
+    assert tiny_decoder.generate("the cat", n_predict=4, n_draft=2).tokens  # still usable
