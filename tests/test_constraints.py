@@ -161,13 +161,13 @@ def exact_processed(llm, params, c: Constraints):
     return p1, joint
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_sampling_matches_the_constrained_target(tiny_decoder, plain_target, k):
-    params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+@pytest.mark.parametrize("k, top_k", [(1, 0), (3, 0), (3, 2)])  # top-k: the grammar checks the best few first
+def test_sampling_matches_the_constrained_target(tiny_decoder, plain_target, k, top_k):
+    params = SamplingParams(temperature=1.5, top_k=top_k, top_p=1.0, min_p=0.0)
     p1, joint = exact_processed(plain_target, params, SAMPLED)
     first, pairs = Counter(), Counter()
     for seed in range(DRAWS):
-        tokens = tiny_decoder.generate(PROMPT, n_predict=2, n_draft=k, temperature=1.5, top_k=0, top_p=1.0,
+        tokens = tiny_decoder.generate(PROMPT, n_predict=2, n_draft=k, temperature=1.5, top_k=top_k, top_p=1.0,
                                        min_p=0.0, seed=seed, constraints=SAMPLED).tokens
         first[tokens[0]] += 1
         pairs[tuple(tokens)] += 1
