@@ -1,0 +1,78 @@
+"""llama.cpp's flags for what the target's logits go through (`ggufspec.processing.Constraints`):
+logit bias, penalties, a grammar or a JSON schema. Shared by run, chat and serve (there: the defaults
+of every request)."""
+from __future__ import annotations
+
+import json
+import re
+
+import click
+
+from ..errors import GgufspecError
+from ..processing import Constraints
+
+_BIAS = re.compile(r"^(\d+)([+-].+)$")  # llama.cpp's TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 2-inf
+
+
+def constraint_options():
+    return [
+        click.option("-l", "--logit-bias", "logit_bias", multiple=True, metavar="TOKEN_ID(+/-)BIAS",
+                     help="Add BIAS to a token's logit, e.g. 15043+1 or 2-inf (repeatable)."),
+        click.option("--repeat-penalty", default=Constraints.repeat_penalty,
+                     help="Penalise repeated tokens (1: off)."),
+        click.option("--repeat-last-n", default=Constraints.repeat_last_n,
+                     help="Tokens the penalties look back over (0: off, -1: the whole sequence)."),
+        click.option("--presence-penalty", default=Constraints.presence_penalty, help="Presence penalty (0: off)."),
+        click.option("--frequency-penalty", default=Constraints.frequency_penalty, help="Frequency penalty (0: off)."),
+        click.option("--grammar", default=None, help="A GBNF grammar the output must follow."),
+        click.option("--grammar-file", default=None, type=click.File("r", encoding="utf-8"),
+                     help="Read the GBNF grammar from a file."),
+        click.option("-j", "--json-schema", "json_schema", default=None,
+                     help="A JSON schema the output must follow (as llama.cpp: turned into a grammar)."),
+    ]
+
+
+def constraints_from(opts: dict) -> Constraints | None:
+    """The Constraints the flags describe (consumed from `opts`); None when they ask for nothing."""
+    grammar = _grammar(opts.pop("grammar"), opts.pop("grammar_file"), opts.pop("json_schema"))
+    constraints = Constraints(logit_bias=parse_logit_bias(opts.pop("logit_bias")),
+                              repeat_penalty=opts.pop("repeat_penalty"), repeat_last_n=opts.pop("repeat_last_n"),
+                              presence_penalty=opts.pop("presence_penalty"),
+                              frequency_penalty=opts.pop("frequency_penalty"), grammar=grammar)
+    return constraints if constraints.active else None
+
+
+def parse_logit_bias(values) -> dict[int, float]:
+    bias = {}
+    for value in values:
+        match = _BIAS.match(value.strip())
+        try:
+            bias[int(match.group(1))] = float(match.group(2))
+        except (AttributeError, ValueError):
+            raise GgufspecError(f"--logit-bias takes TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 2-inf, got {value!r}") from None
+    return bias
+
+
+def _grammar(grammar: str | None, grammar_file, json_schema: str | None) -> str | None:
+    given = [name for name, v in (("--grammar", grammar), ("--grammar-file", grammar_file),
+                                  ("--json-schema", json_schema)) if v is not None]
+    if len(given) > 1:
+        raise GgufspecError(f"choose one of {', '.join(given)}")
+    if grammar_file is not None:
+        return grammar_file.read()
+    if json_schema is not None:
+        return schema_grammar(json_schema, "--json-schema")
+    return grammar
+
+
+def schema_grammar(schema: str | dict, where: str) -> str:
+    """llama-cpp-python's JSON-schema-to-GBNF converter, its errors as one line naming `where`."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+    try:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        json.loads(text)
+        return json_schema_to_gbnf(text)
+    except json.JSONDecodeError as exc:
+        raise GgufspecError(f"{where} is not valid JSON: {exc}") from None
+    except Exception as exc:  # the converter raises ValueError, KeyError, TypeError... on schemas it cannot take
+        raise GgufspecError(f"{where}: cannot turn this JSON schema into a grammar ({type(exc).__name__}: {exc})") from None
