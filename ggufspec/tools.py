@@ -324,7 +324,7 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
         converter.visit(schema, "tc-call")
         rules = converter.format_grammar()
     except Exception as exc:  # the converter's asserts, KeyErrors and ValueErrors alike
-        raise ToolError(f"a tool's parameters are not a JSON schema this server can follow: {exc}") from None
+        raise ToolError(f"a tool's parameters are not a JSON schema this server can follow: {schema_problem(exc)}") from None
     if fmt.name == "mistral":
         calls = 'tc-call (tc-ws "," tc-ws tc-call)*' if parallel else "tc-call"
         root = f'root ::= "[TOOL_CALLS]" tc-ws "[" tc-ws {calls} tc-ws "]"'
@@ -343,7 +343,17 @@ def schema_grammar(schema) -> str:
     try:
         return json_schema_to_gbnf(json.dumps(schema))
     except Exception as exc:
-        raise ToolError(f"the JSON schema cannot be followed: {exc}") from None
+        raise ToolError(f"the JSON schema cannot be followed: {schema_problem(exc)}") from None
+
+
+def schema_problem(exc: Exception) -> str:
+    """The converter's complaint as one line for an HTTP client (it speaks of its own CLI flags)."""
+    message = " ".join(str(exc).split())
+    if "Fetching remote schemas" in message:
+        return "a $ref to a remote schema (https://...) is not fetched: put the schema inline, under $defs"
+    if message.startswith("Error resolving ref"):
+        return message.split(":")[0].replace("stdin", "") + " (no such definition)"
+    return message[:300]
 
 
 def json_object_grammar() -> str:
