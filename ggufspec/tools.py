@@ -24,6 +24,10 @@ from .errors import GgufspecError
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PYTHON_TAG = "<|python_tag|>"
+FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+# a message that starts like this may be a call as a whole (JSON, perhaps in a ```json block)
+WHOLE_CALL_OPENINGS = ("{", "```json", PYTHON_TAG)
+CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", PYTHON_TAG)
 # whitespace between the parts of a call: bounded, so a grammar cannot let a model loop on newlines
 GRAMMAR_WS = "tc-ws ::= [ \\t\\n]{0,4}"
 
@@ -192,7 +196,7 @@ def _as_plain_text(message: dict) -> dict:
 def parse_calls(text: str, fmt: ToolFormat, names: frozenset = frozenset()) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) in a model's answer: the family's own format first, then the others.
     Text that is not a well-formed call stays content; content without anything in it is None."""
-    parsers = {"hermes": _parse_hermes, "mistral": _parse_mistral, "llama3": _parse_llama3}
+    parsers = {"hermes": _parse_hermes, "mistral": _parse_mistral, "llama3": _parse_json_message}
     order = [fmt.name] + [name for name in parsers if name != fmt.name]
     for name in order:
         content, calls = parsers[name](text, names)
@@ -261,10 +265,13 @@ def _parse_mistral(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
     return (text[:start] + text[position:], calls) if calls else (text, [])
 
 
-def _parse_llama3(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
-    """The whole answer is one call or several separated by `;`, each naming a known function."""
+def _parse_json_message(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
+    """The whole answer is one call or several separated by `;`, each naming a known function: llama3's
+    format, and what models of other families write when they answer a call in a ```json block."""
     body = text.strip()
     body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+    fenced = FENCED.match(body)
+    body = fenced.group(1) if fenced else body
     calls, position = [], 0
     while position < len(body):
         obj, end = _json_at(body, position)
@@ -282,13 +289,12 @@ def call_start(text: str, fmt: ToolFormat) -> int | None:
     """Where, in an answer so far, a call may have begun (a marker, or the start of one at the end):
     streaming holds the text back from there. None: all of it is content."""
     begun = text.lstrip()
-    if fmt.name == "llama3" and (PYTHON_TAG.startswith(begun) or begun.startswith(("{", PYTHON_TAG))):
-        return 0  # a llama3 call is a whole message
-    found = [i for marker in ("<tool_call>", "[TOOL_CALLS]", PYTHON_TAG) if (i := text.find(marker)) >= 0]
+    if any(opening.startswith(begun) or begun.startswith(opening) for opening in WHOLE_CALL_OPENINGS):
+        return 0
+    found = [i for marker in CALL_MARKERS if (i := text.find(marker)) >= 0]
     if found:
         return min(found)
-    partial = [len(text) - k for marker in ("<tool_call>", "[TOOL_CALLS]", PYTHON_TAG)
-               for k in range(1, len(marker)) if text.endswith(marker[:k])]
+    partial = [len(text) - k for marker in CALL_MARKERS for k in range(1, len(marker)) if text.endswith(marker[:k])]
     return min(partial, default=None)
 
 

@@ -48,6 +48,8 @@ def test_families_are_recognised_by_their_templates():
      None, [ToolCall("get_weather", '{"city": "Lyon"}'), ToolCall("now", "{}")]),
     (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}', None, [ToolCall("get_weather", '{"city": "Nice"}')]),
     (HERMES, '[TOOL_CALLS][{"name": "now", "arguments": {}}]', None, [ToolCall("now", "{}")]),  # other families too
+    (HERMES, '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',  # Qwen-Coder, unprompted
+     None, [ToolCall("get_weather", '{"city": "Paris"}')]),
 ])
 def test_calls_are_parsed_in_each_family(fmt, text, content, calls):
     assert toolkit.parse_calls(text, fmt, NAMES) == (content, calls)
@@ -59,6 +61,7 @@ def test_calls_are_parsed_in_each_family(fmt, text, content, calls):
     (HERMES, '<tool_call>{"arguments": {}}</tool_call>'),          # no name
     (LLAMA3, '{"name": "Alice", "age": 25}'),                      # JSON, but no known function
     (LLAMA3, '{"name": "now", "parameters": {}} and then prose'),   # not a whole message
+    (HERMES, '```json\n{"name": "Alice", "arguments": {}}\n```'),   # a JSON answer, not a known function
     (MISTRAL, "[TOOL_CALLS] nothing after it"),
 ])
 def test_what_is_not_a_call_stays_content(fmt, text):
@@ -72,6 +75,8 @@ def test_streaming_holds_back_from_where_a_call_may_begin():
     assert toolkit.call_start("a < b", HERMES) is None
     assert toolkit.call_start("  {", LLAMA3) == 0 and toolkit.call_start("", LLAMA3) == 0
     assert toolkit.call_start("Hello {", LLAMA3) is None                    # llama3: a call is the whole message
+    assert toolkit.call_start("```js", HERMES) == 0                         # perhaps a ```json block: a call
+    assert toolkit.call_start("```python\n", HERMES) is None                # code: streams
 
 
 def test_plans_for_each_tool_choice():
