@@ -58,7 +58,7 @@ class GenerationBody(Strict):
     logit_bias: dict[str, float | bool] | list[list[Any]] | None = None
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
-    repeat_penalty: float | None = Field(None, ge=0)   # 1.0: off
+    repeat_penalty: float | None = Field(None, gt=0)   # 1.0: off
     repeat_last_n: int | None = Field(None, ge=-1)     # -1: the whole context, 0: off
     # what the answer must be: OpenAI's response_format, llama.cpp's grammar (GBNF) and json_schema
     response_format: ResponseFormat | None = None
