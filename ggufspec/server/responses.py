@@ -78,7 +78,7 @@ class Reply:
 
     def pieces_chunks(self, index: int, pieces: list[dict], prompt: dict | None = None) -> list[dict]:
         """A chunk of text, and per token where it came from (see the README: "Streaming");
-        the first one also says how much of the prompt the cache held. None while held back."""
+        the first one also says how much of the prompt the cache held. Nothing while all of it is held back."""
         state = self.choices[index]
         released = state.push(pieces)
         if not released and not prompt:
