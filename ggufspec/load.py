@@ -132,24 +132,63 @@ def check_compatible(target: Context, draft: Context) -> None:
                 f"{draft.n_vocab}); pair models of the same family (see `ggufspec list`)")
 
 
+# llama.cpp's fallback for a model without a chat template is ChatML; this one also renders tools,
+# tool calls and tool results the way Hermes/Qwen models were trained to read them.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and tools and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}{{- '\n<tool_call>\n{\"name\": \"' + call.function.name + "
+    "'\", \"arguments\": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    text: str
+    fallback: bool  # the model has none: DEFAULT_CHAT_TEMPLATE (ChatML) stands in
+
+
+def chat_template(llm: llama_cpp.Llama) -> ChatTemplate:
+    """The target's chat template (GGUF `tokenizer.chat_template`), or ChatML where it has none."""
+    text = llm.metadata.get("tokenizer.chat_template")
+    return ChatTemplate(text, False) if text else ChatTemplate(DEFAULT_CHAT_TEMPLATE, True)
+
+
 def chat_prompt(llm: llama_cpp.Llama, user: str, system: str | None = None) -> str:
-    """The target's own chat template applied to one user turn."""
+    """The target's own chat template applied to one user turn (ChatML where it has none:
+    `chat_template(llm).fallback` says so)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     return render_chat(llm, messages)
 
 
-def render_chat(llm: llama_cpp.Llama, messages: list[dict]) -> str:
-    """The target's chat template (GGUF `tokenizer.chat_template`) over a conversation, ending with
-    the assistant's turn opened. llama-cpp-python's formatter renders it in a sandboxed Jinja."""
-    template = llm.metadata.get("tokenizer.chat_template")
-    if not template:
-        raise ModelFileError("the target model has no chat template (tokenizer.chat_template); drop --chat")
+def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | None = None,
+                **variables) -> str:
+    """The target's chat template over a conversation, ending with the assistant's turn opened.
+    llama-cpp-python's formatter renders it in a sandboxed Jinja. `tools` (OpenAI's tool objects) and
+    other `variables` are passed to the template. A model without a template gets ChatML
+    (`chat_template(llm).fallback` is then true, for the caller to say so)."""
+    template = chat_template(llm).text
     vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
     token_text = lambda t: (llama_cpp.llama_vocab_get_text(vocab, t) or b"").decode(errors="replace") if t >= 0 else ""
-    formatter = Jinja2ChatFormatter(template=template, eos_token=token_text(llama_cpp.llama_vocab_eos(vocab)),
-                                    bos_token=token_text(llama_cpp.llama_vocab_bos(vocab)))
     try:
-        return formatter(messages=messages).prompt
+        formatter = Jinja2ChatFormatter(template=template, eos_token=token_text(llama_cpp.llama_vocab_eos(vocab)),
+                                        bos_token=token_text(llama_cpp.llama_vocab_bos(vocab)))
+        return formatter(messages=messages, tools=tools or None, **variables).prompt
     except Exception as exc:  # jinja2's TemplateError, or the template's own raise_exception()
         raise GgufspecError(f"the chat template refused these messages: {exc}") from None
 

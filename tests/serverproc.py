@@ -33,7 +33,7 @@ class Server:
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
-                             timeout=60, **kwargs)
+                             timeout=kwargs.pop("timeout", 60), **kwargs)
 
     def health(self, **kwargs) -> dict:
         response = httpx.get(self.url + "/health", timeout=10, **kwargs)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import sys
 import time
 from importlib import resources
 
@@ -11,16 +12,23 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
+from .. import load
+from .. import tools as toolkit
+from .constraints import check_engine_supports, engine_supports, shaping
 from .errors import APIError, add_error_handlers, engine_error
 from .jobs import ClientGone, Engine, Job
-from .props import pair_props
+from .props import chat_props, pair_props
 from .responses import Reply, stream_events, whole_answer
+from .tokens import DetokenizeBody, TokenizeBody, detokenize_tokens, tokenize_text
 from .schemas import (ChatBody, CompletionBody, GenerationBody, message_dicts, request_options, single_prompt,
                       stop_strings)
 
 
+KEYED_PATHS = ("/props", "/tokenize", "/detokenize")
+
+
 class V1Middleware:
-    """For /v1/* and /props: 401 without `Authorization: Bearer KEY` when a key is set, and every POST
+    """For /v1/*, /props, /tokenize and /detokenize: 401 without `Authorization: Bearer KEY` when a key is set, and every POST
     body read as JSON whatever its Content-Type (as llama.cpp's server does: `curl -d` sends a form
     type). The page at / and /health need no key. Pure ASGI, so streaming responses pass through."""
 
@@ -28,7 +36,7 @@ class V1Middleware:
         self.app, self.key = app, api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        guarded = scope.get("path", "").startswith("/v1") or scope.get("path") == "/props"
+        guarded = scope.get("path", "").startswith("/v1") or scope.get("path") in KEYED_PATHS
         if scope["type"] != "http" or not guarded or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
@@ -49,10 +57,18 @@ def chat_page() -> str:
 
 
 def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_key: str | None = None,
-               max_queue: int = 16, aliases: tuple[str, ...] = (), info: dict | None = None) -> FastAPI:
+               max_queue: int = 16, aliases: tuple[str, ...] = (), info: dict | None = None,
+               session=None) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
-    `aliases`: other model ids accepted in requests (file names). `info`: shown in /v1/models' meta."""
+    `aliases`: other model ids accepted in requests (file names). `info`: shown in /v1/models' meta.
+    `session`: the opened session, for /props (its `draft_choice`, where it has one)."""
     engine = Engine(decoder, max_queue)
+    template = load.chat_template(decoder.target_llm)
+    tool_format = toolkit.detect_format(template.text)
+    constrained = engine_supports(decoder)
+    if template.fallback:
+        sys.stderr.write("ggufspec: warning: the target model has no chat template; chat requests are "
+                         "rendered as ChatML (/props says \"chat_template_fallback\": true)\n")
     defaults = dict(defaults or {})
     accepted_models = {model_name, *aliases}
     created = int(time.time())
@@ -78,7 +94,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         last = engine.last and {"n_predict": engine.last.n_predict, "stop_reason": engine.last.stop_reason}
         return {"status": "ok", "model": model_name, "busy": engine.busy, "waiting": engine.waiting, "last": last}
 
-    props = pair_props(decoder, model_name, defaults)  # read once, before the worker runs anything
+    props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
+             **chat_props(template, tool_format, session, decoder)}
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -96,10 +113,20 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
 
     async def answer(request: Request, body: GenerationBody, job_args: dict, chat: bool):
         check_model(body.model)
-        job = Job(options=request_options(body, defaults), stops=stop_strings(body.stop), **job_args)
-        reply = Reply(model_name, chat)
+        shape = check_engine_supports(shaping(body, tool_format, decoder.target.n_vocab), constrained)
+        job = Job(options=request_options(body, defaults), stops=stop_strings(body.stop), shape=shape, n=body.n,
+                  **job_args)
+        reply = Reply(model_name, chat, shape, body.n)
         engine.submit(job)
         return await respond(job, reply, request, body)
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(body: TokenizeBody):
+        return await asyncio.to_thread(tokenize_text, decoder, body)
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(body: DetokenizeBody):
+        return await asyncio.to_thread(detokenize_tokens, decoder, body)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):

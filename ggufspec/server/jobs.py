@@ -14,9 +14,13 @@ from typing import Any
 
 from fastapi import Request
 
+from .. import load
+from .. import tools as toolkit
 from ..errors import ContextFullError, GgufspecError
 from ..stats import Stats
 from ..stops import StopFilter
+from .choices import logprob_entry
+from .constraints import Shaping, engine_constraints
 from .errors import APIError
 from .speculation import StepTracker, prompt_info, time_estimate
 
@@ -30,13 +34,15 @@ class ClientGone(Exception):
 
 
 class Job:
-    """One request's generation. The worker thread fills `events`; the request's task reads them:
-    ("started", n_prompt), ("prompt", {cache_n...}) before the first pieces, ("pieces", [piece, ...]),
-    then ("done", (stats, finish_reason, estimate)) or ("error", exc)."""
+    """One request's generation, `n` choices one after another. The worker thread fills `events`; the
+    request's task reads them: ("started", n_prompt), ("prompt", {cache_n...}) before the first pieces,
+    ("pieces", (index, [piece, ...])), ("choice", (index, stats, finish_reason, estimate)) as each
+    choice ends, then ("done", (stats of them all, estimate)) or ("error", exc)."""
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                 options: dict, stops: list[str]):
+                 options: dict, stops: list[str], shape: Shaping | None = None, n: int = 1):
         self.prompt, self.messages, self.options, self.stops = prompt, messages, options, stops
+        self.shape, self.n = shape or Shaping(), n
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -119,31 +125,73 @@ class Engine:
                 self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.perf_counter() - started)
 
     def _generate(self, job: Job) -> None:
-        decoder = self.decoder
         tokens = self._prompt_tokens(job)
-        stream = decoder.stream(tokens, **job.options)  # checks the options before anything runs
+        options = dict(job.options)
+        constraints = engine_constraints(job.shape, self._single_tokens(job.shape.triggers))
+        if constraints is not None:
+            options["constraints"] = constraints
+        if job.shape.logprobs is not None:
+            options["logprobs"] = job.shape.logprobs
+        pieces = PieceMaker(self.decoder, job, self._marker_texts(job.shape))
+        total = None
+        for index in range(job.n):
+            if index and job.options.get("seed") is not None:  # each choice its own seed
+                options["seed"] = job.options["seed"] + index
+            result = self._choice(job, tokens, options, index, pieces)
+            total = result if total is None else combined(total, result)
+            if job.cancelled.is_set():
+                break
+        self.last = total
+        job.emit("done", (total, time_estimate(self.decoder, job.options.get("drafter", "model"), total)))
+
+    def _choice(self, job: Job, tokens: list[int], options: dict, index: int, pieces: "PieceMaker") -> Stats:
+        decoder = self.decoder
+        stream = decoder.stream(tokens, **options)  # checks the options before anything runs
         stats = decoder.last_stats
-        job.emit("started", len(tokens))
+        if index == 0:
+            job.emit("started", len(tokens))
         try:
-            stopped = relay(stream, stats, job)
+            stopped = relay(stream, stats, job, index, pieces)
         finally:
             stream.close()  # the engine keeps its caches consistent; the next prompt reuses them
-        result = self.last = dataclasses.replace(stats)
+        result = dataclasses.replace(stats)
         if stopped:
             result.stop_reason = "stop"
         # on the worker thread, the only one that changes the decoder's measured costs
-        estimate = time_estimate(decoder, job.options.get("drafter", "model"), result)
-        job.emit("done", (result, FINISH_REASONS.get(result.stop_reason, "stop"), estimate))
+        estimate = time_estimate(decoder, options.get("drafter", "model"), result)
+        job.emit("choice", (index, result, FINISH_REASONS.get(result.stop_reason, "stop"), estimate))
+        return result
 
     def _prompt_tokens(self, job: Job) -> list[int]:
         """The job's prompt (or conversation, through the chat template) as tokens that fit the context."""
         decoder = self.decoder
-        prompt = decoder.render_chat(job.messages) if job.messages is not None else job.prompt
+        prompt = job.prompt
+        if job.messages is not None:
+            plan, fmt = job.shape.plan, job.shape.fmt or toolkit.detect_format(load.chat_template(decoder.target_llm).text)
+            messages = toolkit.prepare_messages(job.messages, fmt, plan.tools)
+            prompt = load.render_chat(decoder.target_llm, messages, tools=plan.tools if fmt.native else None)
         tokens = decoder.tokenize(prompt)
         check_fits(len(tokens), job.options.get("n_predict", -1), decoder.n_ctx)
         if any(not 0 <= t < decoder.target.n_vocab for t in tokens):
             raise GgufspecError(f"prompt token ids must be in [0, {decoder.target.n_vocab})")
         return tokens
+
+    def _single_tokens(self, texts) -> tuple[int, ...]:
+        """The ids of those `texts` that are one token (special tokens included): lazy grammar triggers."""
+        found = []
+        for text in texts:
+            ids = self.decoder.target_llm.tokenize(text.encode(), add_bos=False, special=True)
+            if len(ids) == 1:
+                found.append(ids[0])
+        return tuple(found)
+
+    def _marker_texts(self, shape: Shaping) -> dict[int, str]:
+        """Control tokens that start a tool call ([TOOL_CALLS], <|python_tag|>) print nothing: their
+        text, so that the call can be parsed (and shows, if it cannot)."""
+        if not shape.plan.parse:
+            return {}
+        return {token: text for token, text in zip(self._single_tokens(shape.triggers), shape.triggers)
+                if not self.decoder.target.piece(token)}
 
     def stop(self) -> None:
         """Shutting down: the running generation ends at its next token (its client gets what was
@@ -158,24 +206,51 @@ class Engine:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def relay(stream, stats: Stats, job: Job) -> bool:
+class PieceMaker:
+    """A decoder's Piece as the dict that streams: StepTracker's fields, the text of a marker token,
+    and its log-probabilities (an OpenAI chat entry) when the request asked for them."""
+
+    def __init__(self, decoder, job: Job, markers: dict[int, str]):
+        self.decoder, self.markers, self.logprobs = decoder, markers, job.shape.logprobs is not None
+
+    def __call__(self, piece, steps: StepTracker) -> dict:
+        made = steps.annotate(piece)
+        if piece.token in self.markers:
+            made["text"] = self.markers[piece.token]
+        if self.logprobs:
+            token_bytes = self.decoder.target.piece
+            top = [(token_bytes(token), value) for token, value in getattr(piece, "top_logprobs", ())]
+            made["logprobs"] = logprob_entry(token_bytes(piece.token), getattr(piece, "logprob", None), top)
+        return made
+
+
+def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> bool:
     """The decoder's pieces to the job's events until a stop string, the end, or a cancel; whether
     a stop string ended it."""
     stop_filter, steps = StopFilter(job.stops), StepTracker(stats)
+    make = make or (lambda piece, tracker: tracker.annotate(piece))
     for piece in stream:
         if job.cancelled.is_set():
             break
-        if steps.step == 0:  # the first token: the prompt has been evaluated
+        if steps.step == 0 and index == 0:  # the first token: the prompt has been evaluated
             job.emit("prompt", prompt_info(stats))
-        released = stop_filter.push(steps.annotate(piece))
+        released = stop_filter.push(make(piece, steps))
         if released:
-            job.emit("pieces", released)
+            job.emit("pieces", (index, released))
         if stop_filter.stopped:
             break
     else:
         if stop_filter.pending:
-            job.emit("pieces", stop_filter.flush())
+            job.emit("pieces", (index, stop_filter.flush()))
     return stop_filter.stopped
+
+
+def combined(first: Stats, then: Stats) -> Stats:
+    """Two choices' statistics as one answer's: the prompt once, the generated tokens and times summed."""
+    summed = {name: getattr(first, name) + getattr(then, name)
+              for name in ("n_predict", "decode_seconds", "n_drafted", "n_accept", "n_steps", "draft_seconds",
+                           "target_seconds", "prompt_seconds")}
+    return dataclasses.replace(then, n_prompt=first.n_prompt, n_prompt_cached=first.n_prompt_cached, **summed)
 
 
 def shutting_down() -> APIError:

@@ -54,3 +54,12 @@ def pair_props(decoder, model_name: str, defaults: dict) -> dict:
             "defaults": defaults,
             "default_generation_settings": {"n_ctx": decoder.n_ctx, "params": params},
             "total_slots": 1, "model_path": str(decoder.target_llm.model_path), "build_info": f"ggufspec {__version__}"}
+
+
+def chat_props(template, tool_format, session, decoder) -> dict:
+    """/props on chat: the template (llama-server shows it), whether it is ggufspec's ChatML fallback,
+    the tool-call format it was recognised as, and how the draft was chosen (where the session says)."""
+    draft_choice = getattr(session, "draft_choice", None) or getattr(decoder, "draft_choice", None)
+    return {"chat_template": template.text, "chat_template_fallback": template.fallback,
+            "chat_template_tool_format": tool_format.name, "chat_template_tools": tool_format.native,
+            "draft_choice": draft_choice}

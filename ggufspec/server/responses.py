@@ -9,6 +9,8 @@ import uuid
 from fastapi import Request
 
 from ..stats import Stats
+from .choices import ChoiceState, shown_pieces
+from .constraints import Shaping
 from .errors import engine_error
 from .jobs import Job
 
@@ -33,61 +35,90 @@ def usage(stats: Stats) -> dict:
 
 
 class Reply:
-    """The JSON objects of one answer, chat or text completion, whole or in chunks."""
+    """The JSON objects of one answer, chat or text completion, whole or in chunks, its choices
+    (`n` of them) filled as their pieces come."""
 
-    def __init__(self, model: str, chat: bool):
+    def __init__(self, model: str, chat: bool, shape: Shaping | None = None, n: int = 1):
         self.model, self.chat = model, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.choices = [ChoiceState(i, shape or Shaping(), chat) for i in range(n)]
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def whole(self, pieces: list[dict], stats: Stats, finish: str, estimate: dict | None = None) -> dict:
-        text = "".join(p["text"] for p in pieces)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(finish_reason=finish, logprobs=None)
-        return self._object("chat.completion" if self.chat else "text_completion", [choice],
+    def whole(self, stats: Stats, estimate: dict | None = None) -> dict:
+        choices = []
+        for state in self.choices:
+            if self.chat:
+                message, called = state.message()
+                choice = {"index": state.index, "message": message}
+                finish = "tool_calls" if called else state.finish
+            else:
+                choice = {"index": state.index, "text": "".join(p["text"] for p in state.pieces)}
+                finish = state.finish
+            choice.update(finish_reason=finish, logprobs=state.logprobs(state.pieces))
+            choices.append(choice)
+        return self._object("chat.completion" if self.chat else "text_completion", choices,
                             usage=usage(stats), timings=timings(stats),
                             ggufspec={"stats": stats.to_dict(), "estimate": estimate})
 
-    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False, **extra) -> dict:
+    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False, index: int = 0,
+              logprobs: dict | None = None, tool_calls: list | None = None, **extra) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta}
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
-        choice.update(finish_reason=finish, logprobs=None)
+            choice = {"index": index, "text": text or ""}
+        choice.update(finish_reason=finish, logprobs=logprobs)
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
-    def pieces_chunk(self, pieces: list[dict], prompt: dict | None = None) -> dict:
+    def pieces_chunks(self, index: int, pieces: list[dict], prompt: dict | None = None) -> list[dict]:
         """A chunk of text, and per token where it came from (see the README: "Streaming");
-        the first one also says how much of the prompt the cache held."""
-        extra = {"pieces": pieces, **({"prompt": prompt} if prompt else {})}
-        return self.chunk("".join(p["text"] for p in pieces), ggufspec=extra)
+        the first one also says how much of the prompt the cache held. Nothing while all of it is held back."""
+        state = self.choices[index]
+        released = state.push(pieces)
+        if not released and not prompt:
+            return []
+        extra = {"pieces": shown_pieces(released), **({"prompt": prompt} if prompt else {})}
+        return [self.chunk("".join(p["text"] for p in released), index=index, logprobs=state.logprobs(released),
+                           ggufspec=extra)]
 
-    def final_chunks(self, stats: Stats, finish: str, include_usage: bool, estimate: dict | None = None) -> list[dict]:
-        chunks = [self.chunk(None, finish, timings=timings(stats),
-                             ggufspec={"stats": stats.to_dict(), "estimate": estimate})]
-        if include_usage:
-            chunks.append(self._object(chunks[0]["object"], [], usage=usage(stats), timings=timings(stats)))
+    def choice_end_chunks(self, index: int, stats: Stats, finish: str, estimate: dict | None) -> list[dict]:
+        """What the choice held back (content, or its tool calls), then its finish_reason."""
+        state = self.choices[index]
+        held, content, calls = state.end()
+        chunks = []
+        if held:
+            chunks.append(self.chunk(content if content is not None or calls else "", index=index,
+                                     logprobs=state.logprobs(held), tool_calls=calls,
+                                     ggufspec={"pieces": shown_pieces(held)}))
+        finish = "tool_calls" if calls else finish
+        chunks.append(self.chunk(None, finish, index=index, timings=timings(stats),
+                                 ggufspec={"stats": stats.to_dict(), "estimate": estimate}))
         return chunks
+
+    def usage_chunk(self, stats: Stats) -> dict:
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [],
+                            usage=usage(stats), timings=timings(stats))
 
 
 async def whole_answer(job: Job, reply: Reply, request: Request) -> dict:
     """The answer in one object, once the job is done (a client that leaves meanwhile: ClientGone)."""
-    pieces = []
     while True:
         kind, value = await job.next_event(request)
         if kind == "pieces":
-            pieces.extend(value)
+            index, pieces = value
+            reply.choices[index].pieces.extend(pieces)
+        elif kind == "choice":
+            index, _, finish, _ = value
+            reply.choices[index].finish = finish
         elif kind == "done":
-            stats, finish, estimate = value
-            return reply.whole(pieces, stats, finish, estimate)
+            stats, estimate = value
+            return reply.whole(stats, estimate)
         elif kind == "error":
             raise engine_error(value)
 
@@ -100,21 +131,25 @@ async def stream_events(job: Job, reply: Reply, include_usage: bool):
     prompt = None  # the prompt's figures, sent with the next pieces
     try:
         if reply.chat:
-            yield event(reply.chunk("", role=True))
+            for state in reply.choices:
+                yield event(reply.chunk("", role=True, index=state.index))
         while True:
             kind, value = await job.events.get()
+            chunks = []
             if kind == "prompt":
                 prompt = value
             elif kind == "pieces":
-                yield event(reply.pieces_chunk(value, prompt))
-                prompt = None
+                chunks = reply.pieces_chunks(*value, prompt)
+                prompt = None if chunks else prompt
+            elif kind == "choice":
+                chunks = reply.choice_end_chunks(*value)
             elif kind == "done":
-                stats, finish, estimate = value
-                for chunk in reply.final_chunks(stats, finish, include_usage, estimate):
-                    yield event(chunk)
-                break
+                chunks = [reply.usage_chunk(value[0])] if include_usage else []
             elif kind == "error":
-                yield event(engine_error(value).body())
+                chunks = [engine_error(value).body()]
+            for chunk in chunks:
+                yield event(chunk)
+            if kind in ("done", "error"):
                 break
         yield {"data": "[DONE]"}
     finally:

@@ -2,7 +2,7 @@
 the conversation, the stop strings."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,18 @@ class Speculative(Strict):
     p_min: float | None = None
 
 
+class SchemaFormat(Strict):
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: SchemaFormat | None = None
+    schema_: dict | None = Field(None, alias="schema")  # llama.cpp: json_object may carry a schema
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -35,17 +47,28 @@ class GenerationBody(Strict):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=16)  # choices, generated one after another
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = None
     draft: Literal["auto"] | int | None = None  # ggufspec's own: K, 0 = the target alone, or "auto"
     lookup: bool | None = None
     hybrid: bool | None = None
+    # what changes the distribution: OpenAI's, then llama.cpp's
+    logit_bias: dict[str, float | bool] | list[list[Any]] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repeat_penalty: float | None = Field(None, gt=0)   # 1.0: off
+    repeat_last_n: int | None = Field(None, ge=-1)     # -1: the whole context, 0: off
+    # what the answer must be: OpenAI's response_format, llama.cpp's grammar (GBNF) and json_schema
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None
+    json_schema: dict | None = None
 
 
 class CompletionBody(GenerationBody):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)  # the legacy API: how many alternatives per token
 
 
 class ContentPart(Strict):
@@ -61,12 +84,15 @@ class Message(Strict):
 
 class ChatBody(GenerationBody):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def request_options(body: GenerationBody, defaults: dict) -> dict:
     """The decoder's stream() keywords: the server's defaults, overridden by what the request sets."""
-    if body.n != 1:
-        raise APIError(400, f"n must be 1: this server generates one choice per request, got {body.n}")
     options = dict(defaults)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None:

@@ -1,0 +1,102 @@
+"""One choice of an answer as it comes in, piece by piece: its content (held back from where a tool
+call may have begun, so a stream never shows a call's raw text), its tool calls once it ends, and
+its log-probabilities in OpenAI's two shapes (chat's `content[]`, the completions API's legacy lists).
+
+A piece is the dict the worker annotated (speculation.StepTracker): text, token, from_draft, step,
+drafted, and "logprobs" (an OpenAI chat entry) when the request asked for them."""
+from __future__ import annotations
+
+from .. import tools as toolkit
+from .constraints import Shaping
+
+PIECE_FIELDS = ("text", "token", "from_draft", "step", "drafted")  # what ggufspec.pieces shows
+
+
+def logprob_entry(token_bytes: bytes, logprob: float | None, top: list[tuple[bytes, float]]) -> dict:
+    """OpenAI's chat log-probability entry for one token (`top`: the alternatives' bytes and logprobs)."""
+    def one(raw: bytes, value: float | None) -> dict:
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": value, "bytes": list(raw)}
+    return {**one(token_bytes, logprob), "top_logprobs": [one(raw, value) for raw, value in top]}
+
+
+def legacy_logprobs(pieces: list[dict], offset: int = 0) -> dict:
+    """The completions API's shape: tokens, token_logprobs, top_logprobs, text_offset (where each
+    token's text starts in the answer, from `offset`)."""
+    entries, offsets = [], []
+    for piece in pieces:
+        entries.append(piece["logprobs"])
+        offsets.append(offset)
+        offset += len(piece["text"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def shown_pieces(pieces: list[dict]) -> list[dict]:
+    return [{name: p[name] for name in PIECE_FIELDS if name in p} for p in pieces]
+
+
+class ChoiceState:
+    """One choice's pieces so far, and what of them may go out as content."""
+
+    def __init__(self, index: int, shape: Shaping, chat: bool):
+        self.index, self.shape, self.chat = index, shape, chat
+        self.pieces: list[dict] = []
+        self.held: list[dict] = []   # pieces not yet sent: a tool call may have begun in them
+        self.sent_text = ""
+        self.logprob_offset = 0      # text_offset of the next legacy logprob entry
+        self.finish: str | None = None
+
+    @property
+    def parsing(self) -> bool:
+        return self.chat and self.shape.plan.parse
+
+    def push(self, pieces: list[dict]) -> list[dict]:
+        """The pieces that can go out as content now."""
+        self.pieces += pieces
+        if not self.parsing:
+            return pieces
+        self.held += pieces
+        held_text = "".join(p["text"] for p in self.held)
+        start = toolkit.call_start(self.sent_text + held_text, self.shape.fmt)
+        cut = len(held_text) if start is None else start - len(self.sent_text)
+        released, position = [], 0
+        while self.held and position + len(self.held[0]["text"]) <= cut:
+            position += len(self.held[0]["text"])
+            released.append(self.held.pop(0))
+        self.sent_text += "".join(p["text"] for p in released)
+        return released
+
+    def end(self) -> tuple[list[dict], str | None, list[dict]]:
+        """The choice ended: (held pieces, their content or None, tool calls) for the last chunks."""
+        held, self.held = self.held, []
+        text = "".join(p["text"] for p in held)
+        if not self.parsing or not held:
+            return held, text or None, []
+        content, calls = toolkit.parse_calls(text, self.shape.fmt, self.shape.plan.names)
+        if not calls:
+            return held, text, []
+        return held, (content if content and content.strip() else None), self.tool_calls(calls)
+
+    def tool_calls(self, calls: list[toolkit.ToolCall]) -> list[dict]:
+        return toolkit.openai_tool_calls(calls, self.shape.fmt)
+
+    def message(self) -> tuple[dict, bool]:
+        """The whole answer's message (chat) and whether it called tools."""
+        text = "".join(p["text"] for p in self.pieces)
+        if self.parsing:
+            content, calls = toolkit.parse_calls(text, self.shape.fmt, self.shape.plan.names)
+            if calls:
+                return {"role": "assistant", "content": content, "tool_calls": self.tool_calls(calls)}, True
+        return {"role": "assistant", "content": text}, False
+
+    def logprobs(self, pieces: list[dict]) -> dict | None:
+        """The pieces' log-probabilities in the API's shape, or None when not asked for."""
+        if self.shape.logprobs is None:
+            return None
+        pieces = [p for p in pieces if "logprobs" in p]
+        if self.chat:
+            return {"content": [p["logprobs"] for p in pieces], "refusal": None}
+        shaped = legacy_logprobs(pieces, self.logprob_offset)
+        self.logprob_offset += sum(len(p["text"]) for p in pieces)
+        return shaped

@@ -1,0 +1,151 @@
+"""What a request asks of the distribution and the shape of its answer: logit_bias and the penalties,
+a grammar (tools, response_format, llama.cpp's `grammar` / `json_schema`), logprobs. Checked here, on
+the event loop, so that a bad value is a 400 naming its field; turned into the engine's `Constraints`
+on the worker thread, where the model is (a trigger text's token id needs the vocabulary)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass, field
+
+from .. import tools as toolkit
+from ..errors import GgufspecError
+from .errors import APIError
+from .schemas import ChatBody, CompletionBody, GenerationBody
+
+NO_GRAMMAR = (None, False, ())
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """A request's constraints (the engine's Constraints keywords, trigger texts not yet tokens),
+    its tool plan and how many log-probabilities per token it wants."""
+    constraints: dict = field(default_factory=dict)
+    triggers: tuple[str, ...] = ()
+    plan: toolkit.ToolPlan = toolkit.ToolPlan(None, parse=False)
+    fmt: toolkit.ToolFormat | None = None
+    logprobs: int | None = None   # None: none; 0: the chosen token's; n: and the n likeliest
+
+
+def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int) -> Shaping:
+    """The request's constraints, tools and logprobs, checked (APIError 400 naming the field)."""
+    plan = tool_plan(body, fmt) if isinstance(body, ChatBody) else toolkit.ToolPlan(None, parse=False)
+    grammar, lazy, triggers = response_grammar(body)
+    if plan.grammar is not None:
+        if grammar is not None:
+            raise APIError(400, "tools cannot be combined with response_format, grammar or json_schema: "
+                                "send tool_choice \"none\" to answer in a format", code="invalid_value")
+        grammar, lazy, triggers = plan.grammar, plan.lazy, plan.triggers
+    constraints = {**penalties(body), **({"logit_bias": logit_bias(body.logit_bias, n_vocab)}
+                                                 if body.logit_bias else {})}
+    if grammar is not None:
+        constraints["grammar"] = grammar
+        if lazy:
+            constraints["grammar_patterns"] = toolkit.trigger_patterns(fmt)
+    return Shaping(constraints, triggers if lazy else (), plan, fmt, requested_logprobs(body))
+
+
+def tool_plan(body: ChatBody, fmt: toolkit.ToolFormat) -> toolkit.ToolPlan:
+    try:
+        return toolkit.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, fmt)
+    except GgufspecError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+
+
+def response_grammar(body: GenerationBody) -> tuple[str | None, bool, tuple]:
+    """(GBNF, lazy, triggers) for response_format, `grammar` or `json_schema`: at most one of them."""
+    asked = [name for name in ("response_format", "grammar", "json_schema") if getattr(body, name) is not None]
+    form = body.response_format
+    if form is not None and form.type == "text":
+        asked.remove("response_format")
+    if len(asked) > 1:
+        raise APIError(400, f"send one of {' and '.join(asked)}, not both", code="invalid_value")
+    try:
+        if body.grammar is not None:
+            if not body.grammar.strip():
+                raise APIError(400, "grammar is empty", code="invalid_value")
+            return body.grammar, False, ()
+        if body.json_schema is not None:
+            return toolkit.schema_grammar(body.json_schema), False, ()
+        if form is None or form.type == "text":
+            return NO_GRAMMAR
+        if form.type == "json_object":
+            grammar = toolkit.schema_grammar(form.schema_) if form.schema_ else toolkit.json_object_grammar()
+            return grammar, False, ()
+        schema = form.json_schema.schema_ if form.json_schema is not None else None
+        if schema is None:
+            raise APIError(400, "response_format.json_schema.schema is missing", code="invalid_value")
+        return toolkit.schema_grammar(schema), False, ()
+    except GgufspecError as exc:
+        raise APIError(400, f"response_format: {exc}" if form is not None else str(exc), code="invalid_value") from None
+
+
+def penalties(body: GenerationBody) -> dict:
+    """frequency/presence penalties (OpenAI's), repeat_penalty and repeat_last_n (llama.cpp's; -1: the
+    whole sequence, as there)."""
+    return {name: getattr(body, name) for name in ("frequency_penalty", "presence_penalty", "repeat_penalty",
+                                                    "repeat_last_n") if getattr(body, name) is not None}
+
+
+def logit_bias(bias: dict | list, n_vocab: int) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (-100..100), or llama.cpp's [[id, bias], ...]; `false`: never."""
+    pairs = bias.items() if isinstance(bias, dict) else [tuple(pair) if len(pair) == 2 else (pair, None)
+                                                         for pair in bias]
+    checked = {}
+    for key, value in pairs:
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", code="invalid_value") from None
+        if not 0 <= token < n_vocab:
+            raise APIError(400, f"logit_bias: token id {token} is not in [0, {n_vocab})", code="invalid_value")
+        if value is False:
+            value = -math.inf
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias values must be in [-100, 100] (or false), got {value!r} for "
+                                f"token {token}", code="invalid_value")
+        checked[token] = float(value)
+    return checked
+
+
+def requested_logprobs(body: GenerationBody) -> int | None:
+    if isinstance(body, CompletionBody):
+        return body.logprobs
+    if isinstance(body, ChatBody) and body.logprobs:
+        return body.top_logprobs or 0
+    if isinstance(body, ChatBody) and body.top_logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value")
+    return None
+
+
+def engine_supports(decoder) -> bool:
+    """Whether this decoder's engine takes `constraints` and `logprobs` (ggufspec.processing)."""
+    parameters = inspect.signature(decoder.steps).parameters
+    return "constraints" in parameters and "logprobs" in parameters
+
+
+def check_engine_supports(shape: Shaping, supported: bool) -> Shaping:
+    """The request as this engine can serve it: without constrained decoding, `auto` tools are parsed
+    without their lazy grammar, and anything else that needs it is a 501."""
+    if supported or (not shape.constraints and shape.logprobs is None):
+        return shape
+    if shape.plan.lazy and shape.logprobs is None and set(shape.constraints) <= {"grammar", "grammar_patterns"}:
+        return dataclasses.replace(shape, constraints={}, triggers=())
+    raise APIError(501, "this engine cannot constrain generation or report logprobs yet (logit_bias, "
+                        "penalties, grammars, tools, response_format and logprobs need ggufspec.processing)",
+                   "server_error", "not_implemented")
+
+
+def engine_constraints(shape: Shaping, trigger_tokens: tuple[int, ...]):
+    """The engine's Constraints for a request, or None when it asks for none."""
+    if not shape.constraints:
+        return None
+    from ..processing import Constraints  # engine_supports made sure it is there
+    options = dict(shape.constraints)
+    if "grammar_patterns" in options:
+        options["grammar_trigger_tokens"] = trigger_tokens
+    for name in ("grammar_patterns", "grammar_trigger_tokens"):
+        if name in options:
+            options[name] = tuple(options[name])
+    return Constraints(**options)

@@ -1,0 +1,367 @@
+"""Tool calling and structured output, model family by family: how a conversation with tools is
+rendered, what a call looks like in a model's output (parsed into OpenAI's `tool_calls`), and the GBNF
+grammars that make a call, or a JSON answer, valid whatever the model's skill.
+
+Pure functions over texts, templates and JSON schemas: no model is needed to test them.
+
+The families (what their chat templates taught them to write):
+- hermes (Qwen 2.5/3, Hermes 2 Pro, and ggufspec's ChatML fallback): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+- llama3 (Llama 3.1+): the whole message is `{"name": ..., "parameters": {...}}` (after an optional `<|python_tag|>`)
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer `[TOOL_CALLS]name[ARGS]{...}`
+A template that does not mention tools is taught the hermes format by a system message.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+
+from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter, json_schema_to_gbnf
+
+from .errors import GgufspecError
+
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+PYTHON_TAG = "<|python_tag|>"
+FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+# a message that starts like this may be a call as a whole (JSON, perhaps in a ```json block)
+WHOLE_CALL_OPENINGS = ("{", "```json", PYTHON_TAG)
+CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", PYTHON_TAG)
+# whitespace between the parts of a call: bounded, so a grammar cannot let a model loop on newlines
+GRAMMAR_WS = "tc-ws ::= [ \\t\\n]{0,4}"
+
+
+class ToolError(GgufspecError):
+    """A tool, tool_choice, JSON schema or grammar the request got wrong."""
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str            # hermes | llama3 | mistral
+    native: bool         # the chat template renders `tools` itself
+    start: str           # the text a call starts with
+    args_key: str        # "arguments" (hermes, mistral) or "parameters" (llama3)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str       # a JSON text, as OpenAI sends it
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools ask of a generation."""
+    tools: list | None            # passed to the chat template (None: tools are not offered)
+    parse: bool                   # parse the answer for calls
+    grammar: str | None = None    # GBNF the answer (or, lazily, a call) must follow
+    lazy: bool = False            # the grammar applies once a trigger appears
+    triggers: tuple[str, ...] = ()   # texts that start a call (lazy grammar: patterns / tokens)
+    forced: bool = False          # the answer is calls only
+    names: frozenset = field(default_factory=frozenset)
+
+
+def detect_format(template: str) -> ToolFormat:
+    """The family a chat template belongs to, from the markers its text contains."""
+    native = "tools" in template
+    if "[TOOL_CALLS]" in template:
+        return ToolFormat("mistral", native, "[TOOL_CALLS]", "arguments")
+    if "<tool_call>" in template:
+        return ToolFormat("hermes", native, "<tool_call>", "arguments")
+    if "<|start_header_id|>" in template and native:
+        return ToolFormat("llama3", native, "{", "parameters")
+    return ToolFormat("hermes", False, "<tool_call>", "arguments")
+
+
+# ---------------------------------------------------------------- the request's tools
+
+def check_tools(tools: list[dict] | None) -> list[dict]:
+    """OpenAI's tool objects, checked: each {"type": "function", "function": {"name", "parameters"?}}."""
+    checked = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+            raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -, got {name!r}")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object")
+        checked.append({"type": "function", "function": {**function, "parameters": parameters or {"type": "object"}}})
+    return checked
+
+
+def chosen_function(tool_choice, tools: list[dict]) -> str | None:
+    """The function name a tool_choice names ({"type": "function", "function": {"name"}}), else None."""
+    if not isinstance(tool_choice, dict):
+        if tool_choice not in (None, "auto", "none", "required"):
+            raise ToolError(f"tool_choice must be auto, none, required or a named function, got {tool_choice!r}")
+        return None
+    name = (tool_choice.get("function") or {}).get("name")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise ToolError(f"tool_choice names the function {name!r}, which is not in tools")
+    return name
+
+
+def plan_tools(tools: list[dict] | None, tool_choice, parallel: bool | None, fmt: ToolFormat) -> ToolPlan:
+    """tools + tool_choice (auto, none, required, a named function) as a generation's plan."""
+    tools = check_tools(tools)
+    named = chosen_function(tool_choice, tools)
+    if not tools:
+        if tool_choice not in (None, "auto", "none"):
+            raise ToolError("tool_choice needs tools")
+        return ToolPlan(None, parse=False)
+    if tool_choice == "none":
+        return ToolPlan(None, parse=False)
+    names = frozenset(t["function"]["name"] for t in tools)
+    forced = named is not None or tool_choice == "required"
+    grammar = call_grammar(tools, fmt, only=named, parallel=parallel is not False and named is None)
+    return ToolPlan(tools, parse=True, grammar=grammar, lazy=not forced, triggers=trigger_texts(fmt),
+                    forced=forced, names=names)
+
+
+def trigger_texts(fmt: ToolFormat) -> tuple[str, ...]:
+    """The texts that start a call: under `auto`, the lazy grammar takes over from there."""
+    return (PYTHON_TAG,) if fmt.name == "llama3" else (fmt.start,)
+
+
+def trigger_patterns(fmt: ToolFormat) -> tuple[str, ...]:
+    """Regexes (searched in the text so far) whose match starts a call; the grammar takes the text
+    from the match's start. A llama3 call is a whole message: a `{"name"` at its start."""
+    if fmt.name == "llama3":
+        return (r'^\s*\{\s*"name"', re.escape(PYTHON_TAG))
+    return (re.escape(fmt.start),)
+
+
+# ---------------------------------------------------------------- rendering a conversation
+
+def prepare_messages(messages: list[dict], fmt: ToolFormat, tools: list | None) -> list[dict]:
+    """Messages as templates want them: a call's arguments as an object (templates `tojson` them);
+    for a template that knows no tools, calls and results written out in the hermes format and the
+    tools described in the system message."""
+    prepared = [_with_object_arguments(m) for m in messages]
+    if fmt.native:
+        return prepared
+    prepared = [_as_plain_text(m) for m in prepared]
+    if tools:
+        prompt = tools_system_prompt(tools)
+        if prepared and prepared[0]["role"] == "system":
+            prepared[0] = {**prepared[0], "content": prepared[0]["content"] + "\n\n" + prompt}
+        else:
+            prepared.insert(0, {"role": "system", "content": prompt})
+    return prepared
+
+
+def tools_system_prompt(tools: list[dict]) -> str:
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>")
+
+
+def _with_object_arguments(message: dict) -> dict:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                pass  # not JSON: the template shows it as the string it is
+        fixed.append({**call, "function": function})
+    return {**message, "tool_calls": fixed}
+
+
+def _as_plain_text(message: dict) -> dict:
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+    if message["role"] == "assistant" and message.get("tool_calls"):
+        calls = [f'<tool_call>\n{json.dumps({"name": c["function"].get("name"), "arguments": c["function"].get("arguments")}, ensure_ascii=False)}\n</tool_call>'
+                 for c in message["tool_calls"]]
+        text = "\n".join(([message["content"]] if message.get("content") else []) + calls)
+        return {"role": "assistant", "content": text}
+    return message
+
+
+# ---------------------------------------------------------------- parsing an answer
+
+def parse_calls(text: str, fmt: ToolFormat, names: frozenset = frozenset()) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) in a model's answer: the family's own format first, then the others.
+    Text that is not a well-formed call stays content; content without anything in it is None."""
+    parsers = {"hermes": _parse_hermes, "mistral": _parse_mistral, "llama3": _parse_json_message}
+    order = [fmt.name] + [name for name in parsers if name != fmt.name]
+    for name in order:
+        content, calls = parsers[name](text, names)
+        if calls:
+            return (content.strip() or None), calls
+    return text, []
+
+
+def _call_from(obj, names: frozenset, need_known: bool = False) -> ToolCall | None:
+    """{"name", "arguments" | "parameters"} as a ToolCall (arguments as JSON text)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if need_known and obj["name"] not in names:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters"))
+    if arguments is None and need_known:
+        return None
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    return ToolCall(obj["name"], arguments)
+
+
+def _json_at(text: str, position: int):
+    """The JSON value starting at `position` (whitespace skipped) and where it ends, or (None, position)."""
+    while position < len(text) and text[position].isspace():
+        position += 1
+    try:
+        return json.JSONDecoder().raw_decode(text, position)
+    except ValueError:
+        return None, position
+
+
+def _parse_hermes(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
+    content, calls, position = [], [], 0
+    while (start := text.find("<tool_call>", position)) >= 0:
+        obj, end = _json_at(text, start + len("<tool_call>"))
+        call = _call_from(obj, names)
+        if call is None:
+            break
+        close = text.find("</tool_call>", end)
+        end = close + len("</tool_call>") if close >= 0 and not text[end:close].strip() else end
+        content.append(text[position:start])
+        calls.append(call)
+        position = end
+    content.append(text[position:])
+    return "".join(content), calls
+
+
+def _parse_mistral(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return text, []
+    position = start + len("[TOOL_CALLS]")
+    obj, end = _json_at(text, position)
+    if isinstance(obj, list):
+        calls = [_call_from(item, names) for item in obj]
+        return (text[:start] + text[end:], calls) if calls and all(calls) else (text, [])
+    calls = []  # the newer form: name[ARGS]{...}, repeated
+    pattern = re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?")
+    while (match := pattern.match(text, position)) and match.end() < len(text):
+        arguments, end = _json_at(text, match.end())
+        if not isinstance(arguments, dict):
+            break
+        calls.append(ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False)))
+        position = end
+    return (text[:start] + text[position:], calls) if calls else (text, [])
+
+
+def _parse_json_message(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
+    """The whole answer is one call or several separated by `;`, each naming a known function: llama3's
+    format, and what models of other families write when they answer a call in a ```json block."""
+    body = text.strip()
+    body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+    fenced = FENCED.match(body)
+    body = fenced.group(1) if fenced else body
+    calls, position = [], 0
+    while position < len(body):
+        obj, end = _json_at(body, position)
+        call = _call_from(obj, names, need_known=True)
+        if call is None:
+            return text, []
+        calls.append(call)
+        position = end
+        while position < len(body) and (body[position].isspace() or body[position] == ";"):
+            position += 1
+    return "", calls
+
+
+def call_start(text: str, fmt: ToolFormat) -> int | None:
+    """Where, in an answer so far, a call may have begun (a marker, or the start of one at the end):
+    streaming holds the text back from there. None: all of it is content."""
+    begun = text.lstrip()
+    if any(opening.startswith(begun) or begun.startswith(opening) for opening in WHOLE_CALL_OPENINGS):
+        return 0
+    found = [i for marker in CALL_MARKERS if (i := text.find(marker)) >= 0]
+    if found:
+        return min(found)
+    partial = [len(text) - k for marker in CALL_MARKERS for k in range(1, len(marker)) if text.endswith(marker[:k])]
+    return min(partial, default=None)
+
+
+def new_call_id(fmt: ToolFormat) -> str:
+    """A call's id: Mistral's templates insist on 9 letters and digits."""
+    if fmt.name == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return "call_" + secrets.token_hex(12)
+
+
+def openai_tool_calls(calls: list[ToolCall], fmt: ToolFormat) -> list[dict]:
+    return [{"id": new_call_id(fmt), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+# ---------------------------------------------------------------- grammars
+
+def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None, parallel: bool = True) -> str:
+    """GBNF for the family's call syntax with valid arguments: one call (of `only` when named) or,
+    `parallel`, one or more."""
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    alternatives = []
+    try:
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            if only is not None and function["name"] != only:
+                continue
+            parameters = converter.resolve_refs(json.loads(json.dumps(function["parameters"])), f"tool{i}")
+            alternatives.append({"type": "object", "properties": {"name": {"const": function["name"]},
+                                                                  fmt.args_key: parameters},
+                                 "required": ["name", fmt.args_key]})
+        schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+        converter.visit(schema, "tc-call")
+        rules = converter.format_grammar()
+    except Exception as exc:  # the converter's asserts, KeyErrors and ValueErrors alike
+        raise ToolError(f"a tool's parameters are not a JSON schema this server can follow: {schema_problem(exc)}") from None
+    if fmt.name == "mistral":
+        calls = 'tc-call (tc-ws "," tc-ws tc-call)*' if parallel else "tc-call"
+        root = f'root ::= "[TOOL_CALLS]" tc-ws "[" tc-ws {calls} tc-ws "]"'
+    elif fmt.name == "llama3":
+        root = f'root ::= ("{PYTHON_TAG}")? tc-ws tc-call'
+    else:
+        one = 'tc-one ::= "<tool_call>" tc-ws tc-call tc-ws "</tool_call>"'
+        root = f"{one}\nroot ::= tc-one" + (" (tc-ws tc-one)*" if parallel else "")
+    return f"{rules}\n{root}\n{GRAMMAR_WS}\n"
+
+
+def schema_grammar(schema) -> str:
+    """GBNF for JSON that follows `schema` (llama-cpp-python's converter, as llama.cpp's)."""
+    if not isinstance(schema, dict):
+        raise ToolError(f"the JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except Exception as exc:
+        raise ToolError(f"the JSON schema cannot be followed: {schema_problem(exc)}") from None
+
+
+def schema_problem(exc: Exception) -> str:
+    """The converter's complaint as one line for an HTTP client (it speaks of its own CLI flags)."""
+    message = " ".join(str(exc).split())
+    if "Fetching remote schemas" in message:
+        return "a $ref to a remote schema (https://...) is not fetched: put the schema inline, under $defs"
+    if message.startswith("Error resolving ref"):
+        return message.split(":")[0].replace("stdin", "") + " (no such definition)"
+    return message[:300]
+
+
+def json_object_grammar() -> str:
+    """GBNF for any JSON object (response_format {"type": "json_object"})."""
+    return JSON_GBNF

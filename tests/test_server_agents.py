@@ -1,0 +1,287 @@
+"""What agents need of `ggufspec serve`, through the real server process: tools (forced by a grammar,
+parsed into tool_calls, streamed), structured output (response_format, grammar, json_schema),
+logprobs, logit_bias and penalties, n choices, /tokenize and /detokenize, a model without a chat
+template, and each bad value as a 400 naming its field.
+
+The tiny chat pair wherever the behaviour does not need a real model (under a grammar a random model
+still writes a valid call); the demo pair (slow) for a real model's tool call and JSON answer. Tests of
+what the engine computes (constraints, logprobs) are skipped until the engine takes them."""
+from __future__ import annotations
+
+import inspect
+import json
+
+import httpx
+import pytest
+
+from ggufspec import SpeculativeDecoder
+from ggufspec.tinymodels import Shape, make_weights, write_model
+from serverproc import make_chat_pair, start_server, stop_server
+
+N_CTX = 2048  # the tiny models write text byte by byte: a tool list is a few hundred tokens
+ENGINE_CONSTRAINS = {"constraints", "logprobs"} <= set(inspect.signature(SpeculativeDecoder.steps).parameters)
+needs_engine = pytest.mark.skipif(not ENGINE_CONSTRAINS, reason="the engine takes no constraints/logprobs yet "
+                                                                 "(ggufspec.processing)")
+
+UNIT = {"type": "function", "function": {
+    "name": "set_unit", "description": "choose the temperature unit",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["unit"], "additionalProperties": False}}}
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    return make_chat_pair(tmp_path_factory.mktemp("chat-pair"))
+
+
+@pytest.fixture(scope="module")
+def server(chat_pair, tmp_path_factory):
+    target, draft = chat_pair
+    running = start_server(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", str(N_CTX))
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def reference(chat_pair):
+    target, draft = chat_pair
+    with SpeculativeDecoder(target, draft, n_ctx=N_CTX, n_threads=1) as decoder:
+        yield decoder
+
+
+def post(server, path, body):
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def sse_chunks(server, body) -> list[dict]:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+# ---------------------------------------------------------------- tokenizer endpoints
+
+def test_tokenize_and_detokenize(server, reference):
+    llm = reference.target_llm
+    tokens = post(server, "/tokenize", {"content": "the cat"}).json()["tokens"]
+    assert tokens == llm.tokenize(b"the cat", add_bos=False, special=True)
+    with_bos = post(server, "/tokenize", {"content": "the cat", "add_special": True}).json()["tokens"]
+    assert with_bos == [llm.token_bos()] + tokens
+    pieces = post(server, "/tokenize", {"content": "the cat\u00e9", "with_pieces": True}).json()["tokens"]
+    raw = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert raw == llm.detokenize([p["id"] for p in pieces], special=True) and raw.decode().endswith("cat\u00e9")
+    assert any(isinstance(p["piece"], list) for p in pieces)  # a byte token of the split character: its bytes
+    assert post(server, "/detokenize", {"tokens": tokens}).json() == {"content": llm.detokenize(tokens).decode()}
+    bad = post(server, "/detokenize", {"tokens": [5, 10 ** 9]})
+    assert bad.status_code == 400 and "tokens" in bad.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- n choices
+
+def test_n_choices_one_after_another_each_its_own_seed(server, reference):
+    client = server.client()
+    answer = client.completions.create(model="target", prompt="the cat", max_tokens=12, n=3, temperature=0.9,
+                                       seed=7, extra_body={"draft": 3})
+    expected = [reference.generate("the cat", n_predict=12, n_draft=3, temperature=0.9, seed=7 + i) for i in range(3)]
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.text for c in answer.choices] == [e.text for e in expected]
+    assert answer.usage.completion_tokens == sum(len(e.tokens) for e in expected)
+    greedy = reference.chat(HI, n_predict=10).text
+    chunks = sse_chunks(server, {"messages": HI, "max_tokens": 10, "n": 2})
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content") or ""
+    assert texts == {0: greedy, 1: greedy}
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1]
+
+
+# ---------------------------------------------------------------- chat templates
+
+@pytest.fixture(scope="module")
+def bare_target(tmp_path_factory):
+    shape = Shape(eos_bias=4.0)
+    return write_model(tmp_path_factory.mktemp("bare") / "bare.gguf", shape, make_weights(shape, 0), chat_template=None)
+
+
+def test_a_model_without_a_chat_template_answers_in_chatml(bare_target, tmp_path):
+    running = start_server(tmp_path, "-m", str(bare_target), "--no-draft", "-c", "512")
+    try:
+        props = httpx.get(running.url + "/props", timeout=10).json()
+        assert props["chat_template_fallback"] is True and "<|im_start|>" in props["chat_template"]
+        answer = running.client().chat.completions.create(model="bare", messages=HI, max_tokens=8)
+        with SpeculativeDecoder(bare_target, n_ctx=512, n_threads=1) as decoder:
+            expected = decoder.chat(HI, n_predict=8)
+            prompt = decoder.tokenize(decoder.render_chat(HI))
+        assert answer.choices[0].message.content == expected.text
+        assert answer.usage.prompt_tokens == len(prompt)
+        assert "no chat template" in running.log.read_text()
+    finally:
+        stop_server(running)
+
+
+def test_props_name_the_template_and_its_tool_format(server):
+    props = httpx.get(server.url + "/props", timeout=10).json()
+    assert props["chat_template_fallback"] is False and props["chat_template_tool_format"] == "hermes"
+    assert props["chat_template_tools"] is False  # the tiny template knows no tools: a system message teaches them
+    assert "draft_choice" in props
+
+
+def test_a_conversation_with_calls_and_results_is_rendered(server, reference):
+    from ggufspec import load, tools
+    messages = [{"role": "user", "content": "which unit?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "set_unit",
+                                                                      "arguments": '{"unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    answer = server.client().chat.completions.create(model="target", messages=messages, tools=[UNIT],
+                                                     tool_choice="none", max_tokens=4)
+    fmt = tools.detect_format(load.chat_template(reference.target_llm).text)
+    prompt = load.render_chat(reference.target_llm, tools.prepare_messages(messages, fmt, None))  # "none": no tools offered
+    assert "<tool_response>\ndone\n</tool_response>" in prompt and '"unit": "celsius"' in prompt
+    assert answer.usage.prompt_tokens == len(reference.tokenize(prompt))
+
+
+# ---------------------------------------------------------------- bad values: 400, the field named
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repeat_penalty": -1}, "repeat_penalty"),
+    ("/v1/completions", {"prompt": "x", "repeat_last_n": -2}, "repeat_last_n"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "grammar": "  "}, "grammar"),
+    ("/v1/completions", {"prompt": "x", "grammar": "root ::= x", "json_schema": {}}, "grammar"),
+    ("/v1/completions", {"prompt": "x", "json_schema": {"$ref": "https://example.com/s.json"}}, "schema"),
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [UNIT], "tool_choice": {"type": "function",
+                                                                                "function": {"name": "nope"}}}, "nope"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, "tools[0]"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [UNIT], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "tools"),
+])
+def test_bad_values_name_their_field(server, path, body, message):
+    for stream in (False, True):
+        response = post(server, path, {**body, "stream": stream})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert message in error["message"] and "\n" not in error["message"] and "--" not in error["message"]
+    assert server.health()["status"] == "ok"
+
+
+@needs_engine
+def test_a_grammar_llama_cpp_cannot_parse_is_a_400(server):
+    response = post(server, "/v1/completions", {"prompt": "x", "grammar": "root ::= undefined-rule"})
+    assert response.status_code == 400, response.text
+
+
+# ---------------------------------------------------------------- what the engine computes
+
+@needs_engine
+def test_chat_logprobs_whole_and_streamed(server):
+    client = server.client()
+    for draft in (3, 0):
+        answer = client.chat.completions.create(model="target", messages=HI, max_tokens=12, logprobs=True,
+                                                top_logprobs=3, extra_body={"draft": draft})
+        entries = answer.choices[0].logprobs.content
+        assert len(entries) == answer.usage.completion_tokens
+        for entry in entries:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+            assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+            assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-3)  # greedy: the likeliest
+            assert bytes(entry.bytes).decode(errors="replace") == entry.token
+        if draft:
+            speculative = [e.logprob for e in entries]
+        else:  # draft-accepted tokens carry their own logprob, the target's, as the target alone gives it
+            assert [e.logprob for e in entries] == pytest.approx(speculative, abs=1e-3)
+    chunks = sse_chunks(server, {"messages": HI, "max_tokens": 12, "logprobs": True, "top_logprobs": 3})
+    streamed = [e["logprob"] for c in chunks for e in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert streamed == pytest.approx(speculative, abs=1e-3)
+
+
+@needs_engine
+def test_completion_logprobs_in_the_legacy_shape(server):
+    answer = server.client().completions.create(model="target", prompt="the cat", max_tokens=10, logprobs=2)
+    logprobs = answer.choices[0].logprobs
+    assert "".join(logprobs.tokens) == answer.choices[0].text
+    assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(logprobs.text_offset) == 10
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+
+
+@needs_engine
+def test_logit_bias_bans_and_forces_tokens(server, reference):
+    from ggufspec.processing import Constraints
+    first = reference.generate("the cat", n_predict=4).tokens[0]
+    without_first = reference.generate("the cat", n_predict=4, constraints=Constraints(logit_bias={first: -100}))
+    assert without_first.tokens[0] != first
+    client = server.client()
+    banned = client.completions.create(model="target", prompt="the cat", max_tokens=4, logit_bias={str(first): -100})
+    assert banned.choices[0].text == without_first.text
+    forced = post(server, "/tokenize", {"content": "Z"}).json()["tokens"][-1]
+    answer = client.completions.create(model="target", prompt="the cat", max_tokens=3, logit_bias={str(forced): 100})
+    assert answer.choices[0].text == "ZZZ"
+
+
+@needs_engine
+def test_penalties_reach_the_engine(server, reference):
+    from ggufspec.processing import Constraints
+    options = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repeat_penalty": 1.3, "repeat_last_n": 16}
+    expected = reference.generate("the cat", n_predict=16, n_draft=3, constraints=Constraints(**options)).text
+    answer = server.client().completions.create(model="target", prompt="the cat", max_tokens=16,
+                                                frequency_penalty=1.5, presence_penalty=0.5,
+                                                extra_body={"repeat_penalty": 1.3, "repeat_last_n": 16, "draft": 3})
+    assert answer.choices[0].text == expected
+
+
+@needs_engine
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "set_unit"}}])
+def test_a_forced_tool_call_is_valid_and_the_same_speculating_or_not(server, tool_choice):
+    client = server.client()
+    calls = []
+    for draft in (3, 0):
+        answer = client.chat.completions.create(model="target", messages=HI, tools=[UNIT], tool_choice=tool_choice,
+                                                max_tokens=64, extra_body={"draft": draft})
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "set_unit" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
+        calls.append((call.function.name, call.function.arguments, choice.message.content))
+    assert calls[0] == calls[1]
+    chunks = sse_chunks(server, {"messages": HI, "tools": [UNIT], "tool_choice": tool_choice, "max_tokens": 64})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    streamed = [call for d in deltas for call in d.get("tool_calls") or []]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [calls[0][:2]]
+    assert not "".join(d.get("content") or "" for d in deltas)  # the call's raw text never shows as content
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+
+
+@needs_engine
+def test_json_schema_answers_parse_and_are_the_same_speculating_or_not(server):
+    client = server.client()
+    texts = []
+    for draft in (3, 0):
+        answer = client.chat.completions.create(
+            model="target", messages=HI, max_tokens=48, extra_body={"draft": draft},
+            response_format={"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG, "strict": True}})
+        texts.append(answer.choices[0].message.content)
+        assert isinstance(json.loads(texts[-1])["ok"], bool)
+    assert texts[0] == texts[1]
+    raw = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 48, "json_schema": FLAG}).json()
+    assert isinstance(json.loads(raw["choices"][0]["text"])["ok"], bool)
+    grammar = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "grammar": 'root ::= "yes" | "no"'})
+    assert grammar.json()["choices"][0]["text"] in ("yes", "no")
