@@ -65,14 +65,12 @@ def _grammar(grammar: str | None, grammar_file, json_schema: str | None) -> str 
     return grammar
 
 
-def schema_grammar(schema: str | dict, where: str) -> str:
-    """llama-cpp-python's JSON-schema-to-GBNF converter, its errors as one line naming `where`."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
+def schema_grammar(schema: str, where: str) -> str:
+    """The GBNF for a JSON schema given as text (`tools.schema_grammar`), its errors naming `where`."""
+    from ..tools import schema_grammar as grammar_for
     try:
-        text = schema if isinstance(schema, str) else json.dumps(schema)
-        json.loads(text)
-        return json_schema_to_gbnf(text)
+        return grammar_for(json.loads(schema))
     except json.JSONDecodeError as exc:
         raise GgufspecError(f"{where} is not valid JSON: {exc}") from None
-    except Exception as exc:  # the converter raises ValueError, KeyError, TypeError... on schemas it cannot take
-        raise GgufspecError(f"{where}: cannot turn this JSON schema into a grammar ({type(exc).__name__}: {exc})") from None
+    except GgufspecError as exc:
+        raise GgufspecError(f"{where}: {exc}") from None

@@ -154,7 +154,7 @@ def serve(host, port, api_key, max_queue, **opts):
         app = create_app(session.decoder, model_name=session.name, defaults=defaults, api_key=api_key,
                          max_queue=max_queue, aliases=(target.name, target.stem),
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
-                               "defaults": defaults})
+                               "defaults": defaults}, session=session)
         serve_forever(app, sock, name=session.name, host=host, api_key=api_key)
 
 
