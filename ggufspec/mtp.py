@@ -135,13 +135,19 @@ class HiddenStates:
         self._recorded = 0  # rows [0, _recorded) were written by the decodes that made the cache
         target.keep(0)  # whatever the cache held was evaluated unrecorded
         _set_embeddings_nextn(target.ctx, True, False)
-        decode_chunk = target._decode_chunk
+        decode_chunk = self._unrecorded = target._decode_chunk
 
         def decode_and_record(tokens, n_logits):
             start = len(target.tokens)
             decode_chunk(tokens, n_logits)
             self._record(start, len(tokens))
-        target._decode_chunk = decode_and_record
+        target._decode_chunk = self._recording = decode_and_record
+
+    def detach(self) -> None:
+        """Stop recording (the MTP context is closing; the target goes on alone)."""
+        if self.target.__dict__.get("_decode_chunk") is self._recording:
+            self.target._decode_chunk = self._unrecorded
+            _set_embeddings_nextn(self.target.ctx, False, False)
 
     def _record(self, start: int, n: int) -> None:
         address = _get_embeddings_nextn(self.target.ctx)
@@ -266,6 +272,7 @@ class MtpContext(Context):
     def close(self) -> None:
         super().close()
         if not self._freed:
+            self.hidden.detach()
             llama_cpp.llama_batch_ext_free(self._ext)
             llama_cpp.llama_free(self.ctx)
             self._freed = True

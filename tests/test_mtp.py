@@ -138,3 +138,15 @@ def test_sampling_matches_the_target(mtp_model, decoders, k):
     assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) > 1e-3
     assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
     assert decoders["roomy"].last_stats.n_drafted > 0
+
+
+def test_closing_the_mtp_context_leaves_the_target_alone(mtp_model):
+    with MtpDecoder(mtp_model, 128) as decoder:
+        prompt = prompts(1, seed=9)[0]
+        expected, _, _ = target_alone(mtp_model, prompt, 24, decoder.n_ctx)
+        assert decoder.generate(prompt, n_predict=24, n_draft=3, temperature=0).tokens == expected
+        decoder.draft.close()
+        decoder.draft = None
+        assert "_decode_chunk" not in vars(decoder.target) or decoder.target._decode_chunk.__func__ is type(decoder.target)._decode_chunk
+        got = decoder.generate(prompt, n_predict=24, n_draft=3, temperature=0)
+        assert got.tokens == expected and got.stats.n_drafted == 0
