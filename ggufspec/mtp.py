@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from types import SimpleNamespace
 
 import llama_cpp
 import numpy as np
@@ -174,19 +175,6 @@ class HiddenStates:
 
 # ---------------------------------------------------------------- the MTP context
 
-class _MtpModel:
-    """What `Context.__init__` reads of a `llama_cpp.Llama`, for a context that is not one."""
-
-    def __init__(self, target: Context, ctx, params):
-        self._model, self._ctx, self.context_params = target.llm._model, _Handle(ctx), params
-        self.tokenize = target.llm.tokenize
-
-
-class _Handle:
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-
 class MtpContext(Context):
     """The MTP block's own llama.cpp context over the target's model; rollback by cutting its KV
     cache (llama.cpp gives every MTP head a plain attention cache), never past the true entries."""
@@ -203,7 +191,9 @@ class MtpContext(Context):
         ctx = llama_cpp.llama_init_from_model(target.llm._model.model, params)
         if not ctx:
             raise ModelFileError(f"llama.cpp could not open an MTP context over the {target.name} model")
-        super().__init__(_MtpModel(target, ctx, params), "mtp")
+        # what Context.__init__ reads of a llama_cpp.Llama, which this context is not
+        super().__init__(SimpleNamespace(_model=target.llm._model, _ctx=SimpleNamespace(ctx=ctx), context_params=params,
+                                         tokenize=target.llm.tokenize), "mtp")
         self.rollback, self.n_swa = "cut", 0
         self.target, self.hidden = target, hidden
         self.n_true = 0  # entries [0, n_true) were made with the target's hidden states
@@ -284,7 +274,12 @@ def open_mtp(target: Context) -> MtpContext:
     if not has_mtp(target.llm):
         raise ModelFileError(f"the {target.name} model has no MTP layers to draft with (or was loaded without them); "
                              f"give a draft model with -md")
-    return MtpContext(target, HiddenStates(target))
+    hidden = HiddenStates(target)
+    try:
+        return MtpContext(target, hidden)
+    except BaseException:
+        hidden.detach()
+        raise
 
 
 class MtpDrafter(ModelDrafter):
