@@ -217,6 +217,15 @@ class MtpContext(Context):
             states[n_target] = self._own_state
         return states, n_target
 
+    def decode(self, tokens, n_logits: int = 1) -> None:
+        """As `Context.decode`; a last token with logits goes in a batch of its own, as llama.cpp's
+        drafting does: it is the row whose hidden state the next drafted entry takes, and the MTP
+        graphs keep all rows of that tensor while llama.cpp copies the first n_outputs of them."""
+        if n_logits == 1 and len(tokens) > 1:
+            super().decode(tokens[:-1], n_logits=0)
+            tokens = tokens[-1:]
+        super().decode(tokens, n_logits)
+
     def _decode_chunk(self, tokens, n_logits: int) -> None:
         start, n = len(self.tokens), len(tokens)
         states, n_target = self._states(tokens, start)
@@ -243,7 +252,7 @@ class MtpContext(Context):
         self._remember_own_state(n, n_logits)
 
     def _remember_own_state(self, n: int, n_logits: int) -> None:
-        address = _get_embeddings_nextn_ith(self.ctx, n - 1) if n_logits else None
+        address = _get_embeddings_nextn_ith(self.ctx, 0) if n == 1 and n_logits else None
         if address:
             self._own_state[:] = np.ctypeslib.as_array(address, shape=(self.hidden.n_embd,))
             self._own_pos = len(self.tokens) - 1

@@ -12,16 +12,20 @@ from ggufspec.load import LoadParams, open_model
 from ggufspec.mtp import MtpDrafter, gguf_has_mtp, has_mtp, open_mtp
 from ggufspec.sampling import SamplingParams
 from ggufspec.tinymodels import Shape, make_pair
-from ggufspec.tinymodels_mtp import make_mtp_model, make_trunk_only
+from ggufspec.tinymodels_mtp import make_mtp_model, make_qwen35_model, make_trunk_only
 from reference import NEAR_TIE, chi_square_pvalue, exact_first_and_second, prompts, same_as_target_alone, target_alone
 
 PROMPT = [1, 261, 262, 263]
 DRAWS = 3000
 
 
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    return make_mtp_model(tmp_path_factory.mktemp("mtp"), seed=0, shape=Shape(eos_bias=4.0))
+@pytest.fixture(scope="module", params=["hy_v3", "qwen35"])
+def mtp_model(request, tmp_path_factory):
+    """HY V3 (a plain KV cache) and Qwen3.5 (hybrid: the target rolls back by snapshots and replays)."""
+    directory = tmp_path_factory.mktemp("mtp")
+    if request.param == "qwen35":
+        return make_qwen35_model(directory, seed=0, shape=Shape(n_layer=3, eos_bias=4.0))
+    return make_mtp_model(directory, seed=0, shape=Shape(eos_bias=4.0))
 
 
 class MtpDecoder:
