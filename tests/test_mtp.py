@@ -3,6 +3,10 @@ the target alone for K = 1..5 and auto, sampling by chi-square), and the MTP hea
 
 The decoders are built as `--draft-model mtp` will build them: the target loaded with its MTP blocks
 (LoadParams(load_mtp=True)), `open_mtp(decoder.target)` as the draft context, `MtpDrafter` as the drafter."""
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -17,6 +21,7 @@ from reference import NEAR_TIE, chi_square_pvalue, exact_first_and_second, promp
 
 PROMPT = [1, 261, 262, 263]
 DRAWS = 3000
+LLAMACPP_SPECULATIVE = Path(__file__).parent.parent / "third_party" / "llama.cpp" / "build" / "bin" / "llama-speculative-simple"
 
 
 @pytest.fixture(scope="module", params=["hy_v3", "qwen35"])
@@ -154,3 +159,25 @@ def test_closing_the_mtp_context_leaves_the_target_alone(mtp_model):
         assert "_decode_chunk" not in vars(decoder.target) or decoder.target._decode_chunk.__func__ is type(decoder.target)._decode_chunk
         got = decoder.generate(prompt, n_predict=24, n_draft=3, temperature=0)
         assert got.tokens == expected and got.stats.n_drafted == 0
+
+
+@pytest.mark.skipif(not LLAMACPP_SPECULATIVE.exists(), reason="llama.cpp's tools are not built (scripts/build-llamacpp.sh)")
+@pytest.mark.parametrize("k", [1, 3])
+def test_llamacpp_drafts_the_same_with_its_mtp(mtp_model, decoders, k):
+    """llama.cpp's own MTP drafting (--spec-type draft-mtp) on the same file: the same output and,
+    but for its last step (it stops past n_predict, ggufspec at it), the same drafts accepted."""
+    text = "the cat sat on the mat"
+    run = subprocess.run([str(LLAMACPP_SPECULATIVE), "-m", str(mtp_model), "--spec-type", "draft-mtp",
+                          "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "-p", text, "-n", "48",
+                          "--temp", "0", "-t", "1", "-c", "256"], capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode(errors="replace")[-2000:]
+    theirs = dict(re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", (run.stdout + run.stderr).decode(errors="replace")))
+    marker = "\u2581mat".encode()  # it prints the prompt's tokens as stored, then the output
+    printed = run.stdout[run.stdout.find(marker) + len(marker):]
+    ours = decoders["roomy"].generate(text, n_predict=48, n_draft=k, temperature=0)
+    our_bytes = b"".join(decoders["roomy"].target_llm.detokenize([t], special=True) for t in ours.tokens)  # as it prints
+    assert printed[:len(our_bytes)] == our_bytes[:len(printed)]
+    print(f"K={k}: llama.cpp drafted {theirs['n_drafted']}, accepted {theirs['n_accept']}; "
+          f"ggufspec {ours.stats.n_drafted}, {ours.stats.n_accept}")
+    assert 0 <= int(theirs["n_accept"]) - ours.stats.n_accept <= k + 1
+    assert 0 <= int(theirs["n_drafted"]) - ours.stats.n_drafted <= 2 * k + 2
