@@ -37,6 +37,9 @@ class LoadParams:
     # recurrent rollback snapshots per sequence (llama.cpp's n_rs_seq, where the architecture has
     # them); 0: roll back by saving and restoring the recurrent state
     n_rs_seq: int = 0
+    # load the GGUF's MTP (nextn) blocks too, for drafting with them (`mtp`); llama.cpp skips them by
+    # default, and an MTP context over a model loaded without them aborts the process
+    load_mtp: bool = False
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -50,6 +53,24 @@ def flash_attn_type(setting: str | bool) -> int:
     if setting not in FLASH_ATTN_TYPES:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {setting!r}")
     return FLASH_ATTN_TYPES[setting]
+
+
+@contextlib.contextmanager
+def _model_load_mtp(load_mtp: bool):
+    """Make the next llama model load its MTP blocks (llama_model_params.load_mtp), which Llama(...)
+    has no argument for: it builds the model through `_internals.LlamaModel(params=...)`."""
+    from llama_cpp import _internals
+    original = _internals.LlamaModel
+
+    def with_mtp(*args, params, **kwargs):
+        params.load_mtp = True
+        return original(*args, params=params, **kwargs)
+    if load_mtp:
+        _internals.LlamaModel = with_mtp
+    try:
+        yield
+    finally:
+        _internals.LlamaModel = original
 
 
 @contextlib.contextmanager
@@ -99,7 +120,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         options = dict(n_ctx=params.n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
                        logits_all=False, verbose=False, swa_full=params.swa_full)
-        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq):
+        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq), _model_load_mtp(params.load_mtp):
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 split = list(params.tensor_split) if params.tensor_split else None
                 return load_on_devices(path, params.devices, tensor_split=split, **options)
