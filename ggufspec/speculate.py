@@ -222,6 +222,9 @@ def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: in
                                f"raise -c/--ctx-size or shorten the prompt")
 
 
+MTP = "mtp"  # as the draft: the target's own MTP (nextn) blocks, where its GGUF has them
+
+
 class SpeculativeDecoder:
     """A target and (optionally) a draft model, ready to generate.
 
@@ -230,7 +233,8 @@ class SpeculativeDecoder:
     ...     print(out.text, out.stats.acceptance)
 
     `target`/`draft` are GGUF paths or `llama_cpp.Llama` objects (left open by `close()` when given
-    as objects). With no draft, generation is the target alone through the same code path.
+    as objects). With no draft, generation is the target alone through the same code path. `draft="mtp"`:
+    the target's own MTP blocks draft (`ggufspec.mtp`; the target must be a path).
     """
 
     def __init__(self, target, draft=None, *, n_ctx: int = 4096, n_threads: int | None = None,
@@ -240,7 +244,8 @@ class SpeculativeDecoder:
         from .load import LoadParams, check_compatible, check_gguf_file, flash_attn_type
         self._owned: list = []
         self._closed = False
-        for model, role in ((target, "target"), (draft, "draft")):  # fail before loading anything
+        mtp = isinstance(draft, str) and draft == MTP
+        for model, role in ((target, "target"), (None if mtp else draft, "draft")):  # fail before loading anything
             if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
                 check_gguf_file(model, role)
         flash_attn_type(flash_attn)  # a bad setting fails before loading anything
@@ -250,7 +255,7 @@ class SpeculativeDecoder:
         self.n_gpu_layers = n_gpu_layers  # as loaded, for reports (bench passes them to llama.cpp's tools)
         self.n_gpu_layers_draft = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
         target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict,
-                                   flash_attn=flash_attn, devices=devices, swa_full=swa_full,
+                                   flash_attn=flash_attn, devices=devices, swa_full=swa_full, load_mtp=mtp,
                                    tensor_split=tuple(tensor_split) if tensor_split else None)
         draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full,
                                   n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
@@ -258,7 +263,10 @@ class SpeculativeDecoder:
             self.target_llm = self._open(target, "target", target_params, strict)
             self.target = Context(self.target_llm, "target")
             self.draft_llm = self.draft = None
-            if draft is not None:
+            if mtp:  # the target's own MTP blocks draft: same vocabulary, no second model
+                from .mtp import open_mtp
+                self.draft = open_mtp(self.target)
+            elif draft is not None:
                 self.draft_llm = self._open(draft, "draft", draft_params, False)
                 self.draft = Context(self.draft_llm, "draft")
                 if check_vocab:
@@ -268,7 +276,8 @@ class SpeculativeDecoder:
         except BaseException:
             self.close()
             raise
-        self._costs_key = _costs_key(target, draft, n_threads, n_gpu_layers, n_gpu_layers_draft, costs_tag)
+        self._costs_key = _costs_key(target, None if mtp else draft, n_threads, n_gpu_layers, n_gpu_layers_draft,
+                                     costs_tag + ("mtp" if mtp else ""))
         self._costs: dict[str, Costs] = _load_costs(self._costs_key)
 
     def _open(self, model, role, params, strict):
