@@ -334,9 +334,14 @@ class AutoDrafting:
     """
 
     PROBE_FIRST, PROBE_LONGEST = 4, 64  # candidates between probes of a bucket that does not pay
+    # n-gram proposals are free to draft, and on a CPU a batch of 17 cost about 5 single tokens
+    # (T(n) flattens where llama.cpp's batched kernels take over): a long copy is proposed in long
+    # steps, up to this many tokens even where --draft-max (the draft model's K) is lower
+    NGRAM_K_MAX = 16
 
     def __init__(self, ngram: NgramDrafter, model: ModelDrafter | None, costs: Costs, k_max: int):
-        self.ngram, self.model, self.costs, self.k_max = ngram, model, costs, k_max
+        self.ngram, self.model, self.costs = ngram, model, costs
+        self.k_max = max(k_max, self.NGRAM_K_MAX)
         self.context = model.context if model is not None else None
         self.model_k = AdaptiveK(k_max, costs=costs) if model is not None else None
         self.tallies = costs.ngram

@@ -345,7 +345,7 @@ class SpeculativeDecoder:
         if adaptive:  # the machine's costs outlive a generation
             costs = self._costs.setdefault(drafter, Costs())
             if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
-                measure_step_costs(self.target, chosen.context, costs, token=tokens[0])
+                measure_step_costs(self.target, chosen.context, costs, sizes=(1, 2, 4, 8, 16), token=tokens[0])
             if chosen is not None:  # n-gram proposals where they pay, the draft model's (if any) otherwise
                 chosen = controller = AutoDrafting.over(chosen, self._drafter("lookup", 0.0), costs, draft_max)
             else:
