@@ -222,17 +222,29 @@ class Costs:
 
 
 def _batch_model(measured: dict[int, float]):
+    """T(n) from the least times measured for some sizes: those where measured, straight lines
+    between neighbouring sizes elsewhere, and beyond the largest the slope of the last two. Not one
+    line through all: T(n) is concave on CPUs, where llama.cpp's batched kernels take over (one
+    measured T(3) = 2.1 T(1), T(9) = 3.4 T(1), T(17) = 4.5 T(1)), and a line through those would
+    price long drafts at twice their cost."""
     sizes = sorted(measured)
     if len(sizes) == 1:  # one size seen: assume a memory-bound target (a batch costs about one token)
         only = measured[sizes[0]]
         return lambda n: measured.get(n, only)
-    # least squares through (n, T(n)), written out: a handful of points, called on the hot path
-    mean_n = sum(sizes) / len(sizes)
-    mean_t = sum(measured.values()) / len(sizes)
-    slope = (sum((n - mean_n) * (measured[n] - mean_t) for n in sizes)
-             / sum((n - mean_n) ** 2 for n in sizes))
-    intercept = mean_t - slope * mean_n
-    return lambda n: measured[n] if n in measured else max(intercept + slope * n, 1e-6)
+    last, before = sizes[-1], sizes[-2]
+    tail_slope = max((measured[last] - measured[before]) / (last - before), 0.0)
+
+    def batch(n: int) -> float:
+        if n in measured:
+            return measured[n]
+        if n > last:
+            return measured[last] + tail_slope * (n - last)
+        if n < sizes[0]:
+            return measured[sizes[0]]
+        high = next(size for size in sizes if size > n)  # the neighbours: a handful of sizes, no bisect
+        low = max(size for size in sizes if size < n)
+        return measured[low] + (measured[high] - measured[low]) * (n - low) / (high - low)
+    return batch
 
 
 class AdaptiveK:
@@ -338,6 +350,7 @@ class AutoDrafting:
     # (T(n) flattens where llama.cpp's batched kernels take over): a long copy is proposed in long
     # steps, up to this many tokens even where --draft-max (the draft model's K) is lower
     NGRAM_K_MAX = 16
+    PROBE_MAX_LAG = 8  # tokens the draft model may have to catch up for a probe of it
 
     def __init__(self, ngram: NgramDrafter, model: ModelDrafter | None, costs: Costs, k_max: int):
         self.ngram, self.model, self.costs = ngram, model, costs
@@ -398,12 +411,21 @@ class AutoDrafting:
                 self._source = bucket
                 proposals = candidate.tokens[:k_ngram]
                 return proposals, self.ngram.point_masses(proposals, params)
-        self._source = "model" if self._model_choice > 0 else None
+        self._source = "model" if self._model_choice > 0 and self._model_may_draft(tokens) else None
         if self._source is None:
             return [], []
         proposals, probs = self.model.propose(tokens, min(k, self._model_choice), params, rng)
         self.catch_up_seconds = self.model.catch_up_seconds
         return proposals, probs
+
+    def _model_may_draft(self, tokens: list[int]) -> bool:
+        """The draft model's K stands where it expects to pay; a probe (K > 0 though K = 0 has the
+        best expected rate) only while the draft is nearly caught up: after the n-gram source or
+        the target alone made the text, the draft would first evaluate all it skipped (on a CPU,
+        the first probe of a generation evaluated a 163-token prompt: 11 target tokens' time)."""
+        if len(tokens) - self.context.n_past <= self.PROBE_MAX_LAG:
+            return True
+        return self.model_k.rates(self._model_choice)[self._model_choice] > 1.0 / self.costs.batch_model()(1)
 
     def observe(self, k, n_accepted, draft_seconds, verify_seconds) -> None:
         source = self._source if k > 0 else None

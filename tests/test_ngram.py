@@ -94,7 +94,8 @@ def test_auto_drafts_long_copies_and_probes_cheaply():
     auto = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, memory_bound_costs(), k_max=8)
     auto.choose(8)
     proposals, _ = auto.propose(tokens, 8, GREEDY, None)
-    assert proposals == [264, 265, 266, 267, 268, 269] + list(range(260, 270))  # up to NGRAM_K_MAX = 16
+    cycle = [264, 265, 266, 267, 268, 269] + list(range(260, 270))  # up to NGRAM_K_MAX = 16
+    assert len(proposals) >= 8 and proposals == cycle[:len(proposals)]
     # where nothing can pay, a candidate is not proposed, except a one-token probe now and then
     stingy = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, compute_bound_costs(), k_max=8)
     sizes = []
