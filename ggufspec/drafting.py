@@ -13,16 +13,13 @@ from collections import deque
 
 import numpy as np
 
-from .costmodel import tokens_per_second
+from .costmodel import expected_tokens, tokens_per_second
 from .errors import DecodeError
 from .native import Context, common_prefix_length
+from .ngram import HybridDrafter, NgramDrafter, NgramTallies, bucket_of  # noqa: F401  (drafting.HybridDrafter)
 from .sampling import SamplingParams, distribution, greedy_token, sample
 
-
-def _point_mass(token: int, n_vocab: int) -> np.ndarray:
-    q = np.zeros(n_vocab)
-    q[token] = 1.0
-    return q
+LookupDrafter = NgramDrafter  # the name it had when it looked in the sequence only
 
 
 class VocabBridge:
@@ -135,60 +132,6 @@ def _softmax_at(logits: np.ndarray, token: int) -> float:
     return float(math.exp(float(logits[token]) - top) / np.exp(logits - top, dtype=np.float64).sum())
 
 
-class LookupDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (longest n
-    first) and propose what followed it. An append-only index of n-gram end positions keeps each
-    lookup O(1)."""
-
-    context = None
-    catch_up_seconds = 0.0
-
-    def __init__(self, n_vocab: int, ngram_max: int = 3, ngram_min: int = 1):
-        self.n_vocab = n_vocab
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
-        self._index: dict[tuple, int] = {}
-        self._indexed = 0  # n-grams ending before this position are indexed
-
-    def _extend_index(self, tokens: list[int]) -> None:
-        # index every n-gram that ends before the last token, so the sequence's own suffix never matches itself
-        for end in range(max(self._indexed, 1), len(tokens)):
-            for n in range(self.ngram_min, self.ngram_max + 1):
-                if end - n >= 0:
-                    self._index[tuple(tokens[end - n:end])] = end
-        self._indexed = max(self._indexed, len(tokens))
-
-    def match(self, tokens: list[int], k: int) -> list[int]:
-        self._extend_index(tokens)
-        for n in range(self.ngram_max, self.ngram_min - 1, -1):
-            end = self._index.get(tuple(tokens[-n:])) if len(tokens) > n else None
-            if end is not None and end < len(tokens):
-                return tokens[end:end + k]
-        return []
-
-    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
-        proposals = self.match(tokens, k) if k > 0 else []
-        probs = [] if params.greedy else [_point_mass(t, self.n_vocab) for t in proposals]
-        return proposals, probs
-
-
-class HybridDrafter:
-    """A lookup match when there is one (free to draft), the draft model otherwise."""
-
-    def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
-        self.lookup, self.model = lookup, model
-        self.context = model.context
-        self.catch_up_seconds = 0.0
-
-    def propose(self, tokens, k, params, rng):
-        proposals, probs = self.lookup.propose(tokens, k, params, rng)
-        if proposals:
-            self.catch_up_seconds = 0.0
-            return proposals, probs
-        proposals, probs = self.model.propose(tokens, k, params, rng)
-        self.catch_up_seconds = self.model.catch_up_seconds
-        return proposals, probs
-
-
 # ---------------------------------------------------------------- how many tokens to draft
 
 class FixedK:
@@ -215,9 +158,11 @@ class Costs:
         self.draft_times: deque = deque(maxlen=8)
         self.batch_times: dict[int, deque] = {}
         self._model = None  # T(n), rebuilt only when a least measurement changes
+        self.ngram = NgramTallies()  # how often n-gram proposals were kept: a prior for the next generation
 
     def to_dict(self) -> dict:
-        return {"draft": list(self.draft_times), "batch": {str(n): list(t) for n, t in self.batch_times.items()}}
+        return {"draft": list(self.draft_times), "batch": {str(n): list(t) for n, t in self.batch_times.items()},
+                "ngram": self.ngram.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Costs":
@@ -225,6 +170,7 @@ class Costs:
         costs.draft_times.extend(float(t) for t in data.get("draft", []))
         for n, times in data.get("batch", {}).items():
             costs.batch_times[int(n)] = deque((float(t) for t in times), maxlen=8)
+        costs.ngram = NgramTallies(data.get("ngram") if isinstance(data.get("ngram"), dict) else None)
         return costs
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
@@ -276,17 +222,29 @@ class Costs:
 
 
 def _batch_model(measured: dict[int, float]):
+    """T(n) from the least times measured for some sizes: those where measured, straight lines
+    between neighbouring sizes elsewhere, and beyond the largest the slope of the last two. Not one
+    line through all: T(n) is concave on CPUs, where llama.cpp's batched kernels take over (one
+    measured T(3) = 2.1 T(1), T(9) = 3.4 T(1), T(17) = 4.5 T(1)), and a line through those would
+    price long drafts at twice their cost."""
     sizes = sorted(measured)
     if len(sizes) == 1:  # one size seen: assume a memory-bound target (a batch costs about one token)
         only = measured[sizes[0]]
         return lambda n: measured.get(n, only)
-    # least squares through (n, T(n)), written out: a handful of points, called on the hot path
-    mean_n = sum(sizes) / len(sizes)
-    mean_t = sum(measured.values()) / len(sizes)
-    slope = (sum((n - mean_n) * (measured[n] - mean_t) for n in sizes)
-             / sum((n - mean_n) ** 2 for n in sizes))
-    intercept = mean_t - slope * mean_n
-    return lambda n: measured[n] if n in measured else max(intercept + slope * n, 1e-6)
+    last, before = sizes[-1], sizes[-2]
+    tail_slope = max((measured[last] - measured[before]) / (last - before), 0.0)
+
+    def batch(n: int) -> float:
+        if n in measured:
+            return measured[n]
+        if n > last:
+            return measured[last] + tail_slope * (n - last)
+        if n < sizes[0]:
+            return measured[sizes[0]]
+        high = next(size for size in sizes if size > n)  # the neighbours: a handful of sizes, no bisect
+        low = max(size for size in sizes if size < n)
+        return measured[low] + (measured[high] - measured[low]) * (n - low) / (high - low)
+    return batch
 
 
 class AdaptiveK:
@@ -305,11 +263,8 @@ class AdaptiveK:
     K_FIRST = 3
     IDLE_WHEN_NO_DRAFT_PAYS = 1024
 
-    def __init__(self, k_max: int = 8, k_first: int = K_FIRST, costs: Costs | None = None, free: bool = False):
+    def __init__(self, k_max: int = 8, k_first: int = K_FIRST, costs: Costs | None = None):
         self.k_max, self.k_first = k_max, k_first
-        # a free drafter (lookup) proposes only when it has a match, and a probe without one costs
-        # nothing: it keeps probing often rather than less and less
-        self.free = free
         self.costs = costs if costs is not None else Costs()
         self.accepted = 0.0
         self.rejected = 0.0
@@ -368,71 +323,119 @@ class AdaptiveK:
             return best
         if self.probe_due:
             self.probe_due = False
-            self.probe_interval = 4 if self.free else min(self.probe_interval * 2, 128)
+            self.probe_interval = min(self.probe_interval * 2, 128)
             return min(self.k_first, limit)
         self.idle = self.probe_interval - 1  # then a probe, if K=0 still wins
         self.probe_due = True
         return 0
 
 
-class FreeDrafts(Costs):
-    """The costs of a drafter that costs nothing (n-gram lookup): the same target batch times as
-    `shared` (one target, one machine), no draft time."""
-
-    def __init__(self, shared: Costs):
-        self.shared = shared
-        self.draft_times = deque()
-
-    @property
-    def batch_times(self):
-        return self.shared.batch_times
-
-    def batch_model(self):
-        return self.shared.batch_model()
-
-    def add_batch(self, n: int, seconds: float) -> None:
-        self.shared.add_batch(n, seconds)
-
-    def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
-        self.shared.add_batch(k + 1, verify_seconds)
-
-
 class AutoDrafting:
-    """`--draft auto` with a draft model: the n-gram lookup's proposal where it has a match and
-    pays (it costs no drafting: a text that repeats itself, a file being edited), else the draft
-    model's; each source with its own K controller (its own acceptance) over the same target costs.
+    """`--draft auto`: n-gram proposals where they pay, else the draft model's (if any), else none.
 
-    It is both the loop's drafter and its controller: `choose` asks both controllers, `propose`
-    uses the lookup when its K > 0 and it has a match, and `observe` credits the source used.
+    It is both the loop's drafter and its controller. `choose` only bounds K (and lets the draft
+    model's controller decide its own K); `propose` looks for an n-gram candidate and prices it.
+    A candidate costs no drafting: proposing k of its tokens turns the step's target call into a
+    batch of k + 1, so it pays when E(a, k) / T(k + 1) beats the alternative, 1 / T(1) (the target
+    alone) or the draft model's expected rate. a, the chance each proposed token is kept, is
+    estimated per bucket of how long the candidate's context agrees with the sequence
+    (`NgramTallies`: a long copied stretch is kept far more often than a 2-token coincidence),
+    starting from what earlier generations on this machine saw. A bucket that does not pay is
+    still probed now and then with a single token, the cheapest verification (T(2) - T(1)), less
+    often after each probe that fails.
     """
 
-    def __init__(self, lookup: LookupDrafter, model: ModelDrafter, costs: Costs, k_max: int):
-        self.lookup, self.model = lookup, model
-        self.context = model.context
-        self.model_k = AdaptiveK(k_max, costs=costs)
-        self.lookup_k = AdaptiveK(k_max, costs=FreeDrafts(costs))
+    PROBE_FIRST, PROBE_LONGEST = 4, 64  # candidates between probes of a bucket that does not pay
+    # n-gram proposals are free to draft, and on a CPU a batch of 17 cost about 5 single tokens
+    # (T(n) flattens where llama.cpp's batched kernels take over): a long copy is proposed in long
+    # steps, up to this many tokens even where --draft-max (the draft model's K) is lower
+    NGRAM_K_MAX = 16
+    PROBE_MAX_LAG = 8  # tokens the draft model may have to catch up for a probe of it
+
+    def __init__(self, ngram: NgramDrafter, model: ModelDrafter | None, costs: Costs, k_max: int):
+        self.ngram, self.model, self.costs = ngram, model, costs
+        self.k_max = max(k_max, self.NGRAM_K_MAX)
+        self.context = model.context if model is not None else None
+        self.model_k = AdaptiveK(k_max, costs=costs) if model is not None else None
+        self.tallies = costs.ngram
         self.catch_up_seconds = 0.0
-        self._chosen = (0, 0)
-        self._source = None
+        self._model_choice = 0
+        self._source = None       # of the current step: a bucket name, "model" or None
+        self._probe_wait: dict[str, list[int]] = {}  # bucket -> [candidates since its last probe, interval]
+
+    @classmethod
+    def over(cls, chosen, ngram: NgramDrafter, costs: Costs, k_max: int) -> "AutoDrafting":
+        """Around what `SpeculativeDecoder._drafter` chose: a model, a lookup or a hybrid drafter."""
+        model = chosen if isinstance(chosen, ModelDrafter) else getattr(chosen, "model", None)
+        ngram = chosen if isinstance(chosen, NgramDrafter) else getattr(chosen, "lookup", ngram)
+        return cls(ngram, model, costs, k_max)
 
     def choose(self, max_k: int) -> int:
-        self._chosen = (self.lookup_k.choose(max_k), self.model_k.choose(max_k))
-        return max(self._chosen)
+        self._model_choice = self.model_k.choose(max_k) if self.model_k is not None else 0
+        return min(max(self.k_max, self._model_choice), max_k)
+
+    def alternative_rate(self) -> float:
+        """Tokens per second without an n-gram draft this step: the draft model's K, or the target alone."""
+        alone = 1.0 / self.costs.batch_model()(1)
+        if self._model_choice > 0:
+            return max(alone, self.model_k.rates(self._model_choice)[self._model_choice])
+        return alone
+
+    def ngram_k(self, candidate, bucket: str) -> int:
+        """How many of the candidate's tokens to propose: the K with the best expected rate, 0 when
+        none beats the alternative (then 1 now and then, as a probe)."""
+        batch = self.costs.batch_model()
+        a = min(self.tallies.acceptance(bucket), 0.999)
+        best_k, best_rate = 0, self.alternative_rate()
+        for k in range(1, len(candidate.tokens) + 1):
+            rate = expected_tokens(a, k) / batch(k + 1)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        wait = self._probe_wait.setdefault(bucket, [0, self.PROBE_FIRST])
+        if best_k:
+            wait[:] = [0, self.PROBE_FIRST]
+            return best_k
+        wait[0] += 1
+        if wait[0] < wait[1]:
+            return 0
+        wait[:] = [0, min(2 * wait[1], self.PROBE_LONGEST)]  # reset to the first interval if it is kept
+        return 1
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
-        k_lookup, k_model = self._chosen
         self.catch_up_seconds = 0.0
-        if k_lookup > 0:
-            proposals, probs = self.lookup.propose(tokens, k_lookup, params, rng)
-            if proposals:
-                self._source = self.lookup_k
-                return proposals, probs
-        self._source = self.model_k if k_model > 0 else None
+        candidate = self.ngram.candidate(tokens, min(k, self.k_max))
+        if candidate is not None and candidate.tokens:
+            bucket = bucket_of(candidate)
+            k_ngram = self.ngram_k(candidate, bucket)
+            if k_ngram:
+                self._source = bucket
+                proposals = candidate.tokens[:k_ngram]
+                return proposals, self.ngram.point_masses(proposals, params)
+        self._source = "model" if self._model_choice > 0 and self._model_may_draft(tokens) else None
         if self._source is None:
             return [], []
-        proposals, probs = self.model.propose(tokens, k_model, params, rng)
+        proposals, probs = self.model.propose(tokens, min(k, self._model_choice), params, rng)
         self.catch_up_seconds = self.model.catch_up_seconds
         return proposals, probs
 
+    def _model_may_draft(self, tokens: list[int]) -> bool:
+        """The draft model's K stands where it expects to pay; a probe (K > 0 though K = 0 has the
+        best expected rate) only while the draft is nearly caught up: after the n-gram source or
+        the target alone made the text, the draft would first evaluate all it skipped (on a CPU,
+        the first probe of a generation evaluated a 163-token prompt: 11 target tokens' time)."""
+        if len(tokens) - self.context.n_past <= self.PROBE_MAX_LAG:
+            return True
+        return self.model_k.rates(self._model_choice)[self._model_choice] > 1.0 / self.costs.batch_model()(1)
+
     def observe(self, k, n_accepted, draft_seconds, verify_seconds) -> None:
-        (self._source or self.model_k).observe(k, n_accepted, draft_seconds, verify_seconds)
+        source = self._source if k > 0 else None
+        if source is None or source == "model":
+            if self.model_k is not None:
+                self.model_k.observe(k, n_accepted, draft_seconds, verify_seconds)
+            else:
+                self.costs.observe(k, draft_seconds, verify_seconds)
+            return
+        self.costs.add_batch(k + 1, verify_seconds)  # no draft time: an n-gram proposal is free
+        self.tallies.observe(source, k, n_accepted)
+        if k == 1 and n_accepted == 1:  # a probe kept: probe this bucket soon again
+            self._probe_wait[source] = [0, self.PROBE_FIRST]

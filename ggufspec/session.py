@@ -11,11 +11,12 @@ loading and placement concerns, and they live here.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .errors import GgufspecError
+from .ngram import DEFAULT_POOL_SIZE, NgramPool
 from .speculate import SpeculativeDecoder
 
 Log = Callable[[str], None]
@@ -31,9 +32,11 @@ class ModelOptions:
 
     pair: str | None = None
     model: str | None = None            # -m: a GGUF path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT
-    model_draft: str | None = None      # -md
+    model_draft: str | None = None      # -md; with -m alone, one is chosen (`finddraft`)
+    draft_dir: str | None = None        # --draft-dir: a folder of drafts to choose from, besides the store
     no_draft: bool = False              # the target alone: no draft model is loaded
     needs_draft_model: bool = True      # False for n-gram lookup alone: no draft model is loaded either
+    lookup_pool: int = DEFAULT_POOL_SIZE  # --lookup-pool: n-grams the decoder's shared pool keeps
     n_ctx: int = 4096
     n_threads: int | None = None
     n_gpu_layers: int | None = None     # None: planned
@@ -53,6 +56,8 @@ class Session:
     target_path: str
     draft_path: str | None
     draft_k: int | None                 # the pair's recommended K, when a registry pair was named
+    # what drafts and why: {"kind": "model" | "ngram" | "none", "path": the draft's file or None, "why": ...}
+    draft_choice: dict = field(default_factory=lambda: {"kind": "none", "path": None, "why": ""})
 
     def __enter__(self):
         return self
@@ -66,33 +71,58 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
     if options.rpc:
         from .rpc import parse_endpoints
         parse_endpoints(options.rpc)
+    pool = NgramPool(options.lookup_pool)  # a bad size fails before anything loads
     pair = options.pair
     if pair is None and options.model is None:
         from .registry import load_registry
         pair = load_registry().default  # named, so that serve can call its model by the pair's name
-    skip_draft = options.no_draft or not options.needs_draft_model
-    target, draft, draft_k = resolve_models(pair, options.model, options.model_draft, skip_draft)
-    draft = None if skip_draft else draft
+    target, draft, draft_k, choice = resolve_models(pair, options, log)
     ngl, ngld = planned_offload(target, draft, options.n_ctx, draft_k or 3, options.n_gpu_layers,
                                 options.n_gpu_layers_draft, log)
     ngl, tensor_split = planned_rpc_split(target, options.rpc, ngl, options.n_ctx)
     decoder = open_decoder(target, draft, n_ctx=options.n_ctx, n_threads=options.n_threads, n_gpu_layers=ngl,
                            n_gpu_layers_draft=ngld, strict=options.strict, flash_attn=options.flash_attn,
                            rpc=options.rpc, tensor_split=tensor_split, swa_full=options.swa_full)
-    return Session(decoder, pair or Path(target).stem, target, draft, draft_k)
+    decoder.ngram_pool = pool  # n-grams of every request, for the next ones (`ngram`)
+    return Session(decoder, pair or Path(target).stem, target, draft, draft_k, choice.as_dict())
 
 
-def resolve_models(pair, model, model_draft, no_draft) -> tuple[str, str | None, int | None]:
-    """Target and draft paths (and the pair's recommended K) from -m/-md or a registry pair."""
-    from . import store
-    if model is not None:
-        if pair is not None:
-            raise GgufspecError("give a PAIR name or -m/-md files, not both")
-        if model_draft is None and not no_draft:
-            raise GgufspecError("-m needs a draft model too: add -md DRAFT.gguf (or --no-draft for the target alone)")
-        return store.resolve_model_arg(model), model_draft and store.resolve_model_arg(model_draft), None
-    target, draft, draft_k = store.pair_paths(pair)
-    return str(target), str(draft), draft_k
+def resolve_models(pair, options: ModelOptions, log: Log = _stderr):
+    """(target path, draft path or None, the pair's recommended K or None, the `DraftChoice`) from
+    -m/-md or a registry pair. With -m alone the draft is chosen (`finddraft`), and the choice logged."""
+    from . import finddraft, store
+    from .load import check_gguf_file
+    folders = [store.models_dir()] + [d for d in [finddraft.check_draft_dir(options.draft_dir)] if d]
+    skip = _no_draft_model(options)
+    if options.model is None:
+        target, draft, draft_k = store.pair_paths(pair)
+        choice = skip or finddraft.DraftChoice("model", str(draft), f"the registry pair {pair}")
+        return str(target), None if skip else str(draft), draft_k, choice
+    if pair is not None:
+        raise GgufspecError("give a PAIR name or -m/-md files, not both")
+    target = store.resolve_model_arg(options.model)
+    if skip:
+        return target, None, None, skip
+    if options.model_draft is not None:
+        draft = store.resolve_model_arg(options.model_draft)
+        check_gguf_file(target, "target")
+        check_gguf_file(draft, "draft")
+        finddraft.check_draft(target, draft, folders=folders)
+        return target, draft, None, finddraft.DraftChoice("model", draft, "given with -md")
+    check_gguf_file(target, "target")
+    choice = finddraft.choose_draft(target, folders)
+    log(choice.line())
+    return target, choice.path, None, choice
+
+
+def _no_draft_model(options: ModelOptions):
+    """The choice when the options load no draft model (--no-draft, --lookup), else None."""
+    from .finddraft import DraftChoice
+    if options.no_draft:
+        return DraftChoice("none", None, "--no-draft")
+    if not options.needs_draft_model:
+        return DraftChoice("ngram", None, "--lookup: n-gram drafting alone")
+    return None
 
 
 # ---------------------------------------------------------------- placement: GPU offload, RPC workers

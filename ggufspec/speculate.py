@@ -354,12 +354,11 @@ class SpeculativeDecoder:
         if adaptive:  # the machine's costs outlive a generation
             costs = self._costs.setdefault(drafter, Costs())
             if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
-                measure_step_costs(self.target, chosen.context, costs, token=tokens[0])
-            if isinstance(chosen, ModelDrafter):  # lookup too, where it has a match and pays
-                chosen = controller = AutoDrafting(LookupDrafter(self.target.n_vocab, ngram_min=2), chosen,
-                                                   costs, draft_max)
+                measure_step_costs(self.target, chosen.context, costs, sizes=(1, 2, 4, 8, 16), token=tokens[0])
+            if chosen is not None:  # n-gram proposals where they pay, the draft model's (if any) otherwise
+                chosen = controller = AutoDrafting.over(chosen, self._drafter("lookup", 0.0), costs, draft_max)
             else:
-                controller = AdaptiveK(draft_max, costs=costs, free=drafter == "lookup")
+                controller = AdaptiveK(draft_max, costs=costs)
         else:
             controller = FixedK(n_draft)
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),
@@ -391,14 +390,17 @@ class SpeculativeDecoder:
             raise GgufspecError(f"--draft-p-min must be in [0, 1), got {p_min}")
         if n_min < 0:
             raise GgufspecError(f"--draft-min must be >= 0, got {n_min}")
-        if kind == "lookup":
-            return LookupDrafter(self.target.n_vocab, ngram_min=2)  # one-token matches are mostly noise
+        if kind == "lookup":  # n-grams of this sequence, and the pool every request of this decoder adds to
+            if getattr(self, "ngram_pool", None) is None:
+                from .ngram import NgramPool
+                self.ngram_pool = NgramPool()  # the default size; a session sets its own (--lookup-pool)
+            return LookupDrafter(self.target.n_vocab, self.ngram_pool)
         if self.draft is None:
             raise GgufspecError(f"the {kind} drafter needs a draft model: give -md, or use --lookup alone")
         model = ModelDrafter(self.draft, p_min, n_min)
         if kind == "model":
             return model
-        return HybridDrafter(LookupDrafter(self.target.n_vocab, ngram_min=2), model)
+        return HybridDrafter(self._drafter("lookup", p_min), model)
 
     def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Piece]:
         """Yield a `Piece` per generated token, as soon as the target has decided it."""

@@ -39,7 +39,7 @@ def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
             stats.stop_reason = "interrupted"
     if as_json:
         click.echo(json.dumps({"text": "".join(p.text for p in pieces), "tokens": [p.token for p in pieces],
-                               "stats": stats.to_dict()}))
+                               "stats": stats.to_dict(), "draft_choice": session.draft_choice}))
     else:
         click.echo("\n", err=True)
         click.echo(stats.llamacpp_block(), err=True)

@@ -7,6 +7,7 @@ import re
 import click
 
 from ..errors import GgufspecError
+from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import SamplingParams  # the sampling defaults, in one place
 
 
@@ -36,7 +37,13 @@ def model_options(command):
     return options(
         click.argument("pair", required=False),
         click.option("-m", "--model", "model", help="Target model (GGUF path, hf://... or OWNER/REPO:QUANT)."),
-        click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path)."),
+        click.option("-md", "--model-draft", "model_draft",
+                     help="Draft model (GGUF path) [default: one on disk with the target's tokenizer, at least 5x "
+                          "smaller; else the registry's pair; else n-gram drafting]."),
+        click.option("--draft-dir", "draft_dir", default=None, metavar="DIR",
+                     help="Also look for a draft model in this folder (besides ggufspec's models)."),
+        click.option("--lookup-pool", "lookup_pool", type=int, default=DEFAULT_POOL_SIZE, metavar="N",
+                     help="N-grams the n-gram pool keeps across requests (12 bytes each)."),
         click.option("-c", "--ctx-size", "n_ctx", default=4096, help="Context size in tokens."),
         click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads [default: physical cores]."),
         click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None,
@@ -81,10 +88,12 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
     """The Session the model options describe (consumed from `opts`); see `ggufspec.session`.
 
     --no-draft loads no draft model and, for run and chat, drafts nothing (K = 0). A server's requests
-    choose their own drafting: there it only leaves the draft model out (a request may ask for lookup)."""
+    choose their own drafting: there it only leaves the draft model out (a request may ask for lookup).
+    With -m alone and no draft model found, drafting is by n-gram (as --lookup)."""
     from ..session import ModelOptions, open_session as open_
     no_draft = opts.pop("no_draft")
     options = ModelOptions(pair=opts.pop("pair"), model=opts.pop("model"), model_draft=opts.pop("model_draft"),
+                           draft_dir=opts.pop("draft_dir"), lookup_pool=opts.pop("lookup_pool"),
                            no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
                            n_gpu_layers=opts.pop("n_gpu_layers"), n_gpu_layers_draft=opts.pop("n_gpu_layers_draft"),
                            flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"),
@@ -92,7 +101,10 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
                            needs_draft_model=not opts["lookup"])
     if no_draft and not requests_choose_drafting:
         opts["n_draft"] = "0"
-    return open_(options, log=lambda line: click.echo(line, err=True))
+    session = open_(options, log=lambda line: click.echo(line, err=True))
+    if session.draft_choice["kind"] == "ngram":
+        opts["lookup"], opts["hybrid"] = True, False
+    return session
 
 
 def stream_options(opts: dict) -> dict:

@@ -1,0 +1,240 @@
+"""A model's tokenizer as a fingerprint read from its GGUF header, to tell which models can draft
+for which: the same token texts and special tokens are what llama.cpp checks before pairing two
+models (`load.check_compatible` does it again on the loaded models). Never the file name.
+
+The header's key-value section is read here directly (a memory map, no tensor data): the token
+list is hashed as it lies in the file instead of being built as 150,000 Python objects, so a
+header reads in tens of milliseconds; fingerprints are remembered per file (path, size, mtime).
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import ModelFileError
+from .home import read_json, write_json
+
+FINGERPRINTS_FILE = "fingerprints.json"
+FINGERPRINTS_KEPT = 256
+FORMAT = "f1"  # of a remembered fingerprint: another format reads the header again
+VOCAB_CHECK_START = 5        # llama.cpp compares token texts from this id on (as load.check_compatible)
+VOCAB_MAX_SIZE_DIFFERENCE = 128
+SPECIAL_IDS = {"bos": "bos", "eos": "eos", "eot": "eot", "pad": "padding", "unk": "unknown"}  # name: GGUF key part
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What decides whether two models tokenize alike: the tokenizer's kind and pre-tokenizer, the
+    vocabulary (size, and a hash of the token texts from id VOCAB_CHECK_START on), the special ids."""
+
+    model: str                      # tokenizer.ggml.model: llama (SPM), gpt2 (BPE), ...
+    pre: str                        # tokenizer.ggml.pre ("default" when absent)
+    n_vocab: int
+    tokens_sha256: str
+    bos: int | None = None
+    eos: int | None = None
+    eot: int | None = None
+    pad: int | None = None
+    unk: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+
+
+# Fields whose difference keeps two models apart (as llama.cpp: BOS, EOS and the add flags);
+# eot, pad and unk are shown but not decisive (conversions of one family differ there).
+DECISIVE = ("model", "pre", "bos", "eos", "add_bos", "add_eos")
+LABELS = {"model": "tokenizer type", "pre": "pre-tokenizer", "n_vocab": "vocabulary size",
+          "tokens_sha256": "token texts", "bos": "BOS id", "eos": "EOS id", "add_bos": "add-BOS flag",
+          "add_eos": "add-EOS flag"}
+
+
+def read_fingerprint(path: str | os.PathLike) -> Fingerprint:
+    """The fingerprint of a local GGUF file, remembered per file (absolute path, size, mtime)."""
+    try:
+        stat = os.stat(path)
+    except OSError as exc:
+        raise ModelFileError(f"{path}: {exc.strerror}") from None
+    key = f"{FORMAT}|{os.path.abspath(os.fspath(path))}|{stat.st_size}|{stat.st_mtime_ns}"
+    known = read_json(FINGERPRINTS_FILE).get(key)
+    if isinstance(known, dict):
+        try:
+            return Fingerprint(**known)
+        except TypeError:  # written by another version
+            pass
+    found = _fingerprint_of(path)
+    data = read_json(FINGERPRINTS_FILE)
+    data.pop(key, None)
+    data[key] = asdict(found)
+    write_json(FINGERPRINTS_FILE, dict(list(data.items())[-FINGERPRINTS_KEPT:]))
+    return found
+
+
+def differences(target: Fingerprint, draft: Fingerprint, target_path=None, draft_path=None) -> list[str]:
+    """What keeps `draft` from drafting for `target`, one phrase per field ([] when it can).
+
+    Vocabulary sizes may differ by up to VOCAB_MAX_SIZE_DIFFERENCE (llama.cpp pairs such models,
+    `VocabBridge` maps the ids); the texts of the ids both have must then agree, which needs the two
+    token lists again (paths given), else the texts count as different."""
+    found = [f"{LABELS[f]} {getattr(draft, f)!r} vs {getattr(target, f)!r}" for f in DECISIVE
+             if getattr(target, f) != getattr(draft, f)]
+    if abs(target.n_vocab - draft.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
+        found.append(f"vocabulary sizes differ by more than {VOCAB_MAX_SIZE_DIFFERENCE}: "
+                     f"{draft.n_vocab} vs {target.n_vocab}")
+    elif target.n_vocab == draft.n_vocab:
+        if target.tokens_sha256 != draft.tokens_sha256:
+            found.append("token texts")
+    else:
+        shared = min(target.n_vocab, draft.n_vocab)
+        if target_path is None or draft_path is None or _tokens_digest(target_path, shared) != _tokens_digest(draft_path, shared):
+            found.append(f"token texts (of the {shared} ids both have)")
+    return found
+
+
+def first_token_difference(target_path, draft_path) -> str:
+    """Where two token lists first differ, in words (reads both lists: for error messages only)."""
+    target, draft = _token_texts(target_path), _token_texts(draft_path)
+    for token in range(VOCAB_CHECK_START, min(len(target), len(draft))):
+        if target[token] != draft[token]:
+            return f"token {token}: {draft[token]!r} vs {target[token]!r}"
+    return "the lists are equal"
+
+
+def _token_texts(path) -> list[str]:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        offset = 24
+        for _ in range(struct.unpack_from("<Q", data, 16)[0]):
+            key, offset = _string(data, offset)
+            (kind,), offset = struct.unpack_from("<I", data, offset), offset + 4
+            if kind != _ARRAY:
+                offset = _string(data, offset)[1] if kind == _STRING else offset + struct.calcsize(_SCALARS[kind])
+                continue
+            (item_kind, count), offset = struct.unpack_from("<IQ", data, offset), offset + 12
+            if key == "tokenizer.ggml.tokens":
+                texts = []
+                for _ in range(count):
+                    text, offset = _string(data, offset)
+                    texts.append(text)
+                return texts
+            offset = _skip_array(data, offset, item_kind, count)
+    return []
+
+
+def _fingerprint_of(path) -> Fingerprint:
+    values, tokens = _read_header(path, upto=None)
+    n_vocab, digest = tokens if tokens else (0, "")
+    special = {name: _int(values.get(f"tokenizer.ggml.{key}_token_id")) for name, key in SPECIAL_IDS.items()}
+    model = str(values.get("tokenizer.ggml.model", ""))
+    add_bos, add_eos = values.get("tokenizer.ggml.add_bos_token"), values.get("tokenizer.ggml.add_eos_token")
+    return Fingerprint(model=model, pre=str(values.get("tokenizer.ggml.pre") or "default"),
+                       n_vocab=n_vocab, tokens_sha256=digest, **special,
+                       # absent: llama.cpp's defaults (a BOS for SentencePiece vocabularies, never an EOS)
+                       add_bos=bool(add_bos) if add_bos is not None else model == "llama",
+                       add_eos=bool(add_eos) if add_eos is not None else False)
+
+
+def _tokens_digest(path, upto: int) -> str:
+    return _read_header(path, upto=upto)[1][1]
+
+
+def _int(value):
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# ---------------------------------------------------------------- the GGUF key-value section
+
+def _read_header(path, upto: int | None) -> tuple[dict, tuple[int, str] | None]:
+    """The header's scalar and string values by key, and (token count, sha256 of the token texts
+    from id VOCAB_CHECK_START to `upto` or the end) as the file stores them."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _parse(data, str(path), upto)
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"{path}: cannot read its GGUF header ({exc})") from None
+    except (struct.error, IndexError, UnicodeDecodeError):
+        raise ModelFileError(f"{path}: its GGUF header is cut short or damaged") from None
+
+
+def _parse(data, name: str, upto: int | None):
+    if data[:4] != b"GGUF":
+        raise ModelFileError(f"{name}: not a GGUF file (no GGUF magic)")
+    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+    if version < 2:
+        raise ModelFileError(f"{name}: GGUF version {version} is too old (2 or later)")
+    offset, values, tokens = 24, {}, None
+    for _ in range(n_kv):
+        key, offset = _string(data, offset)
+        (kind,), offset = struct.unpack_from("<I", data, offset), offset + 4
+        if kind == _ARRAY:
+            (item_kind, count), offset = struct.unpack_from("<IQ", data, offset), offset + 12
+            if key == "tokenizer.ggml.tokens" and item_kind == _STRING:
+                tokens, offset = _hash_strings(data, offset, count, upto)
+            else:
+                offset = _skip_array(data, offset, item_kind, count)
+        elif kind == _STRING:
+            values[key], offset = _string(data, offset)
+        elif kind in _SCALARS:
+            values[key] = struct.unpack_from(_SCALARS[kind], data, offset)[0]
+            offset += struct.calcsize(_SCALARS[kind])
+        else:
+            raise ModelFileError(f"{name}: unknown GGUF value type {kind} at key {key!r}")
+    return values, tokens
+
+
+def _string(data, offset: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", data, offset)
+    end = offset + 8 + length
+    if end > len(data):
+        raise ValueError("a string runs past the end of the file")
+    return bytes(data[offset + 8:end]).decode("utf-8", errors="replace"), end
+
+
+def _hash_strings(data, offset: int, count: int, upto: int | None) -> tuple[tuple[int, str], int]:
+    """sha256 of the serialized strings VOCAB_CHECK_START..upto (lengths and bytes as stored);
+    returns ((count, digest), the offset after the whole array)."""
+    unpack, stop = struct.Struct("<Q").unpack_from, count if upto is None else min(upto, count)
+    hash_from = hash_to = None
+    for i in range(count):
+        if i == VOCAB_CHECK_START:
+            hash_from = offset
+        if i == stop:
+            hash_to = offset
+        offset += 8 + unpack(data, offset)[0]
+    hash_from = offset if hash_from is None else hash_from
+    hash_to = offset if hash_to is None else hash_to
+    if offset > len(data):
+        raise ValueError("the token list runs past the end of the file")
+    return (count, hashlib.sha256(data[hash_from:max(hash_from, hash_to)]).hexdigest()), offset
+
+
+def _skip_array(data, offset: int, kind: int, count: int) -> int:
+    if kind in _SCALARS:
+        return offset + count * struct.calcsize(_SCALARS[kind])
+    if kind == _STRING:
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            offset += 8 + unpack(data, offset)[0]
+        return offset
+    raise ValueError(f"an array of GGUF type {kind}, which no tokenizer key uses")
+
+
+def describe(fingerprint: Fingerprint) -> str:
+    return f"{fingerprint.model}/{fingerprint.pre}, {fingerprint.n_vocab} tokens"
+
+
+def file_size(path: str | os.PathLike) -> int:
+    """Bytes of a model: all shards of a split GGUF (NAME-00001-of-0000N.gguf), else the file."""
+    path = Path(path)
+    stem = path.name
+    marker = stem.rfind("-00001-of-")
+    if marker < 0:
+        return path.stat().st_size
+    total = stem[marker + len("-00001-of-"):-len(".gguf")]
+    shards = [path.with_name(f"{stem[:marker]}-{i:05d}-of-{total}.gguf") for i in range(1, int(total) + 1)]
+    return sum(s.stat().st_size for s in shards if s.is_file())

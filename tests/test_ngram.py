@@ -1,0 +1,178 @@
+"""N-gram drafting (`ggufspec.ngram`): the sequence index and the pool shared across requests, its
+bounds, and the output: the target's own, greedy (K = 1..5 and auto) and sampled (chi-square)."""
+import numpy as np
+import pytest
+
+from ggufspec import SpeculativeDecoder
+from ggufspec.drafting import AutoDrafting, Costs
+from ggufspec.errors import GgufspecError
+from ggufspec.ngram import NgramDrafter, NgramPool, NgramTallies, SequenceIndex, bucket_of
+from ggufspec.sampling import SamplingParams
+from ggufspec.tinymodels import Shape, make_weights, write_model
+from reference import chi_square_pvalue, exact_first_and_second, prompts, same_as_target_alone, target_alone
+
+COPY_PROMPT = [1] + [260, 261, 262, 263, 264, 265, 266, 267, 268, 269] * 3
+GREEDY = SamplingParams(temperature=0)
+
+
+def test_the_longest_agreeing_place_wins():
+    tokens = [1, 9, 5, 6, 7, 2, 8, 5, 6, 3, 4, 9, 5, 6]
+    # (5, 6) was followed by 7 (after 9) and by 3 (after 8): the sequence ends 9 5 6, so 7 it is
+    index = SequenceIndex()
+    index.extend(tokens)
+    found = index.candidate(tokens, 3)
+    assert found.tokens == [7, 2, 8] and found.match_length == 3 and found.source == "sequence"
+    # past the sequence's end the copy follows itself: a repeating pattern proposes its next period
+    loop = [1, 4, 5, 4, 5]
+    index = SequenceIndex()
+    index.extend(loop)
+    assert index.candidate(loop, 5).tokens == [4, 5, 4, 5, 4]
+
+
+def test_the_pool_drafts_what_an_earlier_request_said():
+    pool = NgramPool(1 << 12)
+    earlier = [1] + list(range(300, 340))
+    NgramDrafter(500, pool).candidate(earlier, 4)  # indexes the earlier sequence into the pool
+    now = [1, 7, 7] + list(range(310, 318))  # ends with 8 tokens of the earlier text, not copied here
+    found = NgramDrafter(500, pool).candidate(now, 5)
+    assert found.source == "pool" and found.tokens == [318, 319, 320, 321, 322] and found.match_length == 8
+    assert bucket_of(found) == "pool:8"
+    assert NgramDrafter(500, None).candidate(now, 5) is None  # without the pool: nothing to copy
+
+
+def test_the_pool_is_bounded():
+    pool = NgramPool(64)
+    tokens = list(np.random.default_rng(0).integers(0, 50_000, size=20_000))
+    pool.add(tokens, 1, len(tokens))
+    assert pool.used <= 64 and len(pool.keys) == len(pool.next_tokens) == 64 and pool.nbytes == 64 * 12
+    assert NgramPool().nbytes == 12 << 20  # the default: 12 MiB
+    for size in (0, -5):
+        with pytest.raises(GgufspecError, match="--lookup-pool must be at least 1"):
+            NgramPool(size)
+
+
+def test_a_collision_is_a_miss_not_a_wrong_token():
+    pool = NgramPool(1)  # every n-gram in one slot: the latest wins, the others miss
+    pool.add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 3, 10)
+    assert pool.next_token([7, 8, 9], 3) == 10
+    assert pool.next_token([1, 2, 3], 3) is None
+
+
+def test_tallies_start_from_what_was_seen():
+    fresh = NgramTallies()
+    long_copy = "sequence:18"
+    assert fresh.acceptance(long_copy) > fresh.acceptance("sequence:2")  # before anything: longer is likelier
+    for _ in range(30):
+        fresh.observe(long_copy, 8, 8)
+        fresh.observe("sequence:2", 4, 0)
+    kept = NgramTallies(fresh.to_dict())  # the next generation, from the remembered tallies
+    assert kept.acceptance(long_copy) > 0.97 and kept.acceptance("sequence:2") < 0.1
+    costs = Costs.from_dict(Costs().to_dict() | {"ngram": fresh.to_dict()})
+    assert costs.ngram.acceptance(long_copy) == kept.acceptance(long_copy)
+
+
+def memory_bound_costs() -> Costs:
+    """T(n) about T(1) (a GPU): drafting pays when proposals are often kept."""
+    costs = Costs()
+    for n in range(1, 10):
+        for _ in range(3):
+            costs.add_batch(n, 1e-3 * (1 + 0.05 * (n - 1)))
+    return costs
+
+
+def compute_bound_costs() -> Costs:
+    """T(n) = n T(1): no draft can pay."""
+    costs = Costs()
+    for n in range(1, 10):
+        for _ in range(3):
+            costs.add_batch(n, 1e-3 * n)
+    return costs
+
+
+def test_auto_drafts_long_copies_and_probes_cheaply():
+    tokens = COPY_PROMPT + [260, 261, 262, 263]
+    auto = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, memory_bound_costs(), k_max=8)
+    auto.choose(8)
+    proposals, _ = auto.propose(tokens, 8, GREEDY, None)
+    cycle = [264, 265, 266, 267, 268, 269] + list(range(260, 270))  # up to NGRAM_K_MAX = 16
+    assert len(proposals) >= 8 and proposals == cycle[:len(proposals)]
+    # where nothing can pay, a candidate is not proposed, except a one-token probe now and then
+    stingy = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, compute_bound_costs(), k_max=8)
+    sizes = []
+    for _ in range(20):
+        stingy.choose(8)
+        sizes.append(len(stingy.propose(tokens, 8, GREEDY, None)[0]))
+        stingy.observe(sizes[-1], 0, 0.0, 1e-3 * (sizes[-1] + 1))
+    assert set(sizes) <= {0, 1} and 1 <= sum(sizes) <= 5, sizes
+
+
+@pytest.fixture(scope="module")
+def looping_target(tmp_path_factory):
+    """A tiny target that falls into loops (no EOS): its answers repeat, so n-gram drafts are kept."""
+    shape = Shape()
+    weights = make_weights(shape, seed=0)
+    weights["output.weight"][2] = 0
+    return write_model(tmp_path_factory.mktemp("ngram") / "looping.gguf", shape, weights)
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3, 4, 5, "auto"])
+def test_greedy_identical_to_the_target_alone(tiny_pair, looping_target, n_draft):
+    """Every prompt twice on one decoder: the second time the pool holds the first answer, so the
+    drafts come from an earlier request too."""
+    near_ties = checked = 0
+    for target in (tiny_pair[0], looping_target):
+        with SpeculativeDecoder(target, None, n_ctx=256, n_threads=1) as decoder:
+            decoder.ngram_pool = NgramPool(1 << 12)
+            for prompt in (prompts(3, seed=7) + [COPY_PROMPT]) * 2:
+                expected, margins, _ = target_alone(target, prompt, 60, decoder.n_ctx)
+                got = decoder.generate(prompt, n_predict=60, n_draft=n_draft, drafter="lookup")
+                if same_as_target_alone(got, expected, margins, f"lookup K={n_draft}"):
+                    checked += 1
+                else:
+                    near_ties += 1
+            assert decoder.ngram_pool.used > 0
+    assert near_ties <= 1 and checked >= 14
+
+
+def test_auto_with_a_draft_model_and_a_stale_pool_is_the_target_alone(tiny_pair):
+    """A pool full of wrong continuations (another text under the same n-grams) costs verifications only."""
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as decoder:
+        decoder.ngram_pool = NgramPool(1 << 12)
+        rng = np.random.default_rng(3)
+        for prompt in prompts(4, seed=9):
+            decoder.ngram_pool.add(prompt + list(rng.integers(259, 281, size=40)), 1, len(prompt) + 40)
+            expected, margins, _ = target_alone(target, prompt, 40, decoder.n_ctx)
+            for n_draft, drafter in (("auto", "model"), ("auto", "hybrid"), (3, "hybrid")):
+                got = decoder.generate(prompt, n_predict=40, n_draft=n_draft, drafter=drafter)
+                same_as_target_alone(got, expected, margins, f"{drafter} {n_draft}")
+
+
+PROMPT_8 = [1, 261, 262, 263, 264, 265, 266, 267]   # no repeats: only the pool can propose after it
+PROMPT_REPEAT = [1, 261, 262, 263, 261, 262]        # the sequence itself proposes 263, 261
+DRAWS = 3000
+
+
+@pytest.mark.parametrize("source", ["pool", "sequence"])
+def test_sampling_keeps_the_target_distribution(tiny_pair, source):
+    """Proposals from the pool (the likeliest tokens, so both keep and resample happen) or from the
+    sequence, K = 2: the first token and the first two are distributed as the target's (chi-square)."""
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+    prompt = PROMPT_8 if source == "pool" else PROMPT_REPEAT
+    p1, joint = exact_first_and_second(tiny_pair[0], prompt, params)
+    x = int(np.argmax(p1))
+    y = max((pair for pair in joint if pair[0] == x), key=joint.get)[1]
+    first, pairs, drafted = {}, {}, 0
+    with SpeculativeDecoder(tiny_pair[0], None, n_ctx=64, n_threads=1) as decoder:
+        decoder.ngram_pool = pool = NgramPool(1 << 10)
+        if source == "pool":
+            pool.add(PROMPT_8 + [x, y], 1, len(PROMPT_8) + 2)
+        for seed in range(DRAWS):
+            out = decoder.generate(prompt, n_predict=2, n_draft=2, drafter="lookup", temperature=params.temperature,
+                                   top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+            drafted += out.stats.n_drafted
+            first[out.tokens[0]] = first.get(out.tokens[0], 0) + 1
+            pairs[tuple(out.tokens)] = pairs.get(tuple(out.tokens), 0) + 1
+    assert drafted >= DRAWS  # every draw was drafted
+    assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) > 1e-3
+    assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
