@@ -22,7 +22,7 @@ _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 @dataclass(frozen=True)
 class DraftChoice:
-    """What drafts for a session: kind "model" (path: the draft's file), "ngram" or "none"; why, in words."""
+    """What drafts for a session: kind "model" (path: the draft's file), "mtp", "ngram" or "none"; why, in words."""
 
     kind: str
     path: str | None
@@ -33,6 +33,7 @@ class DraftChoice:
 
     def line(self) -> str:
         what = {"model": f"draft model {self.path}", "ngram": "n-gram drafting (no draft model)",
+                "mtp": "the target's own MTP blocks",
                 "none": "none (the target alone)"}[self.kind]
         return f"ggufspec: draft: {what}: {self.why}"
 

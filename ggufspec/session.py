@@ -17,7 +17,7 @@ from typing import Callable
 
 from .errors import GgufspecError
 from .ngram import DEFAULT_POOL_SIZE, NgramPool
-from .speculate import SpeculativeDecoder
+from .speculate import MTP, SpeculativeDecoder
 
 Log = Callable[[str], None]
 
@@ -77,7 +77,7 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
         from .registry import load_registry
         pair = load_registry().default  # named, so that serve can call its model by the pair's name
     target, draft, draft_k, choice = resolve_models(pair, options, log)
-    ngl, ngld = planned_offload(target, draft, options.n_ctx, draft_k or 3, options.n_gpu_layers,
+    ngl, ngld = planned_offload(target, None if draft == MTP else draft, options.n_ctx, draft_k or 3, options.n_gpu_layers,
                                 options.n_gpu_layers_draft, log)
     ngl, tensor_split = planned_rpc_split(target, options.rpc, ngl, options.n_ctx)
     decoder = open_decoder(target, draft, n_ctx=options.n_ctx, n_threads=options.n_threads, n_gpu_layers=ngl,
@@ -103,6 +103,8 @@ def resolve_models(pair, options: ModelOptions, log: Log = _stderr):
     target = store.resolve_model_arg(options.model)
     if skip:
         return target, None, None, skip
+    if options.model_draft == MTP or (options.model_draft is None and _has_mtp(target)):
+        return target, MTP, None, _mtp_choice(target, given=options.model_draft == MTP, log=log)
     if options.model_draft is not None:
         draft = store.resolve_model_arg(options.model_draft)
         check_gguf_file(target, "target")
@@ -113,6 +115,24 @@ def resolve_models(pair, options: ModelOptions, log: Log = _stderr):
     choice = finddraft.choose_draft(target, folders)
     log(choice.line())
     return target, choice.path, None, choice
+
+
+def _has_mtp(target: str) -> bool:
+    from .mtp import gguf_has_mtp
+    return Path(target).is_file() and gguf_has_mtp(target)
+
+
+def _mtp_choice(target: str, *, given: bool, log: Log):
+    """-md mtp, or -m alone on a target whose GGUF carries MTP (nextn) blocks: they draft, first choice."""
+    from .finddraft import DraftChoice
+    from .load import check_gguf_file
+    check_gguf_file(target, "target")
+    if not _has_mtp(target):
+        raise GgufspecError(f"-md mtp: {Path(target).name} has no MTP (nextn) blocks to draft with; "
+                            f"give a draft model with -md, or leave -md out to have one chosen")
+    choice = DraftChoice("mtp", None, "given with -md mtp" if given else "the target's GGUF carries MTP blocks")
+    log(choice.line())
+    return choice
 
 
 def _no_draft_model(options: ModelOptions):

@@ -397,7 +397,8 @@ class SpeculativeDecoder:
             return LookupDrafter(self.target.n_vocab, self.ngram_pool)
         if self.draft is None:
             raise GgufspecError(f"the {kind} drafter needs a draft model: give -md, or use --lookup alone")
-        model = ModelDrafter(self.draft, p_min, n_min)
+        from .mtp import MtpContext, MtpDrafter
+        model = (MtpDrafter if isinstance(self.draft, MtpContext) else ModelDrafter)(self.draft, p_min, n_min)
         if kind == "model":
             return model
         return HybridDrafter(self._drafter("lookup", p_min), model)

@@ -181,3 +181,32 @@ def test_llamacpp_drafts_the_same_with_its_mtp(mtp_model, decoders, k):
           f"ggufspec {ours.stats.n_drafted}, {ours.stats.n_accept}")
     assert 0 <= int(theirs["n_accept"]) - ours.stats.n_accept <= k + 1
     assert 0 <= int(theirs["n_drafted"]) - ours.stats.n_drafted <= 2 * k + 2
+
+
+# ---------------------------------------------------------------- as users reach it: the API's "mtp", -m alone, -md mtp
+
+def test_the_api_drafts_with_mtp_by_name(mtp_model):
+    prompt = prompts(1, seed=9)[0]
+    with SpeculativeDecoder(str(mtp_model), "mtp", n_ctx=256, n_threads=1, flash_attn="off") as decoder:
+        expected, margins, _ = target_alone(mtp_model, prompt, 32, decoder.n_ctx)
+        for k in (3, "auto"):
+            got = decoder.generate(prompt, n_predict=32, n_draft=k, temperature=0)
+            same_as_target_alone(got, expected, margins, f"mtp K={k}")  # fails on a real difference
+        assert decoder.generate(prompt, n_predict=32, n_draft=3).stats.n_drafted > 0
+
+
+def test_m_alone_on_an_mtp_target_drafts_with_its_mtp_blocks(mtp_model, tiny_pair):
+    import json
+    from click.testing import CliRunner
+    from ggufspec.cli import main
+    args = ["run", "-p", "the cat sat", "-n", "16", "-c", "256", "-t", "1", "--draft", "3", "--temp", "0", "--json"]
+    result = CliRunner().invoke(main, args + ["-m", str(mtp_model)])
+    assert result.exit_code == 0, result.output
+    assert "ggufspec: draft: the target's own MTP blocks" in result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["draft_choice"]["kind"] == "mtp" and payload["stats"]["n_drafted"] > 0
+    named = CliRunner().invoke(main, args + ["-m", str(mtp_model), "-md", "mtp"])
+    assert named.exit_code == 0 and json.loads(named.stdout)["text"] == payload["text"]
+    refused = CliRunner().invoke(main, args + ["-m", str(tiny_pair[0]), "-md", "mtp"])
+    lines = [line for line in refused.output.splitlines() if line.strip()]
+    assert refused.exit_code == 2 and len(lines) == 1 and "has no MTP (nextn) blocks" in lines[0], refused.output

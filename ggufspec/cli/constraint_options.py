@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import click
 
@@ -25,7 +26,7 @@ def constraint_options():
         click.option("--presence-penalty", default=Constraints.presence_penalty, help="Presence penalty (0: off)."),
         click.option("--frequency-penalty", default=Constraints.frequency_penalty, help="Frequency penalty (0: off)."),
         click.option("--grammar", default=None, help="A GBNF grammar the output must follow."),
-        click.option("--grammar-file", default=None, type=click.File("r", encoding="utf-8"),
+        click.option("--grammar-file", default=None, type=click.Path(exists=True, dir_okay=False),
                      help="Read the GBNF grammar from a file."),
         click.option("-j", "--json-schema", "json_schema", default=None,
                      help="A JSON schema the output must follow (as llama.cpp: turned into a grammar)."),
@@ -59,7 +60,7 @@ def _grammar(grammar: str | None, grammar_file, json_schema: str | None) -> str 
     if len(given) > 1:
         raise GgufspecError(f"choose one of {', '.join(given)}")
     if grammar_file is not None:
-        return grammar_file.read()
+        return Path(grammar_file).read_text(encoding="utf-8")
     if json_schema is not None:
         return schema_grammar(json_schema, "--json-schema")
     return grammar

@@ -9,6 +9,7 @@ import click
 from ..errors import GgufspecError
 from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import SamplingParams  # the sampling defaults, in one place
+from .constraint_options import constraint_options, constraints_from
 
 
 class RenamedOption(click.Option):
@@ -81,6 +82,7 @@ def generation_options(n_predict: int):
         click.option("--top-p", default=SamplingParams.top_p, help="Top-p (1: off)."),
         click.option("--min-p", default=SamplingParams.min_p, help="Min-p (0: off)."),
         click.option("-s", "--seed", type=int, default=None, help="Sampling seed [default: random]."),
+        *constraint_options(),
     )
 
 
@@ -116,7 +118,7 @@ def stream_options(opts: dict) -> dict:
             "draft_max": opts.pop("draft_max"), "draft_min": opts.pop("draft_min"),
             "draft_p_min": opts.pop("draft_p_min"), "drafter": "lookup" if lookup else "hybrid" if hybrid else "model",
             "temperature": opts.pop("temperature"), "top_k": opts.pop("top_k"), "top_p": opts.pop("top_p"),
-            "min_p": opts.pop("min_p"), "seed": opts.pop("seed")}
+            "min_p": opts.pop("min_p"), "seed": opts.pop("seed"), "constraints": constraints_from(opts)}
 
 
 def parse_draft(value: str):
@@ -131,6 +133,7 @@ def parse_draft(value: str):
 def check_defaults(opts: dict) -> None:
     """Sampling and draft defaults that would fail every request fail at start instead."""
     SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], opts["seed"])
+    constraints_from(dict(opts))  # a bad bias, penalty or grammar flag (the grammar itself is parsed at load)
     n_draft = parse_draft(opts["n_draft"])
     if n_draft != "auto" and n_draft < 0:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")

@@ -137,10 +137,11 @@ def check_engine_supports(shape: Shaping, supported: bool) -> Shaping:
                    "server_error", "not_implemented")
 
 
-def engine_constraints(shape: Shaping, trigger_tokens: tuple[int, ...]):
-    """The engine's Constraints for a request, or None when it asks for none."""
+def engine_constraints(shape: Shaping, trigger_tokens: tuple[int, ...], defaults=None):
+    """The engine's Constraints for a request: what it sets over the server's defaults (`serve`'s
+    --logit-bias, penalty and grammar flags; None: none), or None when neither asks for any."""
     if not shape.constraints:
-        return None
+        return defaults
     from ..processing import Constraints  # engine_supports made sure it is there
     options = dict(shape.constraints)
     if "grammar_patterns" in options:
@@ -148,4 +149,4 @@ def engine_constraints(shape: Shaping, trigger_tokens: tuple[int, ...]):
     for name in ("grammar_patterns", "grammar_trigger_tokens"):
         if name in options:
             options[name] = tuple(options[name])
-    return Constraints(**options)
+    return dataclasses.replace(defaults, **options) if defaults is not None else Constraints(**options)

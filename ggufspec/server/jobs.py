@@ -127,7 +127,8 @@ class Engine:
     def _generate(self, job: Job) -> None:
         tokens = self._prompt_tokens(job)
         options = dict(job.options)
-        constraints = engine_constraints(job.shape, self._single_tokens(job.shape.triggers))
+        constraints = engine_constraints(job.shape, self._single_tokens(job.shape.triggers),
+                                         options.pop("constraints", None))
         if constraints is not None:
             options["constraints"] = constraints
         if job.shape.logprobs is not None:
