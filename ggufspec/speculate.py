@@ -59,7 +59,8 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             if room <= 0:
                 stats.stop_reason = "n_predict" if n_generated >= max_tokens else "context"
                 return
-            k = controller.choose(room - 1) if drafter is not None else 0  # a step adds up to k + 1 tokens
+            # a step adds up to k + 1 tokens, verified in one batch (logits for every row: within n_batch)
+            k = controller.choose(min(room, target.n_batch) - 1) if drafter is not None else 0
             t0 = time.perf_counter()
             proposals, draft_probs = drafter.propose(tokens, k, judge.params, judge.rng) if k > 0 else ([], [])
             t1 = time.perf_counter()

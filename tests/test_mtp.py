@@ -40,8 +40,7 @@ class MtpDecoder:
         self.llm = open_model(path, "target", LoadParams(n_ctx=n_ctx, n_threads=1, n_batch=n_batch,
                                                          flash_attn=flash_attn, load_mtp=True))
         self.decoder = SpeculativeDecoder(self.llm, None, n_threads=1, flash_attn=flash_attn)
-        self.decoder.draft = open_mtp(self.decoder.target)
-        self.decoder._drafter = lambda kind, p_min, n_min=0: MtpDrafter(self.decoder.draft, p_min, n_min)
+        self.decoder.draft = open_mtp(self.decoder.target)  # as SpeculativeDecoder(path, "mtp") does, with n_batch
 
     def __enter__(self):
         return self.decoder
