@@ -18,6 +18,7 @@ whose it is, and replays it. It imports only engine modules.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -182,6 +183,40 @@ def _prompt_trace(name: str, number: int, record) -> PromptTrace:
     return trace
 
 
+TRACE_FOLDER = "traces"  # in ggufspec's home: traces recorded on this machine, found by pair
+
+
+def trace_files() -> list[Path]:
+    """The traces shipped with ggufspec (its data folder: trace-*.jsonl), then those in its home."""
+    from importlib import resources
+    from .home import home
+    shipped = Path(str(resources.files("ggufspec").joinpath("data")))
+    return sorted(shipped.glob("trace-*.jsonl")) + sorted((home() / TRACE_FOLDER).glob("*.jsonl"))
+
+
+def known_traces(identity: dict) -> list[Trace]:
+    """Every known trace recorded on this pair (unreadable ones are passed over: they are only hints)."""
+    found = []
+    for path in trace_files():
+        try:
+            trace = read_trace(path)
+        except TraceError:
+            continue
+        if same_pair(trace.pair, identity):
+            found.append(trace)
+    return found
+
+
+def merged(traces: list[Trace]) -> Trace | None:
+    """Several traces of one pair as one (all their prompts); None for none."""
+    if not traces:
+        return None
+    if len(traces) == 1:
+        return traces[0]
+    return Trace(traces[0].pair, [p for t in traces for p in t.prompts], " + ".join(t.source for t in traces))
+
+
+@functools.lru_cache(maxsize=8)  # the planner replays the same assumption for every option
 def synthetic_trace(acceptance: float, n_positions: int = 4096, seed: int = 0) -> Trace:
     """Agreement drawn independently at each position with probability `acceptance`: the model behind
     `costmodel` (Leviathan et al.), for a pair without a recorded trace."""
