@@ -10,6 +10,7 @@ which only matters at near-ties.)
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -88,5 +89,6 @@ class TraceRecorder:
     def write(self, path, meta: dict | None = None) -> Trace:
         if not self.prompts:
             raise GgufspecError("--record-trace: no prompt was run, nothing to record")
-        write_trace(path, self.identity, self.prompts, {"n_predict": self.n_predict, **(meta or {})})
-        return self.trace()
+        meta = {"n_predict": self.n_predict, **(meta or {})}
+        write_trace(path, self.identity, self.prompts, meta)
+        return Trace(self.identity, self.prompts, os.fspath(path), meta)
