@@ -380,22 +380,29 @@ def _agreeing(proposals: list[int], actual: list[int]) -> int:
 @dataclass
 class Prediction:
     policy: str
-    speedup: float              # median over the trace's prompts of rate / the target alone's rate
+    speedup: float              # against the target alone (see predict)
     tokens_per_second: float    # all prompts together
     acceptance: float           # accepted / drafted
     per_prompt: dict[str, float] = field(default_factory=dict)
 
 
 def predict(trace: Trace, curve: CostCurve, policy: Policy, prompts: list[str] | None = None) -> Prediction:
-    """Replay `policy` over the trace's prompts (or the named ones) and compare with the target alone."""
+    """Replay `policy` over the trace's prompts and compare with the target alone.
+
+    Named prompts (a bench's own, recorded in the same run): the median of their speedups, as bench
+    reports its measurement. Otherwise every prompt of the trace, pooled (all tokens over all
+    seconds): the trace stands for text like it, and a long answer weighs more than a short one."""
     chosen = [p for p in trace.prompts if prompts is None or p.prompt in prompts] or trace.prompts
-    per_prompt, total = {}, Replay()
+    per_prompt, total, alone = {}, Replay(), Replay()
     for p in chosen:
-        run, alone = replay_prompt(p, curve, policy), replay_prompt(p, curve, Policy(0))
-        per_prompt[p.prompt] = run.tokens_per_second / alone.tokens_per_second if alone.seconds else 0.0
+        run, by_itself = replay_prompt(p, curve, policy), replay_prompt(p, curve, Policy(0))
+        per_prompt[p.prompt] = run.tokens_per_second / by_itself.tokens_per_second if by_itself.seconds else 0.0
         for name in ("tokens", "seconds", "drafted", "accepted", "steps"):
             setattr(total, name, getattr(total, name) + getattr(run, name))
-    return Prediction(policy.name, statistics.median(per_prompt.values()), total.tokens_per_second,
+        alone.tokens, alone.seconds = alone.tokens + by_itself.tokens, alone.seconds + by_itself.seconds
+    pooled = total.tokens_per_second / alone.tokens_per_second if alone.seconds else 0.0
+    speedup = statistics.median(per_prompt.values()) if prompts is not None else pooled
+    return Prediction(policy.name, speedup, total.tokens_per_second,
                       total.accepted / total.drafted if total.drafted else 0.0, per_prompt)
 
 

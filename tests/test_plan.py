@@ -383,7 +383,7 @@ def test_plan_uses_measured_costs_and_says_no_gain_where_the_draft_hurts(tiny_pa
     assert result.exit_code == 0, result.output
     assert "costs: measured on this machine (-ngl 0 -ngld 0)" in result.output
     assert "no gain here" in result.output and "no draft" in result.output
-    assert "acceptance: assumed 70% a token: no trace of this pair" in result.output
+    assert "acceptance: assumed 70% a token (the planner's default" in result.output and "no trace" in result.output
     data = json.loads(plan_cli(tiny_pair, "--json").output)
     assert data["costs"].startswith("measured") and data["estimated"] is False and data["use_draft"] is False
     assert all(not o["pays"] and o["best"] < 1 for o in data["draft"])
@@ -434,3 +434,15 @@ def test_estimated_batch_costs_are_flat_on_a_gpu_and_grow_on_a_cpu(seed_pair):
     assert ratio(on_gpu, gpu, 8) == 1.0 and ratio(on_gpu, gpu, 16) == 2.0
     on_cpu = P.placement(target, 0, 4096)
     assert 1.5 < ratio(on_cpu, None, 4) < 4
+
+
+def test_measured_costs_of_any_thread_count_serve_a_plan_without_t(tiny_pair):
+    from ggufspec.home import read_json, write_json
+    from ggufspec.plan import measured as M
+    remember(tiny_pair, CPU_MS, 23.0, step_seconds=0.001)
+    data = read_json(M.COSTS_FILE)
+    data[M.costs_key(*tiny_pair, 2, 0, 0)] = data.pop(M.costs_key(*tiny_pair, None, 0, 0))
+    write_json(M.COSTS_FILE, data)
+    curve = M.measured_curve(*tiny_pair, None, 0, 0)
+    assert curve.source == "measured on this machine (-t 2, -ngl 0 -ngld 0)" and curve.step_seconds == 0.001
+    assert M.measured_curve(*tiny_pair, 4, 0, 0) is None and M.measured_curve(*tiny_pair, None, 1, 1) is None

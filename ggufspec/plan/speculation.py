@@ -83,8 +83,8 @@ def outlook_lines(found: list[DraftOutlook], curve: CostCurve, traces: list[Trac
             f"{trace_label(t)} ({Path(t.source).name}: {len(t.prompts)} prompts, {t.acceptance:.0%} a token)"
             for t in traces))
     else:
-        lines.append(f"acceptance: assumed {acceptance:.0%} a token: no trace of this pair "
-                     f"(record one: ggufspec bench --record-trace FILE, then plan --trace FILE)")
+        lines.append(f"acceptance: assumed {acceptance:.0%} a token (the planner's default, DEFAULT_ACCEPTANCE); "
+                     f"no trace of this pair: record one with ggufspec bench --record-trace FILE, then plan --trace FILE")
     for o in found:
         verdict = "" if o.pays else ": no gain here (run the target alone: --no-draft)"
         lines.append(f"draft here ({o.label}, {o.acceptance:.0%} a token): {o.at_k:.2f}x at K={n_draft}, best fixed "
