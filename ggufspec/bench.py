@@ -204,13 +204,16 @@ def _summarise(result: BenchResult) -> None:
 
 # ---------------------------------------------------------------- cost model: the predicted column
 
+DRAFT_SIZES = (1, 2, 3, 4)  # the draft's batches: one token, and what it catches up on after a step
+
+
 def measure_costs(decoder, k_max: int = 8, repeats: int = 5) -> dict:
-    """Median seconds of a target batch of n = 1..k_max+1 tokens, of a draft token, and of reading one
-    row of logits (an argmax over the vocabulary). The sizes take turns, repeat after repeat, so
+    """Median seconds of a target batch of n = 1..k_max+1 tokens, of a draft batch of DRAFT_SIZES
+    (draft_1: a token), and of reading one row of logits (an argmax over the vocabulary). The sizes take turns, repeat after repeat, so
     that a machine whose load drifts weighs on each of them alike."""
     tokens = decoder.tokenize("def fibonacci(n):\n    ")
     jobs = [("target", decoder.target, n) for n in range(1, k_max + 2)]
-    jobs += [("draft", decoder.draft, 1)] if decoder.draft is not None else []
+    jobs += [("draft", decoder.draft, n) for n in DRAFT_SIZES] if decoder.draft is not None else []
     samples: dict[str, list[float]] = {}
     for ctx in {id(ctx): ctx for _, ctx, _ in jobs}.values():
         ctx.keep(0)
@@ -231,10 +234,11 @@ def measure_costs(decoder, k_max: int = 8, repeats: int = 5) -> dict:
     return costs
 
 
-def cost_curve(costs: dict, result: BenchResult | None = None) -> CostCurve:
+def cost_curve(costs: dict, result: BenchResult | None = None, remembered: Costs | None = None) -> CostCurve:
     """measure_costs' figures as the simulator's curve. What a target-alone step costs beyond T(1)
     and its argmax (Python, and attention over a longer context than T(n) was timed at) is read
-    from the bench's own target-alone runs and charged to every step."""
+    from the bench's own target-alone runs and charged to every step. `remembered`: what `auto`'s
+    controller knew of this machine's costs (the decoder's, after the runs)."""
     batches = {int(key[7:]): t for key, t in costs.items() if key.startswith("target_")}
     row = costs.get("row", 0.0)
     step = 0.0
@@ -243,7 +247,11 @@ def cost_curve(costs: dict, result: BenchResult | None = None) -> CostCurve:
         per_token = statistics.median(r.decode_seconds / (r.n_predict + (r.stop == "eos")) for r in alone)
         step = max(per_token - batches[1] - row, 0.0)
     return curve_from_times(batches, costs.get("draft_1", 0.0), step_seconds=step, row_seconds=row,
-                            source="measured")
+                            source="measured", draft_batches=draft_batches(costs), remembered=remembered)
+
+
+def draft_batches(costs: dict) -> dict[int, float]:
+    return {int(key[6:]): t for key, t in costs.items() if key.startswith("draft_")}
 
 
 def remember_costs(decoder, costs: dict) -> None:
@@ -272,13 +280,14 @@ def _policy(config: Config) -> Policy | None:
     return Policy(int(n_draft), p_min=config.options.get("draft_p_min", 0.0))
 
 
-def add_cost_model(result: BenchResult, costs: dict, configs: list[Config], trace: Trace | None = None) -> None:
+def add_cost_model(result: BenchResult, costs: dict, configs: list[Config], trace: Trace | None = None,
+                   remembered: Costs | None = None) -> None:
     """The predicted column: each configuration replayed by the simulator under this machine's costs.
 
     With a trace, its prompts of the same id as the bench's (else all of them: held-out prompts);
     without one, an i.i.d. trace at the acceptance each K measured in this run (then `auto`, whose
     acceptance depends on its own choices, is not predicted)."""
-    curve = cost_curve(costs, result)
+    curve = cost_curve(costs, result, remembered)
     result.cost_model = {"costs": costs, "step_seconds": curve.step_seconds, "predicted": {},
                          "acceptance_from": trace.source if trace else "this run's tokens per step (i.i.d. model)"}
     for config in configs:

@@ -140,13 +140,14 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         if trace is None and identity is not None:
             trace = simulate.merged(simulate.known_traces(identity))
         costs = B.measure_costs(decoder) if decoder.draft is not None else {}
-        B.add_cost_model(result, costs, configs, trace)
+        B.add_cost_model(result, costs, configs, trace, decoder.costs.get("model"))
         B.remember_costs(decoder, costs)
     if not rpc and costs:  # what plan reads back, marked as measured by this build
         from ..plan.measured import stamp_costs
         stamp_costs(session.target_path, session.draft_path, n_threads, decoder.n_gpu_layers,
                     decoder.n_gpu_layers_draft, {"step_seconds": result.cost_model["step_seconds"],
-                                                 "row_seconds": costs.get("row", 0.0)})
+                                                 "row_seconds": costs.get("row", 0.0),
+                                                 "draft_batch": B.draft_batches(costs)})
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))

@@ -81,5 +81,10 @@ def measured_curve(target_path, draft_path, n_threads, ngl: int, ngld: int, warn
         return None
     threads = key.split("|")[2][1:]
     where = f"-t {threads}, " if threads != "None" else ""
-    return CostCurve(costs, float(model.get("step_seconds", 0.0)), float(model.get("row_seconds", 0.0)),
-                     source=f"measured on this machine ({where}-ngl {ngl} -ngld {ngld})")
+    try:
+        batches = {int(n): float(t) for n, t in (model.get("draft_batch") or {}).items()}
+        step, row = float(model.get("step_seconds", 0.0)), float(model.get("row_seconds", 0.0))
+    except (ValueError, TypeError, AttributeError):
+        batches, step, row = {}, 0.0, 0.0
+    return CostCurve(costs, step, row, f"measured on this machine ({where}-ngl {ngl} -ngld {ngld})", batches,
+                     remembered=costs)
