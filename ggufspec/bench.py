@@ -18,8 +18,11 @@ from importlib import resources
 from pathlib import Path
 
 from .costmodel import acceptance_from_tokens_per_step, speedup
+from .drafting import Costs
 from .errors import GgufspecError
 from .load import chat_prompt, default_threads
+from .sampling import greedy_token
+from .simulate import CostCurve, Policy, Trace, curve_from_times, predict, synthetic_trace
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Run:
     n_accept: int
     same_text: bool | None = None
     text: str = ""
+    stop: str = ""
 
 
 @dataclass
@@ -119,9 +123,11 @@ class BenchResult:
 def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict: int = 256, repeat: int = 1,
               temperature: float = 0.0, seed: int = 1, progress=None, llamacpp: str | None = None,
               n_threads: int | None = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
-              n_gpu_layers_draft: int | None = None) -> BenchResult:
+              n_gpu_layers_draft: int | None = None, recorder=None) -> BenchResult:
     """flash_attn ("on" | "off" | "auto") and the offload (-ngl, -ngld; None: as the target) are the
-    ones the decoder was opened with: llama.cpp's tools get the same, so both sides run alike."""
+    ones the decoder was opened with: llama.cpp's tools get the same, so both sides run alike.
+    `recorder` (a traces.TraceRecorder): each prompt's acceptance trace, from its first greedy
+    target-alone run (outside every timed run)."""
     if flash_attn not in FLASH_ATTN_SETTINGS:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
     native = NativeSettings(n_threads, flash_attn, n_gpu_layers,
@@ -142,9 +148,13 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
                     s = gen.stats
                     runs.append(Run(item["id"], config.name, r, s.n_prompt, s.n_predict, s.prompt_tps, s.decode_tps,
                                     s.decode_seconds, s.acceptance, s.n_predict / max(s.n_steps, 1), s.n_drafted,
-                                    s.n_accept, text=gen.text))
+                                    s.n_accept, text=gen.text, stop=s.stop_reason))
+                    if recorder is not None and r == 0 and config.name == "target" and temperature == 0:
+                        recorder.add(item, gen.tokens, s.stop_reason)
                 if progress is not None:
                     progress.update(1)
+        if recorder is not None and temperature > 0:
+            recorder.add(item)  # a greedy run of its own: a trace is of the target's greedy tokens
     result = BenchResult(runs, [c.name for c in configs])
     _compare_texts(result, temperature)
     _summarise(result)
@@ -192,46 +202,112 @@ def _summarise(result: BenchResult) -> None:
                               if any(s["same_text"] is not None for s in rows) else None)}
 
 
-# ---------------------------------------------------------------- cost model
+# ---------------------------------------------------------------- cost model: the predicted column
 
-def measure_costs(decoder, k_max: int, repeats: int = 5) -> dict:
-    """Target seconds for a batch of n = 1..k_max+1 tokens, and the draft's seconds per token."""
+DRAFT_SIZES = (1, 2, 3, 4)  # the draft's batches: one token, and what it catches up on after a step
+
+
+def measure_costs(decoder, k_max: int = 8, repeats: int = 5) -> dict:
+    """Median seconds of a target batch of n = 1..k_max+1 tokens, of a draft batch of DRAFT_SIZES
+    (draft_1: a token), and of reading one row of logits (an argmax over the vocabulary). The sizes take turns, repeat after repeat, so
+    that a machine whose load drifts weighs on each of them alike."""
     tokens = decoder.tokenize("def fibonacci(n):\n    ")
-    costs = {}
-    for name, ctx, sizes in (("target", decoder.target, range(1, k_max + 2)), ("draft", decoder.draft, [1])):
-        if ctx is None:
-            continue
+    jobs = [("target", decoder.target, n) for n in range(1, k_max + 2)]
+    jobs += [("draft", decoder.draft, n) for n in DRAFT_SIZES] if decoder.draft is not None else []
+    samples: dict[str, list[float]] = {}
+    for ctx in {id(ctx): ctx for _, ctx, _ in jobs}.values():
         ctx.keep(0)
         ctx.decode(tokens, n_logits=1)
-        base = ctx.n_past
-        for n in sizes:
-            samples = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                ctx.decode(tokens[:1] * n, n_logits=n)
-                samples.append(time.perf_counter() - t0)
-                ctx.keep(base)
-            costs[f"{name}_{n}"] = statistics.median(samples)
+    for _ in range(repeats + 1):  # the first round builds each size's graph: not kept
+        for name, ctx, n in jobs:
+            base = ctx.n_past
+            t0 = time.perf_counter()
+            ctx.decode(tokens[:1] * n, n_logits=n)
+            samples.setdefault(f"{name}_{n}", []).append(time.perf_counter() - t0)
+            ctx.keep(base)
+    costs = {key: statistics.median(times[1:]) for key, times in samples.items()}
+    row = decoder.target.logits(0)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        greedy_token(row)
+    costs["row"] = (time.perf_counter() - t0) / 20
     return costs
 
 
+def cost_curve(costs: dict, result: BenchResult | None = None, remembered: Costs | None = None) -> CostCurve:
+    """measure_costs' figures as the simulator's curve. What a target-alone step costs beyond T(1)
+    and its argmax (Python, and attention over a longer context than T(n) was timed at) is read
+    from the bench's own target-alone runs and charged to every step. `remembered`: what `auto`'s
+    controller knew of this machine's costs (the decoder's, after the runs)."""
+    batches = {int(key[7:]): t for key, t in costs.items() if key.startswith("target_")}
+    row = costs.get("row", 0.0)
+    step = 0.0
+    alone = [r for r in (result.runs if result else []) if r.config == "target" and r.n_predict]
+    if alone:
+        per_token = statistics.median(r.decode_seconds / (r.n_predict + (r.stop == "eos")) for r in alone)
+        step = max(per_token - batches[1] - row, 0.0)
+    return curve_from_times(batches, costs.get("draft_1", 0.0), step_seconds=step, row_seconds=row,
+                            source="measured", draft_batches=draft_batches(costs), remembered=remembered)
+
+
+def draft_batches(costs: dict) -> dict[int, float]:
+    return {int(key[6:]): t for key, t in costs.items() if key.startswith("draft_")}
+
+
+def remember_costs(decoder, costs: dict) -> None:
+    """Add measure_costs' figures to what `--draft auto` remembers for this pair and machine
+    (costs.json), where `plan` reads them back."""
+    if "draft_1" not in costs:
+        return
+    learned = decoder.costs.setdefault("model", Costs())
+    for key, seconds in costs.items():
+        if key.startswith("target_"):
+            learned.add_batch(int(key[7:]), seconds)
+    learned.draft_times.append(costs["draft_1"])
+
+
 def predicted_speedup(costs: dict, k: int, a: float) -> float:
-    """The cost model's speedup for K = k from measure_costs' figures (costmodel.speedup)."""
+    """The i.i.d. cost model's speedup for K = k from measure_costs' figures (costmodel.speedup)."""
     return speedup(k, a, costs["draft_1"], costs[f"target_{k + 1}"], costs["target_1"])
 
 
-def add_cost_model(result: BenchResult, costs: dict) -> None:
-    result.cost_model = {"costs": costs, "predicted": {}}
-    for config in result.configs:
-        m = re.fullmatch(r"K=(\d+)", config)
-        if not m or f"target_{int(m[1]) + 1}" not in costs or "draft_1" not in costs:
+def _policy(config: Config) -> Policy | None:
+    if config.llamacpp_k is not None or config.options.get("drafter", "model") != "model":
+        return None  # llama.cpp's runs, the lookup and hybrid drafters: not replayed
+    n_draft = config.options.get("n_draft", 0)
+    if n_draft == "auto":
+        return Policy(auto=True, p_min=config.options.get("draft_p_min", 0.0))
+    return Policy(int(n_draft), p_min=config.options.get("draft_p_min", 0.0))
+
+
+def add_cost_model(result: BenchResult, costs: dict, configs: list[Config], trace: Trace | None = None,
+                   remembered: Costs | None = None) -> None:
+    """The predicted column: each configuration replayed by the simulator under this machine's costs.
+
+    With a trace, its prompts of the same id as the bench's (else all of them: held-out prompts);
+    without one, an i.i.d. trace at the acceptance each K measured in this run (then `auto`, whose
+    acceptance depends on its own choices, is not predicted)."""
+    curve = cost_curve(costs, result, remembered)
+    result.cost_model = {"costs": costs, "step_seconds": curve.step_seconds, "predicted": {},
+                         "acceptance_from": trace.source if trace else "this run's tokens per step (i.i.d. model)"}
+    for config in configs:
+        policy = _policy(config)
+        rows = [s for s in result.summary if s["config"] == config.name]
+        if policy is None or not policy.k and not policy.auto or not rows or "draft_1" not in costs:
             continue
-        k = int(m[1])
-        rows = [s for s in result.summary if s["config"] == config]
-        a = acceptance_from_tokens_per_step(statistics.median(s["tokens_per_step"] for s in rows), k)
-        result.cost_model["predicted"][config] = {"acceptance_per_token": a,
-                                                  "predicted_speedup": predicted_speedup(costs, k, a),
-                                                  "measured_speedup": result.overall[config]["median_speedup"]}
+        if trace is not None:
+            bench_prompts = {s["prompt"] for s in rows}
+            own = [p.prompt for p in trace.prompts if p.prompt in bench_prompts]
+            predicted = predict(trace, curve, policy, own or None)
+        elif not policy.auto:
+            a = acceptance_from_tokens_per_step(statistics.median(s["tokens_per_step"] for s in rows), policy.k)
+            predicted = predict(synthetic_trace(a), curve, policy)
+        else:
+            continue
+        measured = result.overall[config.name]["median_speedup"]
+        result.cost_model["predicted"][config.name] = {
+            "acceptance_per_token": predicted.acceptance, "predicted_speedup": predicted.speedup,
+            "measured_speedup": measured, "error": predicted.speedup / measured - 1 if measured else None}
 
 
 # ---------------------------------------------------------------- llama.cpp's own tools
@@ -334,9 +410,13 @@ def markdown(result: BenchResult) -> str:
     lines += ["", "| config | median tok/s | median speedup | min speedup | median accept | predicted speedup |",
               "|---|---:|---:|---:|---:|---:|"]
     for config, o in result.overall.items():
-        predicted = result.cost_model.get("predicted", {}).get(config, {}).get("predicted_speedup")
+        p = result.cost_model.get("predicted", {}).get(config, {})
+        predicted = "" if not p else f"{p['predicted_speedup']:.2f}x ({100 * (p['error'] or 0):+.0f}%)"
         lines.append(f"| {config} | {o['median_decode_tps']:.2f} | {o['median_speedup']:.2f}x | {o['min_speedup']:.2f}x "
-                     f"| {100 * o['median_acceptance']:.1f}% | {'' if predicted is None else f'{predicted:.2f}x'} |")
+                     f"| {100 * o['median_acceptance']:.1f}% | {predicted} |")
+    if result.cost_model.get("predicted"):
+        lines.append(f"\npredicted: the simulator replaying {result.cost_model['acceptance_from']} under the costs "
+                     f"measured here (in parentheses: against the measured speedup)")
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """`ggufspec bench`: prompt files, and llama.cpp's tools run with the decoder's own settings."""
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,49 @@ def test_real_llamacpp_tools_on_the_tiny_pair(tiny_decoder):
     rows = {s["config"]: s for s in result.summary}
     print(json.dumps(rows, indent=1))
     assert rows[B.LLAMACPP_TARGET]["decode_tps"] > 0 and rows["llama.cpp K=2"]["decode_tps"] > 0
+
+
+# ---------------------------------------------------------------- traces and the predicted column
+
+def test_record_trace_then_predict_every_configuration_from_it(tiny_pair, tmp_path):
+    from ggufspec import simulate as S
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "the cat"}\n{"id": "b", "kind": "chat", "prompt": "hi"}\n')
+    args = ["bench", "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]), "--prompts", str(prompts), "-n", "24",
+            "--draft", "1,3,auto", "-c", "256", "-t", "1", "--json"]
+    result = CliRunner().invoke(main, args + ["--record-trace", str(tmp_path / "t.jsonl")])
+    assert result.exit_code == 0, result.output
+    trace = S.read_trace(tmp_path / "t.jsonl")
+    assert [p.prompt for p in trace.prompts] == ["a", "b"] and trace.meta["prompts"] == "p.jsonl"
+    trace.check_pair(S.pair_identity(*tiny_pair))
+    data = json.loads(result.output[result.output.index("{"):])
+    model = data["cost_model"]
+    assert set(model["predicted"]) == {"K=1", "K=3", "auto"} and model["acceptance_from"].endswith("t.jsonl")
+    assert all(p["predicted_speedup"] > 0 for p in model["predicted"].values())
+    # the replay keeps as many draft tokens per step as the runs did: the same acceptance, recorded or measured
+    for name in ("K=1", "K=3"):
+        measured = statistics.median(s["acceptance"] for s in data["summary"] if s["config"] == name)
+        assert model["predicted"][name]["acceptance_per_token"] == pytest.approx(measured, abs=0.15)
+    again = CliRunner().invoke(main, args + ["--trace", str(tmp_path / "t.jsonl"), "--draft", "2"])
+    assert again.exit_code == 0, again.output
+
+
+def test_a_trace_of_another_pair_or_an_empty_one_is_refused_before_running(tiny_pair, tmp_path):
+    from ggufspec import simulate as S
+    other = {"target": {"file": "big.gguf", "size": 1, "fingerprint": "ab"}, "draft": {"file": "s.gguf", "size": 2}}
+    S.write_trace(tmp_path / "other.jsonl", other, [S.PromptTrace("p", "raw", 3, [1, 0])])
+    (tmp_path / "empty.jsonl").write_text("")
+    for name, message in (("other.jsonl", "recorded on big.gguf"), ("empty.jsonl", "the trace file is empty")):
+        result = CliRunner().invoke(main, ["bench", "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]), "-n", "4",
+                                           "--draft", "1", "--limit", "1", "--trace", str(tmp_path / name)])
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_the_predicted_column_without_a_trace_uses_this_runs_acceptance(tiny_decoder):
+    configs = B.parse_configs("2,auto")
+    result = B.run_bench(tiny_decoder, [{"id": "p", "prompt": "the cat"}], configs, n_predict=16)
+    costs = B.measure_costs(tiny_decoder, repeats=2)
+    B.add_cost_model(result, costs, configs)
+    assert set(result.cost_model["predicted"]) == {"K=2"}  # auto's acceptance depends on its own choices
+    assert "i.i.d." in result.cost_model["acceptance_from"]
+    assert set(costs) >= {f"target_{n}" for n in range(1, 10)} | {"draft_1", "row"}

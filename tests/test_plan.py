@@ -66,28 +66,39 @@ def cuda(gib, name="NVIDIA GeForce RTX 4090"):
 RAM = P.DeviceMemory("cpu", "system RAM", 128 * GiB, 120 * GiB, 60)
 
 
-def test_seed_setup_puts_the_draft_and_45_target_layers_on_a_24gib_gpu(seed_pair):
+def test_seed_setup_on_a_24gib_gpu_weighs_the_draft_against_more_target_layers(seed_pair):
+    """The 70B target does not fit: with the draft whole on the GPU, 45+ of its layers do, and the rest
+    verify on the CPU, where a batch of K + 1 costs more than one token. The planner prices both
+    (the same simulator as bench) and, at an assumed 70% acceptance, keeps the target alone with
+    more layers, saying why."""
     target, draft = seed_pair
     assert 30e9 < target.weight_bytes < 32e9 and 4e9 < draft.weight_bytes < 5e9  # the real files' sizes
     plan = P.make_plan(target, draft, gpu=cuda(24), ram=RAM, n_ctx=4096, ctx_given=True, n_draft=3)
-    assert plan.draft.n_gpu_layers == draft.n_layer + 1          # the whole draft, output layer included
-    assert 45 <= plan.target.n_gpu_layers <= target.n_layer
-    assert plan.target.gpu_bytes + plan.draft.gpu_bytes <= plan.budget
-    assert plan.budget <= 24 * GiB * (1 - P.MARGIN)
-    assert plan.predicted_tps > plan.predicted_target_alone_tps
+    with_draft = next(a for a in plan.alternatives if a["ngld"] == draft.n_layer + 1)
+    assert 45 <= with_draft["ngl"] <= target.n_layer                 # the whole draft and 45+ target layers fit
+    assert plan.draft is None and plan.target.n_gpu_layers > with_draft["ngl"]
+    assert plan.predicted_tps > with_draft["predicted_tps"]
+    assert "the draft would not pay here" in plan.reason
+    assert plan.target.gpu_bytes <= plan.budget <= 24 * GiB * (1 - P.MARGIN)
+    # all on a GPU (memory-bound: a batch of 4 costs one token), the same draft pays
+    whole = P.make_plan(target, draft, gpu=cuda(48, "RTX A6000"), ram=RAM, n_ctx=4096, ctx_given=True)
+    assert whole.draft is not None and whole.predicted_tps > whole.predicted_target_alone_tps
 
 
-MACHINES = {  # name: (gpu or None, expected (ngl, ngld) for the seed pair at 4k context)
-    "cpu": (None, (0, 0)),
-    "8GiB": (cuda(8, "RTX 3070"), (4, 33)),
-    "12GiB": (cuda(12, "RTX 3060"), (15, 33)),
-    "24GiB": (cuda(24), (46, 33)),
+MACHINES = {  # name: (gpu or None, expected (ngl, ngld) for the seed pair at 4k context; None: no draft)
+    # Wherever target layers stay on the CPU, verifying K + 1 tokens costs them about K + 1 times their
+    # arithmetic (estimate.batch_seconds): at an assumed 70% acceptance the draft does not pay there,
+    # and its GPU memory goes to target layers instead
+    "cpu": (None, (0, None)),
+    "8GiB": (cuda(8, "RTX 3070"), (18, None)),
+    "12GiB": (cuda(12, "RTX 3060"), (28, None)),
+    "24GiB": (cuda(24), (60, None)),
     "48GiB": (cuda(48, "RTX A6000"), (81, 33)),
     "80GiB": (cuda(80, "NVIDIA H100 80GB HBM3"), (81, 33)),
     # 16 GB: the draft on the CPU (60 GB/s here) is as quick as on the M2's GPU (55% of 100 GB/s reached,
     # plus launches per layer), and leaves the GPU's wired budget to 23 target layers instead of 9
     "apple16": (P.parse_apple_sysctl(str(16 * 10**9), None, "Apple M2"), (23, 0)),
-    "apple36": (P.parse_apple_sysctl(str(36 * 10**9), None, "Apple M3 Pro"), (42, 33)),
+    "apple36": (P.parse_apple_sysctl(str(36 * 10**9), None, "Apple M3 Pro"), (56, 0)),
     "apple64": (P.parse_apple_sysctl(str(64 * 10**9), None, "Apple M2 Max"), (81, 33)),
     "apple128": (P.parse_apple_sysctl(str(128 * 10**9), None, "Apple M4 Max"), (81, 33)),
 }
@@ -102,7 +113,7 @@ def test_plans_for_a_table_of_machines(seed_pair, machine):
     print(machine, got, plan.summary())
     assert got == (ngl, ngld)
     if gpu is not None:
-        assert plan.target.gpu_bytes + plan.draft.gpu_bytes <= plan.budget
+        assert plan.target.gpu_bytes + (plan.draft.gpu_bytes if plan.draft else 0) <= plan.budget
 
 
 def test_shrinks_the_context_only_when_not_given(seed_pair):
@@ -117,7 +128,7 @@ def test_shrinks_the_context_only_when_not_given(seed_pair):
 def test_a_gpu_too_small_for_the_draft_says_what_to_do(seed_pair):
     target, draft = seed_pair
     plan = P.make_plan(target, draft, gpu=cuda(3), ram=RAM, n_ctx=4096, ctx_given=True)
-    assert plan.draft.n_gpu_layers == 0
+    assert plan.draft is None or plan.draft.n_gpu_layers == 0
     assert "smaller -c" in plan.reason and "--no-draft" in plan.reason
 
 
@@ -338,3 +349,100 @@ def test_cpu_speed_estimate_is_within_2x_of_the_demo_target_alone():
     measured = 1 / min(samples[1:])  # the first pays for the graph; interference only adds time
     print(f"CPU estimate {estimate:.1f} tok/s, measured {measured:.1f}")
     assert 0.5 < estimate / measured < 2
+
+
+# ---------------------------------------------------------------- measured costs, traces, and what the draft is worth
+
+def remember(tiny_pair, batch_ms: dict, draft_ms: float, build: str | None = None, **extra):
+    """A costs.json entry for the tiny pair at -ngl 0 -ngld 0, as bench leaves it."""
+    from ggufspec.drafting import Costs
+    from ggufspec.home import read_json, write_json
+    from ggufspec.plan import measured as M
+    costs = Costs()
+    for n, ms in batch_ms.items():
+        costs.add_batch(n, ms / 1e3)
+    costs.draft_times.append(draft_ms / 1e3)
+    entry = costs.to_dict() | {"build": build or M.build_id(), **extra}
+    data = read_json(M.COSTS_FILE)
+    data[M.costs_key(*tiny_pair, None, 0, 0)] = {"model": entry}
+    write_json(M.COSTS_FILE, data)
+
+
+def plan_cli(tiny_pair, *args):
+    return CliRunner().invoke(main, ["plan", "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]), *args])
+
+
+CPU_MS = {1: 38.0, 2: 65.0, 4: 122.0, 8: 230.0}   # a 2-core CPU: a batch of n costs about n tokens
+FLAT_MS = {1: 10.0, 2: 10.1, 4: 10.2, 8: 10.5}    # memory-bound
+
+
+def test_plan_uses_measured_costs_and_says_no_gain_where_the_draft_hurts(tiny_pair, monkeypatch):
+    monkeypatch.setattr(P, "detect_gpus", lambda: [])
+    remember(tiny_pair, CPU_MS, 23.0)
+    result = plan_cli(tiny_pair)
+    assert result.exit_code == 0, result.output
+    assert "costs: measured on this machine (-ngl 0 -ngld 0)" in result.output
+    assert "no gain here" in result.output and "no draft" in result.output
+    assert "acceptance: assumed 70% a token (the planner's default" in result.output and "no trace" in result.output
+    data = json.loads(plan_cli(tiny_pair, "--json").output)
+    assert data["costs"].startswith("measured") and data["estimated"] is False and data["use_draft"] is False
+    assert all(not o["pays"] and o["best"] < 1 for o in data["draft"])
+
+
+def test_plan_with_measured_memory_bound_costs_and_a_trace_drafts(tiny_pair, tiny_decoder, monkeypatch, tmp_path):
+    from ggufspec.traces import TraceRecorder
+    monkeypatch.setattr(P, "detect_gpus", lambda: [])
+    remember(tiny_pair, FLAT_MS, 1.0)
+    recorder = TraceRecorder(tiny_decoder, 48)
+    for prompt in ("the cat", "once upon a time", "a b c d"):
+        recorder.add({"id": prompt, "prompt": prompt})
+    recorder.write(tmp_path / "tiny.jsonl")
+    result = plan_cli(tiny_pair, "--trace", str(tmp_path / "tiny.jsonl"))
+    assert result.exit_code == 0, result.output
+    assert "-ngld 0" in result.output and "from measured costs" in result.output
+    assert "acceptance: from traces of this pair: tiny (tiny.jsonl: 3 prompts" in result.output
+    assert "no gain here" not in result.output
+
+
+def test_costs_from_another_build_are_one_line_and_not_used(tiny_pair, monkeypatch):
+    monkeypatch.setattr(P, "detect_gpus", lambda: [])
+    remember(tiny_pair, FLAT_MS, 1.0, build="llama-cpp-python 0.0.1 (CUDA, CPU; libllama 1 bytes)")
+    result = plan_cli(tiny_pair)
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.output.splitlines() if "another build" in line]
+    assert len(notes) == 1 and "llama-cpp-python 0.0.1" in notes[0] and "estimating instead" in notes[0]
+    assert "costs: estimated from the GGUF headers" in result.output
+
+
+def test_plan_refuses_a_trace_of_another_pair_or_a_damaged_one(tiny_pair, tmp_path, monkeypatch):
+    from ggufspec import simulate as S
+    monkeypatch.setattr(P, "detect_gpus", lambda: [])
+    other = {"target": {"file": "big.gguf", "size": 1, "fingerprint": "ab"}, "draft": {"file": "s.gguf", "size": 2}}
+    S.write_trace(tmp_path / "other.jsonl", other, [S.PromptTrace("p", "raw", 3, [1, 0])])
+    result = plan_cli(tiny_pair, "--trace", str(tmp_path / "other.jsonl"))
+    assert result.exit_code == 2 and "recorded on big.gguf" in result.output and "Traceback" not in result.output
+    (tmp_path / "cut.jsonl").write_text((tmp_path / "other.jsonl").read_text().splitlines()[0] + "\n")
+    result = plan_cli(tiny_pair, "--trace", str(tmp_path / "cut.jsonl"))
+    assert result.exit_code == 2 and "truncated" in result.output
+
+
+def test_estimated_batch_costs_are_flat_on_a_gpu_and_grow_on_a_cpu(seed_pair):
+    target, _ = seed_pair
+    gpu = cuda(80, "NVIDIA H100 80GB HBM3")
+    on_gpu = P.placement(target, target.n_layer + 1, 4096)
+    ratio = lambda p, g, n: P.batch_seconds(target, p, g, RAM, n) / P.batch_seconds(target, p, g, RAM, 1)
+    assert ratio(on_gpu, gpu, 8) == 1.0 and ratio(on_gpu, gpu, 16) == 2.0
+    on_cpu = P.placement(target, 0, 4096)
+    assert 1.5 < ratio(on_cpu, None, 4) < 4
+
+
+def test_measured_costs_of_any_thread_count_serve_a_plan_without_t(tiny_pair):
+    from ggufspec.home import read_json, write_json
+    from ggufspec.plan import measured as M
+    remember(tiny_pair, CPU_MS, 23.0, step_seconds=0.001)
+    data = read_json(M.COSTS_FILE)
+    data[M.costs_key(*tiny_pair, 2, 0, 0)] = data.pop(M.costs_key(*tiny_pair, None, 0, 0))
+    write_json(M.COSTS_FILE, data)
+    curve = M.measured_curve(*tiny_pair, None, 0, 0)
+    assert curve.source == "measured on this machine (-t 2, -ngl 0 -ngld 0)" and curve.step_seconds == 0.001
+    assert M.measured_curve(*tiny_pair, 4, 0, 0) is None and M.measured_curve(*tiny_pair, None, 1, 1) is None

@@ -92,32 +92,62 @@ def write_stream(stream, *, color: bool, quiet: bool):
               help="Path to llama-speculative-simple: race it, and llama.cpp's own target alone (llama-completion beside it).")
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
 @click.option("--plot", "plot_file", default=None, help="Write a PNG of speedup and acceptance against K.")
+@click.option("--record-trace", "record_trace", default=None, metavar="FILE",
+              help="Write each prompt's acceptance trace (JSON lines) for `plan` and the simulator.")
+@click.option("--trace", "trace_file", default=None, metavar="FILE",
+              help="Predict from this pair's trace [default: the one recorded now, else a known one for the pair].")
 @friendly_errors
 def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
           temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, rpc, limit, llamacpp,
-          as_json, plot_file):
-    """Measure the target alone against speculative configurations, interleaved, per prompt."""
+          as_json, plot_file, record_trace, trace_file):
+    """Measure the target alone against speculative configurations, interleaved, per prompt.
+
+    The predicted column replays an acceptance trace (`--trace`, `--record-trace`, or one known for
+    the pair) through the simulator under the costs measured here."""
     from tqdm.auto import tqdm
 
     from .. import bench as B
+    from .. import simulate
     from ..session import ModelOptions, open_session
     if llamacpp and not os.access(llamacpp, os.X_OK):
         raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
     prompts = B.load_prompts(prompts_file)[:limit]
+    trace = simulate.read_trace(trace_file) if trace_file else None  # a bad trace fails before the models load
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
                            rpc=rpc)
     with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
         decoder = session.decoder
+        identity = simulate.pair_identity(session.target_path, session.draft_path) if session.draft_path else None
+        if trace is not None and identity is not None:
+            trace.check_pair(identity)
+        recorder = None
+        if record_trace:
+            from ..traces import TraceRecorder
+            recorder = TraceRecorder(decoder, n_predict)
         with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
                   disable=as_json) as progress:
             result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
                                  temperature=temperature, seed=seed, progress=progress, llamacpp=llamacpp,
-                                 n_threads=n_threads, flash_attn=flash_attn,
+                                 n_threads=n_threads, flash_attn=flash_attn, recorder=recorder,
                                  n_gpu_layers=decoder.n_gpu_layers, n_gpu_layers_draft=decoder.n_gpu_layers_draft)
-        ks = [int(c.name[2:]) for c in configs if c.name.startswith("K=")]
-        B.add_cost_model(result, B.measure_costs(decoder, max(ks, default=3)))
+        if recorder is not None:
+            recorded = recorder.write(record_trace, {"prompts": Path(prompts_file).name if prompts_file else "seed"})
+            click.echo(f"trace: {len(recorded.prompts)} prompt(s), acceptance {recorded.acceptance:.0%} per token, "
+                       f"written to {record_trace} ({recorder.seconds:.1f} s)", err=True)
+            trace = trace or recorded
+        if trace is None and identity is not None:
+            trace = simulate.merged(simulate.known_traces(identity))
+        costs = B.measure_costs(decoder) if decoder.draft is not None else {}
+        B.add_cost_model(result, costs, configs, trace, decoder.costs.get("model"))
+        B.remember_costs(decoder, costs)
+    if not rpc and costs:  # what plan reads back, marked as measured by this build
+        from ..plan.measured import stamp_costs
+        stamp_costs(session.target_path, session.draft_path, n_threads, decoder.n_gpu_layers,
+                    decoder.n_gpu_layers_draft, {"step_seconds": result.cost_model["step_seconds"],
+                                                 "row_seconds": costs.get("row", 0.0),
+                                                 "draft_batch": B.draft_batches(costs)})
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))

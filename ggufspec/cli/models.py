@@ -130,21 +130,40 @@ def _shapes_for(pair, model, model_draft):
 @click.option("--ram", default=None, help="Plan for this much host memory instead of the detected.")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None, help="Context size [default: 4096, shrunk to fit].")
 @click.option("--draft", "n_draft", type=int, default=3, show_default=True, help="Tokens drafted per step, K.")
+@click.option("-t", "--threads", "n_threads", type=int, default=None,
+              help="Threads the pair will run with (which measured costs apply) [default: any measured].")
+@click.option("--trace", "trace_files", multiple=True, metavar="FILE",
+              help="The pair's acceptance trace(s) (bench --record-trace) [default: the known ones].")
 @click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="Plan the target across these workers.")
 @click.option("--rpc-mem", multiple=True, metavar="HOST:PORT=SIZE",
               help="A worker's memory, to plan without contacting it (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @friendly_errors
-def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, rpc, rpc_mem, as_json):
-    """Plan GPU offload (-ngl / -ngld) for a pair from its GGUF headers and this machine."""
+def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads, trace_files, rpc, rpc_mem, as_json):
+    """Plan GPU offload (-ngl / -ngld) for a pair from its GGUF headers and this machine, and say
+    whether the draft pays here: measured costs where bench or --draft auto remembered them,
+    estimated otherwise; acceptance from the pair's traces, assumed otherwise."""
     from .. import plan as planner
+    from ..plan import measured as M
+    from ..plan import speculation as S
     from ..session import memory_devices
+    from ..simulate import merged
     target, draft = _shapes_for(pair, model, model_draft)
     if rpc:
         return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
     gpu, host = memory_devices(vram, ram)
+    target_path, draft_path = S.local_pair_paths(pair, model, model_draft) if draft is not None else (None, None)
+    traces = S.pair_traces(target_path, draft_path, trace_files) if draft is not None else []
+    warnings: list[str] = []
+    measured = None
+    if vram is None and ram is None:  # measured costs are this machine's as it is, not a declared one
+        measured = lambda ngl, ngld: M.measured_curve(target_path, draft_path, n_threads, ngl, ngld, warnings.append)
     result = planner.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx or 4096, ctx_given=n_ctx is not None,
-                         n_draft=n_draft)
+                               n_draft=n_draft, trace=merged(traces), measured=measured)
+    for line in dict.fromkeys(warnings):
+        click.echo(line, err=True)
+    curve = getattr(result, "draft_curve", None)
+    found = S.outlooks(curve, traces, planner.DEFAULT_ACCEPTANCE, n_draft) if curve is not None else []
     if as_json:
         click.echo(json.dumps({"ngl": result.target.n_gpu_layers,
                                "ngld": result.draft.n_gpu_layers if result.draft else 0,
@@ -152,11 +171,15 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, rpc, rpc_m
                                "n_ctx": result.n_ctx, "reason": result.reason,
                                "predicted_tps": result.predicted_tps,
                                "predicted_target_alone_tps": result.predicted_target_alone_tps,
-                               "estimated": True, "backends": planner.build_backends(),
-                               "plan": result.to_dict()}, default=str))
+                               "estimated": not result.costs_source.startswith("measured"),
+                               "costs": result.costs_source, "acceptance": result.acceptance_source,
+                               "draft": [vars(o) | {"pays": o.pays} for o in found],
+                               "backends": planner.build_backends(), "plan": result.to_dict()}, default=str))
         return
     click.echo(planner.plan_table(result, target, draft))
     click.echo(result.summary())
+    if curve is not None:
+        click.echo("\n".join(S.outlook_lines(found, curve, traces, planner.DEFAULT_ACCEPTANCE, n_draft)))
     if gpu is not None and vram is None and not planner.gpu_offload_supported():
         click.echo("note: this llama-cpp-python build cannot offload to a GPU; rerun scripts/install (CUDA when "
                    "nvcc and an NVIDIA GPU are found; GGUFSPEC_CUDA=1 forces it), or rebuild it with "

@@ -9,7 +9,10 @@ The package, by concern:
 - `gguf_header`: reading that header (ggml's C reader through ctypes, the gguf package as the
   fallback; local files or a hub file's first bytes) and remembering shapes per file.
 - `devices`: `DeviceMemory` (memory and bandwidth) of the GPUs and the host; detection and parsers.
-- `estimate`: the memory and speed model: `placement` of a model for an -ngl, `token_seconds`.
+- `estimate`: the memory and speed model: `placement` of a model for an -ngl, `token_seconds`,
+  `batch_seconds` (T(n): flat on a GPU up to 8 tokens, growing on a CPU).
+- `measured`: the step costs this machine remembered (costs.json), marked with the build.
+- `speculation`: what the draft is worth here (the simulator over the pair's traces), for `plan`.
 - `offload`: `make_plan`, choosing -ngl / -ngld (and -c) by predicted speed; `plan_table`.
 - `rpc_split`: the target's blocks across RPC workers, and that split's speed.
 The speculative rate itself is `ggufspec.costmodel`'s; the build's backends, `ggufspec.backends`'.
@@ -21,7 +24,7 @@ from .devices import (DEFAULT_GPU_BANDWIDTH_GBS, DEFAULT_RAM_BANDWIDTH_GBS, GPU_
                       bandwidth_for, detect_gpus, detect_ram, measure_ram_bandwidth, parse_apple_sysctl,
                       parse_nvidia_smi, parse_rocm_smi)
 from .estimate import (CPU_LAYER_SECONDS, GPU_BANDWIDTH_EFFICIENCY, GPU_LAYER_SECONDS, GPU_OVERHEAD, MARGIN,
-                       Placement, max_layers, placement, token_seconds)
+                       Placement, batch_seconds, max_layers, placement, token_seconds)
 from .gguf_header import SHAPES_KEPT, read_remote_shape, read_shape
 from .offload import DEFAULT_ACCEPTANCE, Plan, gpu_budget, make_plan, plan_table
 from .rpc_split import HostShare, parse_host_sizes, rpc_token_seconds, split_across_hosts
@@ -33,7 +36,7 @@ __all__ = [
     "CPU_LAYER_SECONDS", "DEFAULT_ACCEPTANCE", "DEFAULT_GPU_BANDWIDTH_GBS", "DEFAULT_RAM_BANDWIDTH_GBS",
     "DeviceMemory", "GPU_BANDWIDTH_EFFICIENCY", "GPU_BANDWIDTH_GBS", "GPU_LAYER_SECONDS",
     "GPU_OVERHEAD", "GiB", "HostShare", "KV_BYTES", "MARGIN", "MiB", "ModelShape", "Placement", "Plan",
-    "PlanError", "SHAPES_KEPT", "bandwidth_for", "build_backends", "detect_gpus", "detect_ram",
+    "PlanError", "SHAPES_KEPT", "bandwidth_for", "batch_seconds", "build_backends", "detect_gpus", "detect_ram",
     "gpu_budget", "gpu_offload_supported", "llama_cpp_lib_dir", "make_plan", "max_layers",
     "measure_ram_bandwidth", "parse_apple_sysctl", "parse_host_sizes", "parse_nvidia_smi", "parse_rocm_smi",
     "parse_size", "placement", "plan_table", "read_remote_shape", "read_shape", "rpc_token_seconds",

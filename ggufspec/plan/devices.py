@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ class DeviceMemory:
     total: int           # bytes
     free: int            # bytes usable now
     bandwidth_gbs: float
+    cores: int = 0       # physical cores (a CPU's batch cost); 0: not known
 
 
 def bandwidth_for(name: str) -> float:
@@ -137,7 +139,8 @@ def detect_gpus() -> list[DeviceMemory]:
 def detect_ram() -> DeviceMemory:
     import psutil
     mem = psutil.virtual_memory()
-    return DeviceMemory("cpu", "system RAM", mem.total, mem.available, measure_ram_bandwidth())
+    return DeviceMemory("cpu", "system RAM", mem.total, mem.available, measure_ram_bandwidth(),
+                        psutil.cpu_count(logical=False) or os.cpu_count() or 0)
 
 
 @functools.lru_cache(maxsize=1)

@@ -62,14 +62,43 @@ def max_layers(shape: ModelShape, n_ctx: int, budget: int) -> int:
     return best
 
 
-def token_seconds(shape: ModelShape, p: Placement, gpu: DeviceMemory | None, ram: DeviceMemory) -> float:
-    """An estimate of one decoded token's time: every weight byte read once, on the device that holds
-    it, at the share of its bandwidth that decode kernels reach, plus a fixed cost per layer (kernel
-    launches and synchronisation: what bounds small models on a GPU, see GPU_LAYER_SECONDS)."""
+def token_seconds_by_device(shape: ModelShape, p: Placement, gpu: DeviceMemory | None,
+                            ram: DeviceMemory) -> tuple[float, float]:
+    """(host seconds, GPU seconds) of one decoded token: every weight byte read once, on the device
+    that holds it, at the share of its bandwidth that decode kernels reach, plus a fixed cost per
+    layer (kernel launches and synchronisation: what bounds small models on a GPU, see GPU_LAYER_SECONDS)."""
     gpu_layers = min(p.n_gpu_layers, shape.n_layer) if gpu is not None else 0
     cpu_weights = shape.weight_bytes - shape.embd_bytes - p.weights_gpu
-    seconds = cpu_weights / (ram.bandwidth_gbs * 1e9) + (shape.n_layer - gpu_layers) * CPU_LAYER_SECONDS
+    host = cpu_weights / (ram.bandwidth_gbs * 1e9) + (shape.n_layer - gpu_layers) * CPU_LAYER_SECONDS
+    on_gpu = 0.0
     if gpu is not None:
-        seconds += (p.weights_gpu / (gpu.bandwidth_gbs * GPU_BANDWIDTH_EFFICIENCY * 1e9)
-                    + gpu_layers * GPU_LAYER_SECONDS)
-    return seconds
+        on_gpu = (p.weights_gpu / (gpu.bandwidth_gbs * GPU_BANDWIDTH_EFFICIENCY * 1e9)
+                  + gpu_layers * GPU_LAYER_SECONDS)
+    return host, on_gpu
+
+
+def token_seconds(shape: ModelShape, p: Placement, gpu: DeviceMemory | None, ram: DeviceMemory) -> float:
+    """An estimate of one decoded token's time (see token_seconds_by_device)."""
+    return sum(token_seconds_by_device(shape, p, gpu, ram))
+
+
+# A batch of n tokens, T(n), against one token, T(1) (what speculation lives on: verifying K drafts
+# costs T(K + 1)). A GPU reads the weights once for the whole batch: up to GPU_FLAT_BATCH tokens
+# cost about one (memory-bound), beyond that the work grows with n. A CPU also reads them once, but
+# does each token's arithmetic on its few cores: every extra token adds the weights' bytes times
+# CPU_SECONDS_PER_BYTE_CORE over the cores. Measured (`bench`, target batches of 1..9) with the
+# demo target (0.98 GB read a token) on 2-core cloud VMs: T(4) = 5.8 T(1) on an AVX2 EPYC, 3.2 T(1)
+# on an AVX-512 EPYC (T(1) 37.7 ms: 27 ms an extra token, 2.8e-11 s a byte on 2 cores); see
+# docs/benchmarks.md for this Xeon's. A 16-core desktop would add an eighth of that per token.
+GPU_FLAT_BATCH = 8
+CPU_SECONDS_PER_BYTE_CORE = 5.6e-11
+DEFAULT_CORES = 8  # where the host's cores are not known (a desktop beside a discrete GPU)
+
+
+def batch_seconds(shape: ModelShape, p: Placement, gpu: DeviceMemory | None, ram: DeviceMemory, n: int) -> float:
+    """T(n): the GPU's share flat up to GPU_FLAT_BATCH tokens, the host's share plus each extra
+    token's arithmetic (see the note above)."""
+    host, on_gpu = token_seconds_by_device(shape, p, gpu, ram)
+    host_bytes = shape.weight_bytes - shape.embd_bytes - p.weights_gpu
+    extra_token = host_bytes * CPU_SECONDS_PER_BYTE_CORE / (ram.cores or DEFAULT_CORES)
+    return host + (n - 1) * extra_token + on_gpu * max(1.0, n / GPU_FLAT_BATCH)

@@ -1,7 +1,10 @@
 """Choosing -ngl / -ngld (and, when the user did not set it, -c) for a target and its draft.
 
-Every option is priced by the speed model (`estimate.token_seconds`) and, with a draft, by the
-speculative rate of `costmodel` at an assumed acceptance; the fastest that fits wins.
+Every option is priced by the speed model (`estimate`: T(n) for every batch size n, on the device
+that holds each layer) or, where this machine has measured that offload (costs.json), by those
+measurements; with a draft, by replaying an acceptance trace through the simulator (`simulate`:
+the same replay as `bench`'s predicted column), or an assumed acceptance where no trace of the
+pair is known. The fastest that fits wins, and the target alone is one of the options.
 """
 from __future__ import annotations
 
@@ -9,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from ..backends import build_backends
-from ..costmodel import tokens_per_second
+from ..simulate import MEASURED_SIZES, CostCurve, Policy, Trace, curve_from_times, predict, synthetic_trace
 from .devices import DeviceMemory
-from .estimate import GPU_OVERHEAD, MARGIN, Placement, max_layers, placement, token_seconds
+from .estimate import GPU_OVERHEAD, MARGIN, Placement, batch_seconds, max_layers, placement, token_seconds
 from .shape import ModelShape
 from .units import GiB, MiB
 
@@ -31,11 +34,15 @@ class Plan:
     ram: DeviceMemory
     budget: int = 0
     alternatives: list[dict] = field(default_factory=list)
+    draft_speedup: float = 0.0      # the best draft option's predicted speed against the target alone there
+    costs_source: str = "estimated"
+    acceptance_source: str = ""
 
     def summary(self) -> str:
         draft = "no draft" if self.draft is None else f"-ngld {self.draft.n_gpu_layers}"
+        how = "from measured costs" if self.costs_source.startswith("measured") else "estimated"
         return (f"plan: -ngl {self.target.n_gpu_layers} {draft} -c {self.n_ctx} "
-                f"(estimated {self.predicted_tps:.1f} tok/s vs {self.predicted_target_alone_tps:.1f} alone): {self.reason}")
+                f"({how} {self.predicted_tps:.1f} tok/s vs {self.predicted_target_alone_tps:.1f} alone): {self.reason}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,6 +55,15 @@ class _Option(NamedTuple):
     draft: Placement | None
     tps: float                 # predicted tokens per second
     t_alone: float             # the target alone's seconds a token, at the same context
+    curve: CostCurve | None = None  # a draft option's costs (measured or estimated)
+    speedup: float = 1.0            # a draft option's speed against the target alone with its placement
+
+
+def estimated_curve(target: ModelShape, t: Placement, draft: ModelShape, d: Placement, gpu, ram) -> CostCurve:
+    """T(n) and a draft token from the speed model (estimate.batch_seconds)."""
+    times = {n: batch_seconds(target, t, gpu, ram, n) for n in MEASURED_SIZES}
+    return curve_from_times(times, token_seconds(draft, d, gpu, ram),
+                            source="estimated from the GGUF headers and this machine's memory bandwidth")
 
 
 def gpu_budget(gpu: DeviceMemory | None) -> int:
@@ -56,7 +72,7 @@ def gpu_budget(gpu: DeviceMemory | None) -> int:
 
 
 def _options_at(n_ctx: int, target: ModelShape, draft: ModelShape | None, gpu, ram, budget: int,
-                n_draft: int, acceptance: float) -> list[_Option]:
+                n_draft: int, trace: Trace, measured) -> list[_Option]:
     """At one context: the target alone with as many layers as fit, then (with a draft) the draft
     whole on the GPU or all on the CPU, each with as many target layers as the rest of the budget holds."""
     alone = placement(target, max_layers(target, n_ctx, budget), n_ctx)
@@ -69,23 +85,30 @@ def _options_at(n_ctx: int, target: ModelShape, draft: ModelShape | None, gpu, r
         if d.gpu_bytes > budget:
             continue
         t = placement(target, max_layers(target, n_ctx, budget - d.gpu_bytes), n_ctx)
-        tps = tokens_per_second(n_draft, acceptance, token_seconds(draft, d, gpu, ram),
-                                token_seconds(target, t, gpu, ram))
+        curve = (measured(t.n_gpu_layers, d.n_gpu_layers) if measured else None) \
+            or estimated_curve(target, t, draft, d, gpu, ram)
+        if curve.source.startswith("measured") and t.n_gpu_layers == alone.n_gpu_layers:
+            t_alone = curve.alone_seconds  # measured: the target alone at this offload too
+            options[0] = _Option("target alone", n_ctx, alone, None, 1 / t_alone, t_alone)
+        speedup = predict(trace, curve, Policy(n_draft)).speedup
         where = "draft on the GPU" if draft_ngl else "draft on the CPU"
-        options.append(_Option(where, n_ctx, t, d, tps, t_alone))
+        options.append(_Option(where, n_ctx, t, d, speedup / curve.alone_seconds, t_alone, curve, speedup))
     return options
 
 
 def make_plan(target: ModelShape, draft: ModelShape | None, *, gpu: DeviceMemory | None, ram: DeviceMemory,
               n_ctx: int = 4096, ctx_given: bool = False, n_draft: int = 3,
-              acceptance: float = DEFAULT_ACCEPTANCE) -> Plan:
-    """Draft fully on the GPU first, then as many target layers as fit; compare the options by
-    predicted speed and keep the fastest. Shrinks the context only when the user did not set -c."""
+              acceptance: float = DEFAULT_ACCEPTANCE, trace: Trace | None = None, measured=None) -> Plan:
+    """Draft fully on the GPU first, then as many target layers as fit; compare the options (the
+    target alone among them) by predicted speed and keep the fastest. Shrinks the context only when
+    the user did not set -c. `trace`: the pair's acceptance trace (else `acceptance`, assumed);
+    `measured(ngl, ngld)`: this machine's measured CostCurve for an offload, or None."""
     budget = gpu_budget(gpu)
+    replayed = trace if trace is not None else synthetic_trace(acceptance)
     contexts = [n_ctx] if ctx_given else [c for c in (n_ctx, n_ctx // 2, n_ctx // 4) if c >= 1024] or [n_ctx]
     options: list[_Option] = []
     for ctx in contexts:
-        at_ctx = _options_at(ctx, target, draft, gpu, ram, budget, n_draft, acceptance)
+        at_ctx = _options_at(ctx, target, draft, gpu, ram, budget, n_draft, replayed, measured)
         options += at_ctx
         if draft is not None and any(o.draft is not None and o.draft.n_gpu_layers == draft.n_layer + 1
                                      for o in at_ctx):
@@ -93,10 +116,19 @@ def make_plan(target: ModelShape, draft: ModelShape | None, *, gpu: DeviceMemory
     # the first option (the target alone at the asked context) stands even when the host is short
     fits = [o for o in options if o.target.cpu_bytes <= ram.free or o is options[0]]
     best = max(fits, key=lambda o: (o.tps, o.n_ctx))
+    with_draft = [o for o in fits if o.draft is not None]
+    best_draft = max(with_draft, key=lambda o: (o.tps, o.n_ctx), default=None)
     reason = _reason(best, target, draft, gpu, budget, n_ctx)
+    if best.draft is None and best_draft is not None:
+        reason += f"; the draft would not pay here (predicted {best_draft.speedup:.2f}x at K={n_draft})"
     plan = Plan(best.n_ctx, best.target, best.draft, n_draft, best.tps, 1 / best.t_alone, reason, gpu, ram, budget,
                 [{"option": o.name, "n_ctx": o.n_ctx, "ngl": o.target.n_gpu_layers,
-                  "ngld": None if o.draft is None else o.draft.n_gpu_layers, "predicted_tps": o.tps} for o in options])
+                  "ngld": None if o.draft is None else o.draft.n_gpu_layers, "predicted_tps": o.tps,
+                  "speedup": o.speedup, "costs": o.curve.source if o.curve else None} for o in options],
+                best_draft.speedup if best_draft else 0.0,
+                best_draft.curve.source if best_draft else "estimated",
+                replayed.source if trace is not None else f"assumed {acceptance:.2f} per token (no trace of this pair)")
+    plan.draft_curve = best_draft.curve if best_draft else None  # for the report (not a field: not in to_dict)
     if draft is not None and gpu is not None:
         plan.reason += _draft_too_big(draft, best.n_ctx, budget)
     return plan

@@ -1,0 +1,90 @@
+"""Step costs measured on this machine, for `plan`: what `--draft auto` and `bench` remember in
+costs.json (per pair, threads and offload: `speculate._costs_key`), marked by `bench` with the
+llama-cpp-python build that measured them, so that figures from another build are not taken for
+this one's.
+"""
+from __future__ import annotations
+
+import os
+from importlib import metadata
+
+from ..backends import build_backends, find_lib
+from ..drafting import Costs
+from ..home import read_json, write_json
+from ..simulate import CostCurve
+
+COSTS_FILE = "costs.json"  # speculate.COSTS_FILE (not imported: that would load llama.cpp for a plan)
+
+
+def build_id() -> str:
+    """The llama-cpp-python build: its version, backends, and its libllama's size (a rebuild with
+    other flags, AVX-512 or CUDA, changes it)."""
+    try:
+        version = metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        version = "?"
+    lib = find_lib("llama")
+    size = lib.stat().st_size if lib is not None else 0
+    return f"llama-cpp-python {version} ({', '.join(build_backends()) or '?'}; libllama {size} bytes)"
+
+
+def costs_key(target_path, draft_path, n_threads, ngl: int, ngld: int) -> str:
+    from ..speculate import _costs_key  # the decoder's own key, so both sides name an entry alike
+    return _costs_key(os.fspath(target_path), os.fspath(draft_path), n_threads, ngl, ngld)
+
+
+def stamp_costs(target_path, draft_path, n_threads, ngl: int, ngld: int, extra: dict | None = None) -> None:
+    """Mark the pair's remembered draft-model costs as this build's (with bench's step figures)."""
+    key = costs_key(target_path, draft_path, n_threads, ngl, ngld)
+    data = read_json(COSTS_FILE)
+    entry = data.get(key, {}).get("model")
+    if not isinstance(entry, dict):
+        return
+    entry.update(build=build_id(), **(extra or {}))
+    write_json(COSTS_FILE, data)
+
+
+def _entry(data: dict, target_path, draft_path, n_threads, ngl: int, ngld: int):
+    """The entry for exactly these settings, else (threads not given) one with any thread count."""
+    key = costs_key(target_path, draft_path, n_threads, ngl, ngld)
+    if key in data or n_threads is not None:
+        return key, data.get(key)
+    parts = key.split("|")  # target, draft, t<threads>, ngl<n>, ngld<n>
+    for other in sorted(data):
+        theirs = other.split("|")
+        if len(theirs) == len(parts) and theirs[:2] == parts[:2] and theirs[3:] == parts[3:]:
+            return other, data[other]
+    return key, None
+
+
+def measured_curve(target_path, draft_path, n_threads, ngl: int, ngld: int, warn=None) -> CostCurve | None:
+    """The remembered costs of this pair at this offload as a simulator curve, or None (never
+    measured, too few figures, damaged, or measured by another build: `warn` gets one line)."""
+    if target_path is None or draft_path is None:
+        return None
+    key, entry = _entry(read_json(COSTS_FILE), target_path, draft_path, n_threads, ngl, ngld)
+    model = entry.get("model") if isinstance(entry, dict) else None
+    if not isinstance(model, dict):
+        return None
+    built_by = model.get("build")
+    if built_by and built_by != build_id():
+        if warn:
+            warn(f"costs.json: the costs measured for this pair come from another build ({built_by}; this is "
+                 f"{build_id()}): estimating instead (`ggufspec bench` measures them again)")
+        return None
+    try:
+        costs = Costs.from_dict(model)
+        usable = 1 in costs.batch_times and len(costs.batch_times) >= 2 and costs.t_draft > 0
+    except (ValueError, TypeError, AttributeError):
+        usable = False
+    if not usable:
+        return None
+    threads = key.split("|")[2][1:]
+    where = f"-t {threads}, " if threads != "None" else ""
+    try:
+        batches = {int(n): float(t) for n, t in (model.get("draft_batch") or {}).items()}
+        step, row = float(model.get("step_seconds", 0.0)), float(model.get("row_seconds", 0.0))
+    except (ValueError, TypeError, AttributeError):
+        batches, step, row = {}, 0.0, 0.0
+    return CostCurve(costs, step, row, f"measured on this machine ({where}-ngl {ngl} -ngld {ngld})", batches,
+                     remembered=costs)
