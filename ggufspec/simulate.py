@@ -37,7 +37,7 @@ TRACE_VERSION = 1
 MAX_RUN = 16               # runs are recorded up to this many agreeing tokens (K never goes past 8)
 FINGERPRINT_BYTES = 1 << 20  # a GGUF header's first MiB: magic, version, architecture, shapes, types
 MEASURED_SIZES = range(1, 10)  # target batches a cost curve knows (K up to 8: batches up to 9)
-AUTO_PROBE_SIZES = (1, 2, 4, 8)  # what `--draft auto` measures before its first step (measure_step_costs)
+AUTO_PROBE_SIZES = (1, 2, 4, 8, 16)  # what `--draft auto` measures before its first step (measure_step_costs)
 
 
 class TraceError(GgufspecError):
@@ -325,7 +325,10 @@ class _TraceDraft:
     the real one would evaluate: the tokens it lags behind by, then all but its last proposal."""
 
     CATCH_UP = ModelDrafter.CATCH_UP
-    context = None
+
+    @property
+    def context(self):  # what auto reads of a draft model's context: how far it has evaluated (n_past)
+        return self
 
     def __init__(self, trace: PromptTrace, sequence: list[int], curve: CostCurve, p_min: float):
         self.trace, self.sequence, self.curve, self.p_min = trace, sequence, curve, p_min
@@ -359,7 +362,7 @@ def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy) -> Repla
             for n in AUTO_PROBE_SIZES * 3:  # what measure_step_costs finds before the first step
                 costs.add_batch(n, curve.target(n))
             costs.draft_times.append(curve.t_draft)
-        drafter = controller = AutoDrafting(LookupDrafter(1 << 31, ngram_min=2), draft, costs, policy.k_max)
+        drafter = controller = AutoDrafting(LookupDrafter(1 << 31), draft, costs, policy.k_max)
     params, out = SamplingParams(temperature=0.0), Replay()
     pos, end = 0, len(trace.runs)
     limit = max(trace.n_predict, end)  # the generation could have gone on to n_predict but for the end marker
