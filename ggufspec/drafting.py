@@ -386,15 +386,19 @@ class AutoDrafting:
         none beats the alternative (then 1 now and then, as a probe)."""
         batch = self.costs.batch_model()
         a = min(self.tallies.acceptance(bucket), 0.999)
-        best_k, best_rate = 0, self.alternative_rate()
+        alternative = self.alternative_rate()
+        best_k, best_rate, could_pay = 0, alternative, False
         for k in range(1, len(candidate.tokens) + 1):
             rate = expected_tokens(a, k) / batch(k + 1)
+            could_pay = could_pay or (k + 1) / batch(k + 1) > alternative  # were every token kept
             if rate > best_rate:
                 best_k, best_rate = k, rate
         wait = self._probe_wait.setdefault(bucket, [0, self.PROBE_FIRST])
         if best_k:
             wait[:] = [0, self.PROBE_FIRST]
             return best_k
+        if not could_pay:  # a batch of n costing n tokens: not even a right guess would pay, no probe
+            return 0
         wait[0] += 1
         if wait[0] < wait[1]:
             return 0

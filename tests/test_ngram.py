@@ -96,14 +96,23 @@ def test_auto_drafts_long_copies_and_probes_cheaply():
     proposals, _ = auto.propose(tokens, 8, GREEDY, None)
     cycle = [264, 265, 266, 267, 268, 269] + list(range(260, 270))  # up to NGRAM_K_MAX = 16
     assert len(proposals) >= 8 and proposals == cycle[:len(proposals)]
-    # where nothing can pay, a candidate is not proposed, except a one-token probe now and then
-    stingy = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, compute_bound_costs(), k_max=8)
+    # where a bucket's proposals are seldom kept, only a one-token probe now and then
+    costs = memory_bound_costs()
+    for _ in range(40):
+        costs.ngram.observe("sequence:18", 4, 0)
+    stingy = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, costs, k_max=8)
     sizes = []
     for _ in range(20):
         stingy.choose(8)
         sizes.append(len(stingy.propose(tokens, 8, GREEDY, None)[0]))
-        stingy.observe(sizes[-1], 0, 0.0, 1e-3 * (sizes[-1] + 1))
+        stingy.observe(sizes[-1], 0, 0.0, 1e-3 * (1 + 0.05 * sizes[-1]))
     assert set(sizes) <= {0, 1} and 1 <= sum(sizes) <= 5, sizes
+    # where not even a right guess could pay (a batch of n costs n tokens), nothing, not even a probe
+    hopeless = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, compute_bound_costs(), k_max=8)
+    for _ in range(20):
+        hopeless.choose(8)
+        assert hopeless.propose(tokens, 8, GREEDY, None) == ([], [])
+        hopeless.observe(0, 0, 0.0, 1e-3)
 
 
 @pytest.fixture(scope="module")
