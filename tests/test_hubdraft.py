@@ -144,3 +144,21 @@ def test_bad_input(hub, files, ggufspec_home):
     assert result.exit_code == 0, result.output
     assert "tiny is a pair: its draft d was pulled with it" in result.output
     assert on_disk("org/Tiny-7B-GGUF", "tiny-draft-F32.gguf")
+
+
+def test_a_prefix_fingerprint_is_the_file_fingerprint(files, tmp_path, ggufspec_home):
+    from ggufspec.fingerprint import HeaderCutShort, fingerprint_of_bytes, read_fingerprint
+    path = tmp_path / "draft.gguf"
+    path.write_bytes(files["draft"])
+    assert fingerprint_of_bytes(files["draft"][:64 << 10], "draft") == read_fingerprint(path)
+    with pytest.raises(HeaderCutShort):
+        fingerprint_of_bytes(files["draft"][:1000], "draft")
+
+
+def test_a_candidate_that_is_not_gguf_is_skipped_with_the_reason(hub, files):
+    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
+    hub.state.add("org/Tiny-7B-GGUF", "broken-F32.gguf", b"GGUF" + b"\xff" * 50_000)
+    result = pull(TARGET, "--with-draft", "--dry-run", "-q")
+    assert result.exit_code == 0, result.output
+    assert "skipped hf://org/Tiny-7B-GGUF/broken-F32.gguf: header not read" in result.output
+    assert "no draft on the hub" in result.output
