@@ -126,8 +126,26 @@ def _token_texts(path) -> list[str]:
     return []
 
 
+class HeaderCutShort(ModelFileError):
+    """The bytes given end inside the GGUF header: fetch more of the file (`fingerprint_of_bytes`)."""
+
+
+def fingerprint_of_bytes(data: bytes, name: str) -> Fingerprint:
+    """The fingerprint of a GGUF file from its first bytes (a hub file's prefix, fetched with a Range
+    request): HeaderCutShort when the header runs past them."""
+    try:
+        return _fingerprint_from(*_parse(memoryview(data), name, None))
+    except (struct.error, IndexError, ValueError):
+        raise HeaderCutShort(f"{name}: its GGUF header runs past the first {len(data)} bytes") from None
+    except UnicodeDecodeError:
+        raise ModelFileError(f"{name}: its GGUF header is damaged") from None
+
+
 def _fingerprint_of(path) -> Fingerprint:
-    values, tokens = _read_header(path, upto=None)
+    return _fingerprint_from(*_read_header(path, upto=None))
+
+
+def _fingerprint_from(values: dict, tokens) -> Fingerprint:
     n_vocab, digest = tokens if tokens else (0, "")
     special = {name: _int(values.get(f"tokenizer.ggml.{key}_token_id")) for name, key in SPECIAL_IDS.items()}
     model = str(values.get("tokenizer.ggml.model", ""))

@@ -2,8 +2,10 @@
 
 It answers what huggingface_hub asks: HEAD/GET `/{repo}/resolve/{revision}/{file}` with
 X-Repo-Commit, X-Linked-Etag (the LFS sha256), X-Linked-Size, Range requests (206), the hub's
-X-Error-Code for missing repos, files and gated repos, `/api/models/{repo}` (model_info) and
-`/api/models/{repo}/tree/{revision}`.
+X-Error-Code for missing repos, files and gated repos, `/api/models/{repo}` (model_info, with file
+sizes as the hub gives them for `blobs=True`), `/api/models/{repo}/tree/{revision}` and `/api/models`
+(list_models: `author` and `search` filter the repos held). It counts the bytes it sends per file
+(`served`), to tell a header read from a download.
 It can cut a download at a byte offset, to test interrupted pulls, and send a file's download
 elsewhere (the hub's redirect to its CDN), to test a CDN that cannot be reached. A hostile mirror's
 answers too: file names that climb out of a folder (add them like any file), a size that is not
@@ -30,6 +32,7 @@ class HubState:
         self.announced_size: dict[str, int] = {}          # file -> the size HEAD claims (a lying mirror)
         self.listing_padding = 0                          # extra made-up names in model_info's listing
         self.requests: list[tuple[str, str, str | None]] = []
+        self.served: dict[tuple[str, str], int] = {}       # (repo, file) -> bytes of it sent in GET answers
 
     def add(self, repo: str, file: str, data: bytes) -> None:
         self.repos.setdefault(repo, {})[file] = data
@@ -60,6 +63,8 @@ def make_handler(state: HubState):
         def _route(self):
             state.requests.append((self.command, self.path, self.headers.get("Range")))
             path = self.path.split("?")[0]
+            if path == "/api/models":
+                return self._list_models()
             if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)", path):
                 return self._tree(m[1])
             if m := re.match(r"^/api/models/([^/]+/[^/]+)(/revision/[^/]+)?$", path):
@@ -80,7 +85,15 @@ def make_handler(state: HubState):
             if repo not in state.repos:
                 return self._error(401, "RepoNotFound", "Repository not found")
             padding = [f"padding/file-{i}.bin" for i in range(state.listing_padding)]
-            self._json({"id": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in [*state.repos[repo], *padding]]})
+            self._json({"id": repo, "sha": COMMIT, "siblings": [{"rfilename": f, "size": len(d)} for f, d in state.repos[repo].items()]
+                        + [{"rfilename": f} for f in padding]})
+
+        def _list_models(self):
+            from urllib.parse import parse_qs, urlsplit
+            query = parse_qs(urlsplit(self.path).query)
+            author, search = (query.get(k, [""])[0].lower() for k in ("author", "search"))
+            self._json([{"id": r, "modelId": r, "sha": COMMIT} for r in state.repos
+                        if (not author or r.split("/")[0].lower() == author) and search in r.lower()])
 
         def _json(self, value):
             body = json.dumps(value).encode()
@@ -110,24 +123,26 @@ def make_handler(state: HubState):
             if file in state.redirect:
                 return self._redirect(repo, file)
             data = state.repos[repo][file]
-            start = 0
-            if rng := re.match(r"bytes=(\d+)-", self.headers.get("Range") or ""):
+            start, end = 0, len(data)
+            if rng := re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or ""):
                 start = int(rng[1])
-            self.send_response(206 if start else 200)
+                end = min(end, int(rng[2]) + 1) if rng[2] else end
+            self.send_response(206 if start or end < len(data) else 200)
             self.send_header("X-Repo-Commit", COMMIT)
             self.send_header("ETag", f'"{COMMIT[:40]}"')
             self.send_header("X-Linked-Etag", f'"{state.sha(repo, file)}"')
             self.send_header("X-Linked-Size", str(state.announced_size.get(file, len(data))))
             self.send_header("Accept-Ranges", "bytes")
-            self.send_header("Content-Length", str(len(data) - start))
-            if start:
-                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.send_header("Content-Length", str(max(0, end - start)))
+            if start or end < len(data):
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
             self.end_headers()
             if self.command == "HEAD":
                 return
-            stop = state.cut_at.get(file, len(data))
+            stop = min(end, state.cut_at.get(file, len(data)))
             self.wfile.write(data[start:max(start, stop)])
-            if stop < len(data):
+            state.served[(repo, file)] = state.served.get((repo, file), 0) + max(0, stop - start)
+            if stop < end:
                 self.wfile.flush()
                 self.close_connection = True  # the connection drops mid-file
 

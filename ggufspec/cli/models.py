@@ -28,17 +28,30 @@ def _model_entries(name: str):
 
 @main.command()
 @click.argument("name", required=False)
+@click.option("--with-draft", is_flag=True,
+              help="For hf://OWNER/REPO/FILE.gguf: also find a draft on the hub (same repository or family, 5x "
+                   "smaller, same tokenizer: read from the GGUF headers) and pull it.")
 @click.option("--dry-run", is_flag=True, help="Say what would be fetched and how big it is.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no progress bars).")
 @friendly_errors
-def pull(name, dry_run, quiet, as_json):
+def pull(name, with_draft, dry_run, quiet, as_json):
     """Fetch a pair or model (default: the default pair) into the cache, verified and resumable."""
     from .. import store
     from ..registry import load_registry
-    name = name or load_registry().default
+    registry = load_registry()
+    name = name or registry.default
+    pair_with_draft, with_draft = with_draft and name in registry.pairs, with_draft and name not in registry.pairs
+    if with_draft and (name in registry.models or not name.startswith("hf://")):
+        raise GgufspecError(f"--with-draft needs a hub file reference hf://OWNER/REPO/FILE.gguf "
+                            f"(or a pair name, which brings its draft), not {name!r}")
+    entries, search = _model_entries(name), None
+    if with_draft:
+        from ..hubdraft import find_draft
+        search = find_draft(entries[0], registry)
+        entries += [search.draft] if search.draft else []
     results = []
-    for entry in _model_entries(name):
+    for entry in entries:
         if dry_run:
             remote = [] if store.is_complete(entry) else store.remote_files(entry)
             results.append({"model": entry.name, "repo": entry.repo, "files": [r.file for r in remote],
@@ -46,6 +59,8 @@ def pull(name, dry_run, quiet, as_json):
             continue
         paths = store.pull(entry, progress=not (quiet or as_json))
         results.append({"model": entry.name, "path": str(paths[0]), "bytes": store.size_on_disk(entry)})
+    if search is not None:
+        results[0]["draft_search"] = search.as_dict()
     if as_json:
         click.echo(json.dumps(results))
         return
@@ -55,6 +70,12 @@ def pull(name, dry_run, quiet, as_json):
             click.echo(f"{r['model']}: {what}")
         else:
             click.echo(f"{r['model']}: {r['path']} ({store.human_size(r['bytes'])})")
+    if search is not None:
+        click.echo(search.line())
+        for skipped in search.skipped:
+            click.echo(f"  skipped {skipped['model']}: {skipped['reason']}")
+    elif pair_with_draft:  # a pair brings its own draft
+        click.echo(f"{name} is a pair: its draft {registry.pairs[name].draft} was pulled with it")
 
 
 @main.command(name="list")
