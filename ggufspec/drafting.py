@@ -7,6 +7,8 @@ lookup proposal (then the acceptance rule keeps it with probability p(x), as it 
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import time
 from collections import deque
@@ -234,6 +236,7 @@ def _batch_model(measured: dict[int, float]):
     last, before = sizes[-1], sizes[-2]
     tail_slope = max((measured[last] - measured[before]) / (last - before), 0.0)
 
+    @functools.lru_cache(maxsize=None)  # asked for every K at every step (auto prices each): keep the answers
     def batch(n: int) -> float:
         if n in measured:
             return measured[n]
@@ -387,17 +390,16 @@ class AutoDrafting:
         batch = self.costs.batch_model()
         a = min(self.tallies.acceptance(bucket), 0.999)
         alternative = self.alternative_rate()
-        best_k, best_rate, could_pay = 0, alternative, False
+        best_k, best_rate = 0, alternative
         for k in range(1, len(candidate.tokens) + 1):
             rate = expected_tokens(a, k) / batch(k + 1)
-            could_pay = could_pay or (k + 1) / batch(k + 1) > alternative  # were every token kept
             if rate > best_rate:
                 best_k, best_rate = k, rate
         wait = self._probe_wait.setdefault(bucket, [0, self.PROBE_FIRST])
         if best_k:
             wait[:] = [0, self.PROBE_FIRST]
             return best_k
-        if not could_pay:  # a batch of n costing n tokens: not even a right guess would pay, no probe
+        if not self.right_guess_pays(len(candidate.tokens), alternative):  # no probe where none could pay
             return 0
         wait[0] += 1
         if wait[0] < wait[1]:
@@ -405,9 +407,20 @@ class AutoDrafting:
         wait[:] = [0, min(2 * wait[1], self.PROBE_LONGEST)]  # reset to the first interval if it is kept
         return 1
 
+    def right_guess_pays(self, k_max: int, alternative: float) -> bool:
+        """Whether k <= k_max n-gram tokens, every one kept, would beat `alternative` (tokens/s). On a
+        CPU where a batch of n costs n tokens none does: then there is no probe, and no search."""
+        batch = self.costs.batch_model()
+        return any((k + 1) / batch(k + 1) > alternative for k in range(1, k_max + 1))
+
     def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
         self.catch_up_seconds = 0.0
-        candidate = self.ngram.candidate(tokens, min(k, self.k_max))
+        k_max = min(k, self.k_max)
+        if self.right_guess_pays(k_max, self.alternative_rate()):
+            candidate = self.ngram.candidate(tokens, k_max)
+        else:  # the search (up to 64 tokens compared per place) would be wasted: only index what is new
+            self.ngram.remember(tokens)
+            candidate = None
         if candidate is not None and candidate.tokens:
             bucket = bucket_of(candidate)
             k_ngram = self.ngram_k(candidate, bucket)

@@ -173,12 +173,16 @@ class NgramDrafter:
         self.index = SequenceIndex(orders)
         self.pool = pool
 
-    def candidate(self, tokens: list[int], k: int) -> Candidate | None:
-        if k <= 0:
-            return None
+    def remember(self, tokens: list[int]) -> None:
+        """Index what is new in the sequence, and add it to the pool."""
         first = self.index.extend(tokens)
         if self.pool is not None:
             self.pool.add(tokens, first, len(tokens))
+
+    def candidate(self, tokens: list[int], k: int) -> Candidate | None:
+        if k <= 0:
+            return None
+        self.remember(tokens)
         found = self.index.candidate(tokens, k)
         if self.pool is not None and (found is None or found.match_length < self.pool.orders[0]):
             pooled = self.pool.candidate(tokens, k)
