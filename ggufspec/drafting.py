@@ -160,6 +160,7 @@ class Costs:
         self.draft_times: deque = deque(maxlen=8)
         self.batch_times: dict[int, deque] = {}
         self._model = None  # T(n), rebuilt only when a least measurement changes
+        self._best_rates: dict[int, float] = {}  # best_batch_rate's answers for this T(n)
         self.ngram = NgramTallies()  # how often n-gram proposals were kept: a prior for the next generation
 
     def to_dict(self) -> dict:
@@ -202,7 +203,16 @@ class Costs:
         """T(n) for every n: the measured least where there is one, else a line through them."""
         if self._model is None:
             self._model = _batch_model({n: min(times) for n, times in self.batch_times.items()})
+            self._best_rates = {}
         return self._model
+
+    def best_batch_rate(self, k_max: int) -> float:
+        """max over k <= k_max of (k + 1) / T(k + 1): the tokens/s of a step whose k free drafts are all
+        kept (what a right n-gram guess at best gives), kept while T(n) stays the same."""
+        batch = self.batch_model()
+        if k_max not in self._best_rates:
+            self._best_rates[k_max] = max(((k + 1) / batch(k + 1) for k in range(1, k_max + 1)), default=0.0)
+        return self._best_rates[k_max]
 
     @property
     def warm(self) -> bool:
@@ -410,8 +420,7 @@ class AutoDrafting:
     def right_guess_pays(self, k_max: int, alternative: float) -> bool:
         """Whether k <= k_max n-gram tokens, every one kept, would beat `alternative` (tokens/s). On a
         CPU where a batch of n costs n tokens none does: then there is no probe, and no search."""
-        batch = self.costs.batch_model()
-        return any((k + 1) / batch(k + 1) > alternative for k in range(1, k_max + 1))
+        return self.costs.best_batch_rate(k_max) > alternative
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
         self.catch_up_seconds = 0.0
