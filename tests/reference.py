@@ -86,3 +86,14 @@ def exact_first_and_second(path, prompt: list[int], params) -> tuple[np.ndarray,
             joint[(int(a), int(b))] = p1[a] * p2[b]
     llm.close()
     return p1, joint
+
+
+def draw_two_tokens(decoder, prompt, params, k, draws):
+    """Counts of the first token and of (first, second) over `draws` seeded generations of two tokens."""
+    first, pairs = {}, {}
+    for seed in range(draws):
+        tokens = decoder.generate(prompt, n_predict=2, n_draft=k, temperature=params.temperature,
+                                  top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed).tokens
+        first[tokens[0]] = first.get(tokens[0], 0) + 1
+        pairs[tuple(tokens)] = pairs.get(tuple(tokens), 0) + 1
+    return first, pairs

@@ -17,7 +17,8 @@ from ggufspec.mtp import MtpDrafter, gguf_has_mtp, has_mtp, open_mtp
 from ggufspec.sampling import SamplingParams
 from ggufspec.tinymodels import Shape, make_pair
 from ggufspec.tinymodels_mtp import make_mtp_model, make_qwen35_model, make_trunk_only
-from reference import NEAR_TIE, chi_square_pvalue, exact_first_and_second, prompts, same_as_target_alone, target_alone
+from reference import (NEAR_TIE, chi_square_pvalue, draw_two_tokens, exact_first_and_second, prompts,
+                       same_as_target_alone, target_alone)
 
 PROMPT = [1, 261, 262, 263]
 DRAWS = 3000
@@ -129,13 +130,7 @@ def test_a_cached_mtp_context_drafts_as_a_fresh_one(mtp_model, decoders):
 
 
 def draw(decoder, params, k):
-    first, pairs = {}, {}
-    for seed in range(DRAWS):
-        tokens = decoder.generate(PROMPT, n_predict=2, n_draft=k, temperature=params.temperature,
-                                  top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed).tokens
-        first[tokens[0]] = first.get(tokens[0], 0) + 1
-        pairs[tuple(tokens)] = pairs.get(tuple(tokens), 0) + 1
-    return first, pairs
+    return draw_two_tokens(decoder, PROMPT, params, k, DRAWS)
 
 
 @pytest.mark.parametrize("k", [1, 3])

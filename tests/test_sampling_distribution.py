@@ -4,7 +4,7 @@ import pytest
 
 import ggufspec.processing
 from ggufspec import SamplingParams
-from reference import chi_square_pvalue, exact_first_and_second
+from reference import chi_square_pvalue, draw_two_tokens, exact_first_and_second
 
 PROMPT = [1, 261, 262, 263]
 DRAWS = 3000
@@ -12,13 +12,7 @@ TEMPERATURE = 1.5
 
 
 def draw(decoder, params, k):
-    first, pairs = {}, {}
-    for seed in range(DRAWS):
-        tokens = decoder.generate(PROMPT, n_predict=2, n_draft=k, temperature=params.temperature,
-                                  top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed).tokens
-        first[tokens[0]] = first.get(tokens[0], 0) + 1
-        pairs[tuple(tokens)] = pairs.get(tuple(tokens), 0) + 1
-    return first, pairs
+    return draw_two_tokens(decoder, PROMPT, params, k, DRAWS)
 
 
 @pytest.fixture(scope="module")

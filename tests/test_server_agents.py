@@ -8,7 +8,6 @@ still writes a valid call); the demo pair (slow) for a real model's tool call an
 what the engine computes (constraints, logprobs) are skipped until the engine takes them."""
 from __future__ import annotations
 
-import inspect
 import json
 
 import httpx
@@ -19,9 +18,6 @@ from ggufspec.tinymodels import Shape, make_weights, write_model
 from serverproc import make_chat_pair, start_server, stop_server
 
 N_CTX = 2048  # the tiny models write text byte by byte: a tool list is a few hundred tokens
-ENGINE_CONSTRAINS = {"constraints", "logprobs"} <= set(inspect.signature(SpeculativeDecoder.steps).parameters)
-needs_engine = pytest.mark.skipif(not ENGINE_CONSTRAINS, reason="the engine takes no constraints/logprobs yet "
-                                                                 "(ggufspec.processing)")
 
 UNIT = {"type": "function", "function": {
     "name": "set_unit", "description": "choose the temperature unit",
@@ -182,7 +178,6 @@ def test_bad_values_name_their_field(server, path, body, message):
     assert server.health()["status"] == "ok"
 
 
-@needs_engine
 def test_a_grammar_llama_cpp_cannot_parse_is_a_400(server):
     response = post(server, "/v1/completions", {"prompt": "x", "grammar": "root ::= undefined-rule"})
     assert response.status_code == 400, response.text
@@ -190,7 +185,6 @@ def test_a_grammar_llama_cpp_cannot_parse_is_a_400(server):
 
 # ---------------------------------------------------------------- what the engine computes
 
-@needs_engine
 def test_chat_logprobs_whole_and_streamed(server):
     client = server.client()
     for draft in (3, 0):
@@ -212,7 +206,6 @@ def test_chat_logprobs_whole_and_streamed(server):
     assert streamed == pytest.approx(speculative, abs=1e-3)
 
 
-@needs_engine
 def test_completion_logprobs_in_the_legacy_shape(server):
     answer = server.client().completions.create(model="target", prompt="the cat", max_tokens=10, logprobs=2)
     logprobs = answer.choices[0].logprobs
@@ -222,7 +215,6 @@ def test_completion_logprobs_in_the_legacy_shape(server):
     assert all(len(top) <= 2 for top in logprobs.top_logprobs)
 
 
-@needs_engine
 def test_logit_bias_bans_and_forces_tokens(server, reference):
     from ggufspec.processing import Constraints
     first = reference.generate("the cat", n_predict=4).tokens[0]
@@ -236,7 +228,6 @@ def test_logit_bias_bans_and_forces_tokens(server, reference):
     assert answer.choices[0].text == "ZZZ"
 
 
-@needs_engine
 def test_penalties_reach_the_engine(server, reference):
     from ggufspec.processing import Constraints
     options = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repeat_penalty": 1.3, "repeat_last_n": 16}
@@ -247,7 +238,6 @@ def test_penalties_reach_the_engine(server, reference):
     assert answer.choices[0].text == expected
 
 
-@needs_engine
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "set_unit"}}])
 def test_a_forced_tool_call_is_valid_and_the_same_speculating_or_not(server, tool_choice):
     client = server.client()
@@ -270,7 +260,6 @@ def test_a_forced_tool_call_is_valid_and_the_same_speculating_or_not(server, too
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
 
 
-@needs_engine
 def test_json_schema_answers_parse_and_are_the_same_speculating_or_not(server):
     client = server.client()
     texts = []

@@ -6,19 +6,14 @@ The issue this answers: the same requests used to give prose ("Name: Alice\\nAge
 ```json block with finish_reason "stop")."""
 from __future__ import annotations
 
-import inspect
 import json
 
 import pytest
 
 from conftest import demo_pair_paths
-from ggufspec import SpeculativeDecoder
 from serverproc import start_server, stop_server
 
 pytestmark = pytest.mark.slow
-needs_engine = pytest.mark.skipif(
-    not {"constraints", "logprobs"} <= set(inspect.signature(SpeculativeDecoder.steps).parameters),
-    reason="the engine takes no constraints yet (ggufspec.processing)")
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -54,7 +49,6 @@ def test_an_unprompted_call_is_parsed_into_tool_calls(demo_server):
     assert json.loads(choice.message.tool_calls[0].function.arguments)["city"] == "Paris"
 
 
-@needs_engine
 def test_a_forced_call_is_the_same_speculating_or_not(demo_server):
     calls = []
     for draft in (3, 0):
@@ -71,7 +65,6 @@ def test_a_forced_call_is_the_same_speculating_or_not(demo_server):
     assert calls[0] == calls[1]
 
 
-@needs_engine
 def test_a_json_schema_answer_parses_and_is_the_same_speculating_or_not(demo_server):
     texts = []
     for draft in (3, 0):

@@ -14,7 +14,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from .. import load
 from .. import tools as toolkit
-from .constraints import check_engine_supports, engine_supports, shaping
+from .constraints import shaping
 from .errors import APIError, add_error_handlers, engine_error
 from .jobs import ClientGone, Engine, Job
 from .props import chat_props, pair_props
@@ -65,7 +65,6 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     engine = Engine(decoder, max_queue)
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
-    constrained = engine_supports(decoder)
     if template.fallback:
         sys.stderr.write("ggufspec: warning: the target model has no chat template; chat requests are "
                          "rendered as ChatML (/props says \"chat_template_fallback\": true)\n")
@@ -113,7 +112,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
 
     async def answer(request: Request, body: GenerationBody, job_args: dict, chat: bool):
         check_model(body.model)
-        shape = check_engine_supports(shaping(body, tool_format, decoder.target.n_vocab), constrained)
+        shape = shaping(body, tool_format, decoder.target.n_vocab)
         job = Job(options=request_options(body, defaults), stops=stop_strings(body.stop), shape=shape, n=body.n,
                   **job_args)
         reply = Reply(model_name, chat, shape, body.n)

@@ -5,7 +5,6 @@ on the worker thread, where the model is (a trigger text's token id needs the vo
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -119,30 +118,12 @@ def requested_logprobs(body: GenerationBody) -> int | None:
     return None
 
 
-def engine_supports(decoder) -> bool:
-    """Whether this decoder's engine takes `constraints` and `logprobs` (ggufspec.processing)."""
-    parameters = inspect.signature(decoder.steps).parameters
-    return "constraints" in parameters and "logprobs" in parameters
-
-
-def check_engine_supports(shape: Shaping, supported: bool) -> Shaping:
-    """The request as this engine can serve it: without constrained decoding, `auto` tools are parsed
-    without their lazy grammar, and anything else that needs it is a 501."""
-    if supported or (not shape.constraints and shape.logprobs is None):
-        return shape
-    if shape.plan.lazy and shape.logprobs is None and set(shape.constraints) <= {"grammar", "grammar_patterns"}:
-        return dataclasses.replace(shape, constraints={}, triggers=())
-    raise APIError(501, "this engine cannot constrain generation or report logprobs yet (logit_bias, "
-                        "penalties, grammars, tools, response_format and logprobs need ggufspec.processing)",
-                   "server_error", "not_implemented")
-
-
 def engine_constraints(shape: Shaping, trigger_tokens: tuple[int, ...], defaults=None):
     """The engine's Constraints for a request: what it sets over the server's defaults (`serve`'s
     --logit-bias, penalty and grammar flags; None: none), or None when neither asks for any."""
     if not shape.constraints:
         return defaults
-    from ..processing import Constraints  # engine_supports made sure it is there
+    from ..processing import Constraints
     options = dict(shape.constraints)
     if "grammar_patterns" in options:
         options["grammar_trigger_tokens"] = trigger_tokens
