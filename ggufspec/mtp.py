@@ -52,6 +52,7 @@ MTP_ARCHITECTURES = frozenset({
 # ---------------------------------------------------------------- llama.cpp's staging API (C++ names)
 
 def _cxx_function(mangled: str, argtypes: list, restype):
+    """A libllama function the bindings do not wrap (C++ names, and ggml's gguf reader)."""
     function = getattr(llama_cpp.llama_cpp._lib, mangled)
     function.argtypes, function.restype = argtypes, restype
     return function
@@ -70,12 +71,6 @@ _get_embeddings_nextn_ith = _cxx_function("_Z30llama_get_embeddings_nextn_ithP13
 
 # ---------------------------------------------------------------- does this model have MTP blocks?
 
-def _gguf_function(name: str, argtypes: list, restype):
-    function = getattr(llama_cpp.llama_cpp._lib, name)  # ggml's gguf reader, reached through libllama
-    function.argtypes, function.restype = argtypes, restype
-    return function
-
-
 class _GGUFInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
@@ -87,13 +82,13 @@ def gguf_has_mtp(path: str | os.PathLike) -> bool:
     """Whether a GGUF file carries MTP blocks llama.cpp can draft with, read from its header only
     (llama.cpp's own test: the last block has `nextn.eh_proj`), before loading it."""
     c_void_p, i64 = ctypes.c_void_p, ctypes.c_int64
-    init = _gguf_function("gguf_init_from_file", [ctypes.c_char_p, _GGUFInitParams], c_void_p)
-    free = _gguf_function("gguf_free", [c_void_p], None)
-    find_key = _gguf_function("gguf_find_key", [c_void_p, ctypes.c_char_p], i64)
-    kv_type = _gguf_function("gguf_get_kv_type", [c_void_p, i64], ctypes.c_int)
-    get_str = _gguf_function("gguf_get_val_str", [c_void_p, i64], ctypes.c_char_p)
-    get_u32 = _gguf_function("gguf_get_val_u32", [c_void_p, i64], ctypes.c_uint32)
-    find_tensor = _gguf_function("gguf_find_tensor", [c_void_p, ctypes.c_char_p], i64)
+    init = _cxx_function("gguf_init_from_file", [ctypes.c_char_p, _GGUFInitParams], c_void_p)
+    free = _cxx_function("gguf_free", [c_void_p], None)
+    find_key = _cxx_function("gguf_find_key", [c_void_p, ctypes.c_char_p], i64)
+    kv_type = _cxx_function("gguf_get_kv_type", [c_void_p, i64], ctypes.c_int)
+    get_str = _cxx_function("gguf_get_val_str", [c_void_p, i64], ctypes.c_char_p)
+    get_u32 = _cxx_function("gguf_get_val_u32", [c_void_p, i64], ctypes.c_uint32)
+    find_tensor = _cxx_function("gguf_find_tensor", [c_void_p, ctypes.c_char_p], i64)
     ctx = init(os.fsencode(path), _GGUFInitParams(True, None))
     if not ctx:
         return False

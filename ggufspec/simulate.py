@@ -30,6 +30,7 @@ import numpy as np
 
 from .drafting import AdaptiveK, AutoDrafting, Costs, FixedK, LookupDrafter, ModelDrafter
 from .errors import GgufspecError
+from .native import common_prefix_length
 from .sampling import SamplingParams
 
 TRACE_FORMAT = "ggufspec-trace"
@@ -372,7 +373,7 @@ def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy) -> Repla
         length = trace.n_prompt + pos
         draft.seconds = draft.catch_up_seconds = 0.0  # the lookup drafts for free
         proposals = drafter.propose(sequence[:length], k, params, None)[0] if k > 0 else []
-        n_accepted = _agreeing(proposals, sequence[length:length + len(proposals)])
+        n_accepted = common_prefix_length(proposals, sequence[length:length + len(proposals)])
         verify = curve.target(len(proposals) + 1) + (len(proposals) + 1) * curve.row_seconds
         if proposals:  # both caches are cut back to what was kept
             draft.n_past = min(draft.n_past, length + n_accepted)
@@ -385,15 +386,6 @@ def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy) -> Repla
         pos += n_accepted + 1
     out.tokens = trace.n_output
     return out
-
-
-def _agreeing(proposals: list[int], actual: list[int]) -> int:
-    n = 0
-    for proposed, token in zip(proposals, actual):
-        if proposed != token:
-            break
-        n += 1
-    return n
 
 
 @dataclass
