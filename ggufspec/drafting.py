@@ -7,6 +7,7 @@ lookup proposal (then the acceptance rule keeps it with probability p(x), as it 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import math
@@ -19,6 +20,7 @@ from .costmodel import expected_tokens, tokens_per_second
 from .errors import DecodeError
 from .native import Context, common_prefix_length
 from .ngram import HybridDrafter, NgramDrafter, NgramTallies, bucket_of  # noqa: F401  (drafting.HybridDrafter)
+from .processing import DraftGuide
 from .sampling import SamplingParams, distribution, greedy_token, sample
 
 LookupDrafter = NgramDrafter  # the name it had when it looked in the sequence only
@@ -76,6 +78,9 @@ class VocabBridge:
     def checkpoint(self, upcoming: int = 1, persistent: bool = False, force: bool = False) -> None:
         self.inner.checkpoint(upcoming, persistent, force)
 
+    def flush(self) -> None:
+        self.inner.flush()
+
     def close(self) -> None:
         self.inner.close()
 
@@ -91,10 +96,12 @@ class ModelDrafter:
         self.p_min, self.n_min = p_min, n_min
         self.catch_up_seconds = 0.0  # of the last proposal: evaluating what the draft skipped while idle
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
-        proposals, draft_probs = [], []
+    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng,
+                guide: DraftGuide | None = None) -> tuple[list[int], list]:
+        """Up to k proposals after `tokens` (and, sampling, the q each was drawn from). `guide`: the
+        request's constraints over the draft's rows (see `processing.DraftGuide`)."""
         if k <= 0:
-            return proposals, draft_probs
+            return [], []
         ctx = self.context
         lag = len(tokens) - ctx.n_past
         self.catch_up_seconds = 0.0
@@ -105,12 +112,25 @@ class ModelDrafter:
             return [], []     # the target goes on alone
         self.catch_up_seconds = time.perf_counter() - t0 if lag > self.CATCH_UP else 0.0
         ctx.checkpoint(upcoming=k - 1)  # memory that cannot drop a suffix saves its state first
+        guide = guide if guide is not None and guide.fits(ctx.n_vocab) else None
+        with guide if guide is not None else contextlib.nullcontext():
+            proposals, draft_probs = self._draft(tokens, k, params, rng, guide)
+        if len(proposals) < min(self.n_min, k):  # too short to be worth a verification
+            return [], []
+        return proposals, draft_probs
+
+    def _draft(self, tokens, k, params, rng, guide) -> tuple[list[int], list]:
+        """One token at a time from the draft's own (guided) row, until k, or unsure (p_min)."""
+        ctx, proposals, draft_probs = self.context, [], []
         while True:
-            logits = ctx.logits(0)
+            raw = ctx.logits(0)
+            logits = guide.apply(raw, tokens + proposals) if guide is not None else raw
+            if logits is None:  # the grammar allows none of the draft's tokens here
+                break
             if params.greedy:
                 token = greedy_token(logits)
-                if self.p_min > 0 and _softmax_at(logits, token) < self.p_min and proposals:
-                    break
+                if self.p_min > 0 and _softmax_at(raw, token) < self.p_min and proposals:
+                    break  # unsure by its own (unguided) distribution
             else:
                 q = distribution(logits, params)
                 token = sample(q, rng)
@@ -118,14 +138,12 @@ class ModelDrafter:
                     break
                 draft_probs.append(q)
             proposals.append(token)
-            if len(proposals) == k or ctx.n_past + 1 >= ctx.n_ctx:
+            if len(proposals) == k or ctx.n_past + 1 >= ctx.n_ctx or (guide is not None and not guide.accept(token)):
                 break
             try:
                 ctx.decode([token], n_logits=1)
             except DecodeError:
                 break
-        if len(proposals) < min(self.n_min, k):  # too short to be worth a verification
-            return [], []
         return proposals, draft_probs
 
 
@@ -422,7 +440,8 @@ class AutoDrafting:
         CPU where a batch of n costs n tokens none does: then there is no probe, and no search."""
         return self.costs.best_batch_rate(k_max) > alternative
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], list]:
+    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng,
+                guide: DraftGuide | None = None) -> tuple[list[int], list]:
         self.catch_up_seconds = 0.0
         k_max = min(k, self.k_max)
         if self.right_guess_pays(k_max, self.alternative_rate()):
@@ -436,11 +455,13 @@ class AutoDrafting:
             if k_ngram:
                 self._source = bucket
                 proposals = candidate.tokens[:k_ngram]
+                if guide is not None:
+                    proposals = proposals[:guide.allowed_prefix(proposals)]
                 return proposals, self.ngram.point_masses(proposals, params)
         self._source = "model" if self._model_choice > 0 and self._model_may_draft(tokens) else None
         if self._source is None:
             return [], []
-        proposals, probs = self.model.propose(tokens, min(k, self._model_choice), params, rng)
+        proposals, probs = self.model.propose(tokens, min(k, self._model_choice), params, rng, guide)
         self.catch_up_seconds = self.model.catch_up_seconds
         return proposals, probs
 

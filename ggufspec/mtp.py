@@ -198,6 +198,8 @@ class MtpContext(Context):
         self._pos = (ctypes.c_int32 * 4)()
         self._freed = False
 
+    lazy_replay_max = 0  # each entry takes its hidden state row: replays stay in calls of their own
+
     def _states(self, tokens, start: int) -> tuple[np.ndarray, int]:
         """Each entry's state row, and how many leading entries take the target's own."""
         n = len(tokens)
@@ -295,7 +297,7 @@ class MtpDrafter(ModelDrafter):
         super().__init__(context, p_min, n_min)
         self.CATCH_UP = ModelDrafter.CATCH_UP
 
-    def propose(self, tokens, k, params, rng):
-        proposals, probs = super().propose(tokens, k, params, rng)
+    def propose(self, tokens, k, params, rng, guide=None):
+        proposals, probs = super().propose(tokens, k, params, rng, guide)
         self.CATCH_UP = max(k, 1) + 1
         return proposals, probs

@@ -197,8 +197,10 @@ class NgramDrafter:
     def point_masses(self, proposals: list[int], params) -> list:
         return [] if params.greedy else [_point_mass(t, self.n_vocab) for t in proposals]
 
-    def propose(self, tokens: list[int], k: int, params, rng) -> tuple[list[int], list]:
+    def propose(self, tokens: list[int], k: int, params, rng, guide=None) -> tuple[list[int], list]:
         proposals = self.match(tokens, k)
+        if guide is not None:  # cut before the first token the request's grammar or bias forbids
+            proposals = proposals[:guide.allowed_prefix(proposals)]
         return proposals, self.point_masses(proposals, params)
 
 
@@ -210,12 +212,12 @@ class HybridDrafter:
         self.context = model.context
         self.catch_up_seconds = 0.0
 
-    def propose(self, tokens, k, params, rng):
-        proposals, probs = self.lookup.propose(tokens, k, params, rng)
+    def propose(self, tokens, k, params, rng, guide=None):
+        proposals, probs = self.lookup.propose(tokens, k, params, rng, guide)
         if proposals:
             self.catch_up_seconds = 0.0
             return proposals, probs
-        proposals, probs = self.model.propose(tokens, k, params, rng)
+        proposals, probs = self.model.propose(tokens, k, params, rng, guide)
         self.catch_up_seconds = self.model.catch_up_seconds
         return proposals, probs
 

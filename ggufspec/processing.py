@@ -95,14 +95,23 @@ class TargetProcessor:
         self._bias = _bias_vector(constraints.logit_bias, n_vocab)
         self._grammar = Grammar(vocab, constraints) if constraints.grammar is not None else None
 
+    def biased(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """A copy of the row (of up to n_vocab entries) with the logit bias and penalties applied."""
+        out = logits.astype(np.float32, copy=True)
+        if self._bias is not None:
+            out += self._bias[:len(out)]
+        if self.constraints.penalises:
+            _penalise(out, history, self.constraints)
+        return out
+
+    def forbids(self, token: int) -> bool:
+        """Whether a -inf logit bias bans the token outright."""
+        return self._bias is not None and token < len(self._bias) and self._bias[token] == -np.inf
+
     def apply(self, logits: np.ndarray, history: Sequence[int], top_n: int = 0) -> np.ndarray:
         """The processed row. top_n > 0: only the top_n best tokens the grammar allows need their
         exact logits (greedy needs 1, top-k sampling k), the others may come back as -inf; 0: all."""
-        out = logits.astype(np.float32, copy=True)
-        if self._bias is not None:
-            out += self._bias
-        if self.constraints.penalises:
-            _penalise(out, history, self.constraints)
+        out = self.biased(logits, history)
         if self._grammar is not None:
             if top_n > 0:
                 self._grammar.mask_all_but_best(out, top_n)
@@ -204,6 +213,14 @@ class Grammar:
     def accept(self, token: int) -> None:
         llama_cpp.llama_sampler_accept(self._sampler, token)
 
+    def clone(self) -> Grammar:
+        """An independent copy in the same state (llama_sampler_clone), to walk ahead of this one."""
+        twin = Grammar.__new__(Grammar)
+        twin._sampler = llama_cpp.llama_sampler_clone(self._sampler)
+        if not twin._sampler:
+            raise GgufspecError("could not copy the grammar's state")
+        return twin
+
     def close(self) -> None:
         if self._sampler:
             llama_cpp.llama_sampler_free(self._sampler)
@@ -251,6 +268,69 @@ class TargetJudge:
         logprobs = log_softmax(row)
         return float(logprobs[token]), top_logprobs(logprobs, self.n_logprobs)
 
+    def draft_guide(self) -> DraftGuide | None:
+        """The same constraints for the drafter's proposals (None: there are none)."""
+        return DraftGuide(self.processor, self.params, self._is_end) if self.processor is not None else None
+
     def close(self) -> None:
         if self.processor is not None:
             self.processor.close()
+
+
+class DraftGuide:
+    """The request's constraints over a drafter's proposals, so that it proposes what the target can
+    keep. A draft model's row gets the same logit bias and penalties as the target's, and the grammar's
+    mask from a copy of the grammar's state walked along the step's proposals (dropped after the step);
+    an n-gram proposal is cut before the first token the grammar or a -inf bias forbids.
+
+    Losslessness does not depend on it: the target's rule is unchanged, and a sampled draft token's q
+    is the guided distribution it was drawn from. It only raises how many proposals are kept (a draft
+    token the grammar forbids is certain to be rejected). The grammar checks only the best token
+    (greedy) or the top-k (sampling): with top-k off, a full-vocabulary check (tens of ms) would cost
+    more than a draft token, so there the draft is not masked by the grammar.
+    """
+
+    def __init__(self, processor: TargetProcessor, params: SamplingParams, is_end):
+        self.processor, self._is_end = processor, is_end
+        self._top_n = 1 if params.greedy else params.top_k
+        self._grammar: Grammar | None = None
+
+    def fits(self, n_vocab: int) -> bool:
+        """Whether a drafter with this vocabulary shares the target's ids (a bridged draft's is smaller)."""
+        return n_vocab <= self.processor.n_vocab
+
+    def __enter__(self) -> DraftGuide:
+        grammar = self.processor._grammar
+        self._grammar = grammar.clone() if grammar is not None else None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
+
+    def apply(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray | None:
+        """The draft's guided row, or None where the grammar allows none of its tokens."""
+        out = self.processor.biased(logits, history)
+        if self._grammar is not None and self._top_n > 0:
+            self._grammar.mask_all_but_best(out, self._top_n)
+        return out if np.isfinite(out.max()) else None
+
+    def accept(self, token: int) -> bool:
+        """Walk the copy past a proposed token; False at an end of generation (nothing follows it)."""
+        if self._is_end(token):
+            return False
+        if self._grammar is not None:
+            self._grammar.accept(token)
+        return True
+
+    def allowed_prefix(self, proposals: Sequence[int]) -> int:
+        """How many leading proposals (an n-gram match) the grammar and -inf biases allow."""
+        with self:
+            for i, token in enumerate(proposals):
+                if self.processor.forbids(token) or (self._grammar is not None and not self._grammar.allows(
+                        np.array([token]), np.zeros(1, np.float32))[0]):
+                    return i
+                if not self.accept(token):
+                    return i + 1
+        return len(proposals)

@@ -336,7 +336,7 @@ class _TraceDraft:
         self.n_past = trace.n_prompt - 1  # the prompt (less its last token) is cached: bench reuses it
         self.seconds = self.catch_up_seconds = 0.0  # of the last proposal, catching up included
 
-    def propose(self, tokens, k, params, rng):
+    def propose(self, tokens, k, params, rng, guide=None):
         length, i = len(tokens), len(tokens) - self.trace.n_prompt
         lag = length - self.n_past
         catch_up = self.curve.draft_batch(lag)

@@ -50,6 +50,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     """
     tokens = list(prompt)
     draft_ctx = drafter.context if drafter is not None else None
+    guide = judge.draft_guide()  # the request's constraints over the proposals too (more of them kept)
     _prefill(target, draft_ctx, tokens, stats)
     started = time.perf_counter()
     n_generated = 0
@@ -62,7 +63,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             # a step adds up to k + 1 tokens, verified in one batch (logits for every row: within n_batch)
             k = controller.choose(min(room, target.n_batch) - 1) if drafter is not None else 0
             t0 = time.perf_counter()
-            proposals, draft_probs = drafter.propose(tokens, k, judge.params, judge.rng) if k > 0 else ([], [])
+            proposals, draft_probs = drafter.propose(tokens, k, judge.params, judge.rng, guide) if k > 0 else ([], [])
             t1 = time.perf_counter()
             n_accepted, own_token, scores = _verify(target, tokens, proposals, draft_probs, judge)
             t2 = time.perf_counter()
@@ -136,6 +137,7 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, siz
             ctx.decode([token] * n, n_logits=n if ctx is target else 1)
             if n > 1:
                 ctx.keep(start + 1)
+                ctx.flush()  # the re-evaluation a rejection costs, here rather than in the next batch
             seconds = time.perf_counter() - t0
             ctx.keep(start)
             if run == 0:
