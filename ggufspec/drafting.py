@@ -78,9 +78,6 @@ class VocabBridge:
     def checkpoint(self, upcoming: int = 1, persistent: bool = False, force: bool = False) -> None:
         self.inner.checkpoint(upcoming, persistent, force)
 
-    def flush(self) -> None:
-        self.inner.flush()
-
     def close(self) -> None:
         self.inner.close()
 

@@ -198,8 +198,6 @@ class MtpContext(Context):
         self._pos = (ctypes.c_int32 * 4)()
         self._freed = False
 
-    lazy_replay_max = 0  # each entry takes its hidden state row: replays stay in calls of their own
-
     def _states(self, tokens, start: int) -> tuple[np.ndarray, int]:
         """Each entry's state row, and how many leading entries take the target's own."""
         n = len(tokens)

@@ -58,7 +58,6 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 MAX_CHECKPOINTS = 8              # conversation checkpoints per context (llama-server: --ctx-checkpoints)
 MAX_CHECKPOINT_BYTES = 256 << 20  # and their bytes together
 CHECKPOINT_EVERY = 256           # tokens between automatic conversation checkpoints
-LAZY_REPLAY_MAX = 4              # kept tokens re-evaluated with the next batch instead of on their own
 
 
 class _Snapshot:
@@ -71,8 +70,6 @@ class _Snapshot:
 
 
 class Context:
-    lazy_replay_max = LAZY_REPLAY_MAX
-
     def __init__(self, llm: llama_cpp.Llama, name: str):
         self.llm = llm
         self.name = name
@@ -104,24 +101,12 @@ class Context:
         self._least_seconds: dict[int, float] = {}  # least time seen for a batch of n <= 8 tokens
         self._scratch = _Snapshot()  # before the tokens being verified or drafted
         self._kept: list[_Snapshot] = []  # along the conversation
-        # After a restore, the kept tokens past the snapshot are re-evaluated at the front of the next
-        # decode rather than in a call of their own: one recurrent batch of n + r tokens costs far
-        # less than batches of r and n (T(4) 2.7 ms, T(1) 1.5 ms, T(5) 3.1 ms on one CPU here).
-        # `tokens` ends with these; the memory does not hold them yet.
-        self._unevaluated = 0
 
     def decode(self, tokens: Sequence[int], n_logits: int = 1) -> None:
         """Append `tokens` to the cache; keep logits for the last `n_logits` of them.
 
-        Long inputs go in chunks of n_batch; only the final chunk's tail gets logits. Kept tokens
-        waiting since a restore go first (see `_unevaluated`).
+        Long inputs go in chunks of n_batch; only the final chunk's tail gets logits.
         """
-        if self._unevaluated:
-            waiting = self.tokens[-self._unevaluated:]
-            del self.tokens[-self._unevaluated:]
-            self.n_replayed += self._unevaluated
-            self._unevaluated = 0
-            tokens = waiting + list(tokens)
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             is_last = start + self.n_batch >= len(tokens)
@@ -174,16 +159,6 @@ class Context:
         return len(self.tokens)
 
     @property
-    def n_evaluated_tokens(self) -> int:
-        """How many of `tokens` the memory holds (all but those waiting since a restore)."""
-        return len(self.tokens) - self._unevaluated
-
-    def flush(self) -> None:
-        """Evaluate the kept tokens waiting since a restore now (before timing something else)."""
-        if self._unevaluated:
-            self.decode([], n_logits=0)
-
-    @property
     def needs_snapshots(self) -> bool:
         return self.rollback == "snapshot" or self.n_swa > 0
 
@@ -194,17 +169,12 @@ class Context:
         per-token rollback states (n_rs_seq) could cut the next batch once (for two cuts in a row)."""
         if not self.needs_snapshots:
             return
-        n = self.n_evaluated_tokens
+        n = len(self.tokens)
         last_kept = max((c.pos for c in self._kept), default=0)
         if n > 0 and (persistent or n >= last_kept + CHECKPOINT_EVERY) and n != last_kept:
             self._keep_checkpoint(n)
-        if upcoming <= 0 or self.rollback != "snapshot":
+        if upcoming <= 0 or self.rollback != "snapshot" or self._scratch.pos == n:
             return  # a sliding window drops a suffix by itself
-        if self._unevaluated:  # a cut may come right after them: they need a state of their own
-            self.flush()
-            n = self.n_evaluated_tokens
-        if self._scratch.pos == n:
-            return
         if self.n_rs_seq >= upcoming and self.n_ubatch > upcoming and not force:
             return  # llama.cpp keeps per-token states of the next batch: seq_rm cuts within it
         self._save(self._scratch)
@@ -275,13 +245,6 @@ class Context:
         n_tokens and re-evaluates only the tokens between it and n_tokens."""
         if n_tokens >= len(self.tokens):
             return
-        evaluated = self.n_evaluated_tokens
-        if n_tokens >= evaluated:  # only waiting tokens go
-            del self.tokens[n_tokens:]
-            self._unevaluated = n_tokens - evaluated
-            return
-        del self.tokens[evaluated:]
-        self._unevaluated = 0
         self._forget_after(n_tokens)
         if self._cut(n_tokens):
             del self.tokens[n_tokens:]
@@ -293,12 +256,8 @@ class Context:
             llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)  # nothing saved: from the start
             del self.tokens[:]
         replay = replay[len(self.tokens):]
-        if len(replay) <= self.lazy_replay_max:
-            self.tokens.extend(replay)
-            self._unevaluated = len(replay)
-        else:
-            self.n_replayed += len(replay)
-            self._replay(replay)
+        self.n_replayed += len(replay)
+        self._replay(replay)
         self.restore_seconds += time.perf_counter() - t0
 
     def _replay(self, tokens: list[int]) -> None:
@@ -315,8 +274,6 @@ class Context:
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the longest prefix the cache shares with `tokens` that can be kept without
         re-evaluating anything (up to a checkpoint, for memory that cannot cut); returns its length."""
-        del self.tokens[self.n_evaluated_tokens:]  # what waits since a restore is not cached
-        self._unevaluated = 0
         n = common_prefix_length(self.tokens, tokens)
         if n < len(self.tokens):
             self._forget_after(n)

@@ -137,7 +137,6 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, siz
             ctx.decode([token] * n, n_logits=n if ctx is target else 1)
             if n > 1:
                 ctx.keep(start + 1)
-                ctx.flush()  # the re-evaluation a rejection costs, here rather than in the next batch
             seconds = time.perf_counter() - t0
             ctx.keep(start)
             if run == 0:
