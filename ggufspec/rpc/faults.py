@@ -17,6 +17,13 @@ from .native import ABORT_EXIT_CODE, _native
 
 _ABORT_CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _installed_abort_callback = None  # kept alive: ggml holds only the raw pointer
+_consequence = "the run cannot go on"  # what the abort line says happens next
+
+
+def set_abort_consequence(text: str) -> None:
+    """What the abort line says happens next (`serve --rpc`'s model process: the server goes on)."""
+    global _consequence
+    _consequence = text
 
 
 def _dead_workers(endpoints: Sequence[Endpoint], timeout: float = 0.5) -> list[Endpoint]:
@@ -45,10 +52,10 @@ def abort_message(ggml_message: str, endpoints: Sequence[Endpoint]) -> str | Non
     if dead:
         who = ", ".join(map(str, dead))
         return (f"ggufspec: error: lost the RPC worker{'s' if len(dead) > 1 else ''} {who} mid-run "
-                f"(it stopped or its port closed); the run cannot go on")
+                f"(it stopped or its port closed); {_consequence}")
     who = ", ".join(map(str, endpoints)) or "(unknown)"
     return (f"ggufspec: error: lost the connection to the RPC worker(s) {who} mid-run (the worker crashed, "
-            f"restarted or the network failed); the run cannot go on")
+            f"restarted or the network failed); {_consequence}")
 
 
 def install_abort_message(endpoints: Sequence[Endpoint | str] = (),
