@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import httpx
@@ -119,3 +120,46 @@ def test_a_hung_worker_is_a_503_within_the_timeout_then_recovers(server, worker,
         os.kill(worker.process.pid, signal.SIGCONT)
     wait_healthy(server)
     assert greedy_answer(server) == first_text
+
+
+def test_a_stream_whose_worker_hangs_ends_with_an_sse_error(server, worker, first_text):
+    stream = server.client(timeout=60).chat.completions.create(
+        model="target", messages=MESSAGES, max_tokens=1500, temperature=0, stream=True, logit_bias=NO_EOS)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    os.kill(worker.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APIError, match="stopped answering"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - started < RPC_TIMEOUT + 8
+    finally:
+        os.kill(worker.process.pid, signal.SIGCONT)
+    wait_healthy(server)
+    assert greedy_answer(server) == first_text
+
+
+def test_a_client_that_leaves_a_stream_stops_its_generation(server):
+    stream = server.client().chat.completions.create(model="target", messages=MESSAGES, max_tokens=1500,
+                                                     stream=True, logit_bias=NO_EOS)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    stream.close()
+    deadline = time.monotonic() + 10
+    while health(server).json()["busy"]:
+        assert time.monotonic() < deadline, "the generation went on after its client left"
+        time.sleep(0.1)
+    assert health(server).json()["last"]["n_predict"] < 1500
+
+
+def test_an_unreachable_worker_at_start_is_one_line_and_exit_code_1(tmp_path):
+    from rpcworkers import free_port
+    from serverproc import GGUFSPEC
+    target, draft = make_chat_pair(tmp_path)
+    endpoint = f"127.0.0.1:{free_port()}"
+    done = subprocess.run([GGUFSPEC, "serve", "--port", "0", "-m", str(target), "-md", str(draft), "--rpc", endpoint],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "GGUFSPEC_HOME": str(tmp_path)})
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ggufspec: error:")]
+    assert len(errors) == 1 and endpoint in errors[0] and "Traceback" not in done.stderr

@@ -187,7 +187,8 @@ def serve(host, port, api_key, max_queue, rpc_timeout, serve_fd, **opts):
         from ..rpc import parse_endpoints
         from ..server.supervisor import supervise
         parse_endpoints(opts["rpc"])  # a bad --rpc fails here, in one line
-        sys.exit(supervise(listen(host, port), rpc=opts["rpc"], rpc_timeout=rpc_timeout, argv=sys.argv[1:]))
+        sys.exit(supervise(listen(host, port), rpc=opts["rpc"], rpc_timeout=rpc_timeout, argv=sys.argv[1:],
+                           api_key=api_key))
     if serve_fd is not None:
         from ..server.supervisor import supervised_socket
         sock = supervised_socket(serve_fd)

@@ -24,6 +24,8 @@ import threading
 import uvicorn
 
 from ..rpc import Endpoint, RpcError, parse_endpoints, probe
+from ..errors import GgufspecError
+from .app import V1Middleware
 from .proxy import ChildGone, ask, error_body, get_scope, proxy_app
 
 # What happens after a worker is lost: the child's abort line says it too (`faults.set_abort_consequence`).
@@ -68,9 +70,9 @@ async def first(awaitable, event: asyncio.Event):
 
 class Supervisor:
     def __init__(self, command: list[str], socket_path: str, socket_fd: int, endpoints: list[Endpoint],
-                 rpc_timeout: float):
+                 rpc_timeout: float, api_key: str | None = None):
         self.command, self.socket_path, self.socket_fd = command, socket_path, socket_fd
-        self.endpoints, self.rpc_timeout = endpoints, rpc_timeout
+        self.endpoints, self.rpc_timeout, self.api_key = endpoints, rpc_timeout, api_key
         self.child: Child | None = None
         self.state = "loading"  # loading | ready | unavailable
         self.problem = ("the model is loading", "model_loading")
@@ -93,9 +95,16 @@ class Supervisor:
     # -- the loop ---------------------------------------------------------------------------------
 
     async def main(self, sock: socket.socket) -> None:
-        config = uvicorn.Config(proxy_app(self), log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
+        # the key is checked here too, so that a client without it learns nothing, the model up or not
+        config = uvicorn.Config(V1Middleware(proxy_app(self), self.api_key), log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5)
+        supervisor = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                supervisor.stopping = True  # Ctrl-C reaches the child too: its exit is no fault then
+                super().handle_exit(sig, frame)
+        server = Server(config)
         for sig in (signal.SIGINT, signal.SIGTERM):  # what uvicorn restores, and raises again, after serving
             signal.signal(sig, server.handle_exit)
         keeper = asyncio.ensure_future(self.keep_serving(server))
@@ -218,9 +227,11 @@ class Supervisor:
         await first(asyncio.sleep(5), child.gone)  # its last lines passed through
 
 
-def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[str]) -> int:
+def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[str], api_key: str | None) -> int:
     """Serve `sock` with the model in a child process (`ggufspec serve ARGV` on a Unix socket); the exit code."""
     endpoints = parse_endpoints(rpc)
+    if "serve" not in argv:  # the child is this command line again
+        raise GgufspecError("serve --rpc runs its model in a child process: start it as a command (ggufspec serve ...)")
     host, port = sock.getsockname()[:2]  # as the model process will print them
     with tempfile.TemporaryDirectory(prefix="ggufspec-serve-") as folder:
         path = os.path.join(folder, "model.sock")  # a private folder: only this user reaches it
@@ -230,7 +241,7 @@ def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[s
             model_sock.set_inheritable(True)
             command = [sys.executable, "-m", "ggufspec.cli", *argv, "--host", host, "--port", str(port),
                        "--serve-fd", str(model_sock.fileno())]
-            supervisor = Supervisor(command, path, model_sock.fileno(), endpoints, rpc_timeout)
+            supervisor = Supervisor(command, path, model_sock.fileno(), endpoints, rpc_timeout, api_key)
             asyncio.run(supervisor.main(sock))
     return supervisor.exit_code
 
