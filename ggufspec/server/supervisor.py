@@ -34,7 +34,8 @@ SERVING = "ggufspec: serving "  # the line `listen.serve_forever` prints once th
 ERROR = "ggufspec: error: "
 WATCH_EVERY_S = 1.0
 BACKOFF_S = (0.5, 5.0)  # first and longest wait between probes of the workers
-PROBE_TIMEOUT_S = 2.0
+PROBE_TIMEOUT_S = 2.0  # a worker's handshake, while waiting for it to come back
+NAMING_TIMEOUT_S = 1.0  # the same, to name the hung one (a 503 waits for it)
 
 
 class Child:
@@ -168,7 +169,7 @@ class Supervisor:
         if self.stopping:
             return "the server is shutting down", "shutting_down"
         if child.hung:
-            silent = await asyncio.to_thread(self.silent_workers)
+            silent = await self.silent_workers(NAMING_TIMEOUT_S)
             who = ", ".join(map(str, silent or self.endpoints))
             return (f"the RPC worker{'s' if len(silent) > 1 else ''} {who} stopped answering: no progress for "
                     f"{self.rpc_timeout:g} s (--rpc-timeout); {RECOVERY}", "worker_timeout")
@@ -198,19 +199,20 @@ class Supervisor:
         except (asyncio.TimeoutError, ChildGone, OSError, ValueError):
             return None
 
-    def silent_workers(self, timeout: float = PROBE_TIMEOUT_S) -> list[Endpoint]:
-        """The workers that do not complete ggml-rpc's handshake now (gone, or hung)."""
-        silent = []
-        for endpoint in self.endpoints:
+    async def silent_workers(self, timeout: float = PROBE_TIMEOUT_S) -> list[Endpoint]:
+        """The workers that do not complete ggml-rpc's handshake within `timeout` (gone, or hung), asked at once."""
+        def answers(endpoint: Endpoint) -> bool:
             try:
                 probe(endpoint, timeout)
+                return True
             except RpcError:
-                silent.append(endpoint)
-        return silent
+                return False
+        answered = await asyncio.gather(*(asyncio.to_thread(answers, e) for e in self.endpoints))
+        return [endpoint for endpoint, ok in zip(self.endpoints, answered) if not ok]
 
     async def wait_for_workers(self) -> None:
         delay = BACKOFF_S[0]
-        while not self.stopping and await asyncio.to_thread(self.silent_workers):
+        while not self.stopping and await self.silent_workers():
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_S[1])
 
