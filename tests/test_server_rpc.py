@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from rpcworkers import Worker
-from serverproc import make_chat_pair, start_server, stop_server
+from rpcworkers import Worker, free_port
+from serverproc import GGUFSPEC, make_chat_pair, start_server, stop_server
 
 RPC_TIMEOUT = 3
 MESSAGES = [{"role": "user", "content": "the cat"}]
@@ -154,12 +154,11 @@ def test_a_client_that_leaves_a_stream_stops_its_generation(server):
 
 
 def test_an_unreachable_worker_at_start_is_one_line_and_exit_code_1(tmp_path):
-    from rpcworkers import free_port
-    from serverproc import GGUFSPEC
     target, draft = make_chat_pair(tmp_path)
     endpoint = f"127.0.0.1:{free_port()}"
-    done = subprocess.run([GGUFSPEC, "serve", "--port", "0", "-m", str(target), "-md", str(draft), "--rpc", endpoint],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "GGUFSPEC_HOME": str(tmp_path)})
+    command = [GGUFSPEC, "serve", "--port", "0", "-m", str(target), "-md", str(draft), "--rpc", endpoint]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "GGUFSPEC_HOME": str(tmp_path)})
     assert done.returncode == 1, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("ggufspec: error:")]
     assert len(errors) == 1 and endpoint in errors[0] and "Traceback" not in done.stderr

@@ -19,7 +19,8 @@ How models are placed (llama.cpp 0.3.36's `llama_prepare_model_devices` / `load_
 Faults: ggml-rpc calls GGML_ABORT (process abort) when a worker cannot be reached, answers with
 another protocol, or dies mid-call. `probe` checks reachability and the protocol version from
 Python before any native call can abort; `install_abort_message` turns a mid-run abort into one
-clear line and exit code 1; `keepalive` makes a silently cut connection fail within a bound time.
+clear line and exit code 1 (`serve --rpc` runs its model in a child process, which a supervisor
+restarts: ggufspec.server.supervisor); `keepalive` makes a silently cut connection fail within a bound time.
 Workers serve one host at a time and are unauthenticated: keep them on a private network.
 
     native.py     ggml-rpc's C functions, the protocol's constants, the errors

@@ -109,6 +109,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):  # what uvicorn restores, and raises again, after serving
             signal.signal(sig, server.handle_exit)
         keeper = asyncio.ensure_future(self.keep_serving(server))
+        keeper.add_done_callback(lambda task: self.keeper_ended(task, server))
         try:
             await server.serve(sockets=[sock])
         finally:
@@ -127,13 +128,21 @@ class Supervisor:
                 await self.watch(child)
             await child.gone.wait()
             if not self.served_once:
-                self.exit_code = child.proc.returncode or 1
+                code = child.proc.returncode
+                self.exit_code = 0 if self.stopping else code if code and code > 0 else 1
                 server.should_exit = True
                 return
             self.state, self.problem = "unavailable", child.problem
             await self.wait_for_workers()
             self.state = "loading"
-            self.problem = (f"the model is reloading; it was lost because {child.problem[0]}", "model_loading")
+            self.problem = (f"the model is reloading (after: {child.problem[0]})", "model_loading")
+
+    def keeper_ended(self, task: asyncio.Task, server: uvicorn.Server) -> None:
+        """Without its keeper the front would answer 503 for ever: a failure there ends the server."""
+        if task.cancelled() or task.exception() is None:
+            return
+        sys.stderr.write(f"{ERROR}the model process could not be supervised: {task.exception()!r}\n")
+        self.exit_code, server.should_exit = 1, True
 
     async def start_child(self) -> Child:
         proc = await asyncio.create_subprocess_exec(*self.command, stdin=asyncio.subprocess.PIPE,
@@ -145,7 +154,13 @@ class Supervisor:
 
     async def follow(self, child: Child) -> None:
         """Pass the child's stderr through; when it ends, say why and cut its open forwardings."""
-        async for raw in child.proc.stderr:
+        while True:
+            try:
+                raw = await child.proc.stderr.readline()
+            except ValueError:  # a line past the 1 MiB limit: dropped, the rest goes on
+                continue
+            if not raw:
+                break
             self.pass_line(child, raw.decode("utf-8", errors="replace"))
         code = await child.proc.wait()
         child.problem = await self.problem_of(child, code)
