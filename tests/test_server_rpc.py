@@ -104,6 +104,19 @@ def test_the_worker_back_on_its_port_serves_the_same_text(server, worker, first_
     assert "the model is back" in server.log.read_text()
 
 
+def test_an_idle_worker_lost_is_seen_without_a_request_and_reloaded_when_back(server, worker, first_text):
+    os.kill(worker.process.pid, signal.SIGKILL)
+    worker.process.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while health(server).status_code == 200:  # the model process saw its connection close
+        assert time.monotonic() < deadline, "/health still ok 10 s after the worker died"
+        time.sleep(0.1)
+    assert str(worker.endpoint) in health(server).json()["error"]["message"]
+    restart(worker)
+    wait_healthy(server)  # reloaded before any request asked
+    assert greedy_answer(server) == first_text
+
+
 def test_a_hung_worker_is_a_503_within_the_timeout_then_recovers(server, worker, first_text):
     os.kill(worker.process.pid, signal.SIGSTOP)
     try:

@@ -191,7 +191,7 @@ def serve(host, port, api_key, max_queue, rpc_timeout, serve_fd, **opts):
                            api_key=api_key))
     if serve_fd is not None:
         from ..server.supervisor import supervised_socket
-        sock = supervised_socket(serve_fd)
+        sock = supervised_socket(serve_fd, opts["rpc"])
     else:
         sock = listen(host, port)  # a port in use fails before the models load
     with open_session(opts, requests_choose_drafting=True) as session:

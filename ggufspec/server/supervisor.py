@@ -263,11 +263,13 @@ def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[s
     return supervisor.exit_code
 
 
-def supervised_socket(fd: int) -> socket.socket:
+def supervised_socket(fd: int, rpc: str) -> socket.socket:
     """In the model process: the socket the supervisor made; the abort line says the server goes on;
-    and the process ends when the supervisor does (its stdin closes)."""
+    a worker that closes its connection ends the process at once (not at the next request); and the
+    process ends when the supervisor does (its stdin closes)."""
     from ..rpc import faults
     faults.set_abort_consequence(RECOVERY)
+    faults.exit_when_a_worker_leaves(parse_endpoints(rpc))
 
     def exit_with_parent():
         while os.read(0, 4096):  # os.read, not sys.stdin: a buffered reader's lock blocks the interpreter's exit
