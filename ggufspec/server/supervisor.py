@@ -23,8 +23,8 @@ import threading
 
 import uvicorn
 
-from ..rpc import Endpoint, RpcError, parse_endpoints, probe
 from ..errors import GgufspecError
+from ..rpc import Endpoint, RpcError, parse_endpoints, probe
 from .app import V1Middleware
 from .proxy import ChildGone, ask, error_body, get_scope, proxy_app
 
@@ -184,10 +184,10 @@ class Supervisor:
         if self.stopping:
             return "the server is shutting down", "shutting_down"
         if child.hung:
-            silent = await self.silent_workers(NAMING_TIMEOUT_S)
-            who = ", ".join(map(str, silent or self.endpoints))
-            return (f"the RPC worker{'s' if len(silent) > 1 else ''} {who} stopped answering: no progress for "
-                    f"{self.rpc_timeout:g} s (--rpc-timeout); {RECOVERY}", "worker_timeout")
+            named = await self.silent_workers(NAMING_TIMEOUT_S) or self.endpoints
+            who = f"worker{'s' if len(named) > 1 else ''} {', '.join(map(str, named))}"
+            return (f"the RPC {who} stopped answering: no progress for {self.rpc_timeout:g} s (--rpc-timeout); "
+                    f"{RECOVERY}", "worker_timeout")
         if child.last_error:
             return child.last_error, "worker_lost"
         return f"the model process ended (exit code {code}); {RECOVERY}", "worker_lost"
@@ -263,13 +263,14 @@ def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[s
     return supervisor.exit_code
 
 
-def supervised_socket(fd: int, rpc: str) -> socket.socket:
+def supervised_socket(fd: int, rpc: str | None) -> socket.socket:
     """In the model process: the socket the supervisor made; the abort line says the server goes on;
     a worker that closes its connection ends the process at once (not at the next request); and the
     process ends when the supervisor does (its stdin closes)."""
     from ..rpc import faults
     faults.set_abort_consequence(RECOVERY)
-    faults.exit_when_a_worker_leaves(parse_endpoints(rpc))
+    if rpc:
+        faults.exit_when_a_worker_leaves(parse_endpoints(rpc))
 
     def exit_with_parent():
         while os.read(0, 4096):  # os.read, not sys.stdin: a buffered reader's lock blocks the interpreter's exit
