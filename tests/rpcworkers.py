@@ -20,8 +20,8 @@ def free_port() -> int:
 class Worker:
     """`start_worker` in its own process (the `ggufspec worker` command's body)."""
 
-    def __init__(self, log_dir: Path, mem: int | None = None, cache: Path | None = None):
-        self.port = free_port()
+    def __init__(self, log_dir: Path, mem: int | None = None, cache: Path | None = None, port: int | None = None):
+        self.port = port or free_port()  # a port given: a worker started again where one was
         self.endpoint = rpc.Endpoint("127.0.0.1", self.port)
         self.log = log_dir / f"worker-{self.port}.log"
         cache_dir = cache and str(cache)

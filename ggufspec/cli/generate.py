@@ -162,12 +162,18 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
               help="Require 'Authorization: Bearer KEY' on /v1 (or set GGUFSPEC_API_KEY).")
 @click.option("--max-queue", default=16, type=click.IntRange(0),
               help="Requests that may wait while one generates; beyond that, 429 with Retry-After.")
+@click.option("--rpc-timeout", default=60.0, type=click.FloatRange(0, min_open=True),
+              help="With --rpc: a generation with no new token for this many seconds means a hung worker (503, "
+                   "then the model reloads when the workers answer).")
+@click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
-def serve(host, port, api_key, max_queue, **opts):
+def serve(host, port, api_key, max_queue, rpc_timeout, serve_fd, **opts):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
 
     The options after the model flags are the defaults of every request; a request may override them
     (max_tokens, temperature, top_p, top_k, min_p, seed, stop, draft, speculative.n_max/n_min/p_min).
+    With --rpc the model runs in a child process: a lost or hung worker answers 503 and the server
+    reloads the model once the workers are back, instead of exiting.
     """
     try:
         from ..server import create_app
@@ -177,7 +183,17 @@ def serve(host, port, api_key, max_queue, **opts):
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
     exit_quietly_on_signals()
-    sock = listen(host, port)  # a port in use fails before the models load
+    if opts["rpc"] and serve_fd is None:
+        from ..rpc import parse_endpoints
+        from ..server.supervisor import supervise
+        parse_endpoints(opts["rpc"])  # a bad --rpc fails here, in one line
+        sys.exit(supervise(listen(host, port), rpc=opts["rpc"], rpc_timeout=rpc_timeout, argv=sys.argv[1:],
+                           api_key=api_key))
+    if serve_fd is not None:
+        from ..server.supervisor import supervised_socket
+        sock = supervised_socket(serve_fd, opts["rpc"])
+    else:
+        sock = listen(host, port)  # a port in use fails before the models load
     with open_session(opts, requests_choose_drafting=True) as session:
         defaults = stream_options(opts)
         target = Path(session.target_path)
@@ -185,7 +201,8 @@ def serve(host, port, api_key, max_queue, **opts):
                          max_queue=max_queue, aliases=(target.name, target.stem),
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
                                "defaults": defaults}, session=session)
-        serve_forever(app, sock, name=session.name, host=host, api_key=api_key)
+        serve_forever(app, sock, name=session.name, host=host, api_key=api_key,
+                      shown_port=port if serve_fd is not None else None)
 
 
 @main.command(context_settings={"show_default": True})

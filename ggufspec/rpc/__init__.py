@@ -19,7 +19,8 @@ How models are placed (llama.cpp 0.3.36's `llama_prepare_model_devices` / `load_
 Faults: ggml-rpc calls GGML_ABORT (process abort) when a worker cannot be reached, answers with
 another protocol, or dies mid-call. `probe` checks reachability and the protocol version from
 Python before any native call can abort; `install_abort_message` turns a mid-run abort into one
-clear line and exit code 1; `keepalive` makes a silently cut connection fail within a bound time.
+clear line and exit code 1 (`serve --rpc` runs its model in a child process, which a supervisor
+restarts: ggufspec.server.supervisor); `keepalive` makes a silently cut connection fail within a bound time.
 Workers serve one host at a time and are unauthenticated: keep them on a private network.
 
     native.py     ggml-rpc's C functions, the protocol's constants, the errors
@@ -32,7 +33,7 @@ Loading a model onto ggml devices is a loading concern: `ggufspec.load.load_on_d
 from .devices import (GgmlDevice, layer_devices, layer_placement, local_devices, register_workers, target_devices,
                       worker_memory)
 from .endpoints import Endpoint, WorkerInfo, parse_endpoint, parse_endpoints, probe, round_trip_time
-from .faults import abort_message, install_abort_message, keepalive
+from .faults import abort_message, exit_when_a_worker_leaves, install_abort_message, keepalive
 from .native import (ABORT_EXIT_CODE, DEFAULT_HOST, DEFAULT_PORT, REBUILD_COMMAND, RPC_PROTO_MAJOR_VERSION,
                      RPC_PROTO_MINOR_VERSION, RpcError, RpcUnsupportedError, WorkerUnreachableError, _Native,
                      require_rpc, rpc_supported)
@@ -41,8 +42,8 @@ from .worker import network_warning, start_worker
 __all__ = [
     "ABORT_EXIT_CODE", "DEFAULT_HOST", "DEFAULT_PORT", "Endpoint", "GgmlDevice", "REBUILD_COMMAND",
     "RPC_PROTO_MAJOR_VERSION", "RPC_PROTO_MINOR_VERSION", "RpcError", "RpcUnsupportedError", "WorkerInfo",
-    "WorkerUnreachableError", "_Native", "abort_message", "install_abort_message", "keepalive", "layer_devices",
-    "layer_placement", "local_devices", "network_warning", "parse_endpoint", "parse_endpoints", "probe",
+    "WorkerUnreachableError", "_Native", "abort_message", "exit_when_a_worker_leaves", "install_abort_message",
+    "keepalive", "layer_devices", "layer_placement", "local_devices", "network_warning", "parse_endpoint", "parse_endpoints", "probe",
     "register_workers", "require_rpc", "round_trip_time", "rpc_supported", "start_worker", "target_devices",
     "worker_memory",
 ]

@@ -6,6 +6,7 @@ import ctypes
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -17,6 +18,13 @@ from .native import ABORT_EXIT_CODE, _native
 
 _ABORT_CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _installed_abort_callback = None  # kept alive: ggml holds only the raw pointer
+_consequence = "the run cannot go on"  # what the abort line says happens next
+
+
+def set_abort_consequence(text: str) -> None:
+    """What the abort line says happens next (`serve --rpc`'s model process: the server goes on)."""
+    global _consequence
+    _consequence = text
 
 
 def _dead_workers(endpoints: Sequence[Endpoint], timeout: float = 0.5) -> list[Endpoint]:
@@ -45,10 +53,10 @@ def abort_message(ggml_message: str, endpoints: Sequence[Endpoint]) -> str | Non
     if dead:
         who = ", ".join(map(str, dead))
         return (f"ggufspec: error: lost the RPC worker{'s' if len(dead) > 1 else ''} {who} mid-run "
-                f"(it stopped or its port closed); the run cannot go on")
+                f"(it stopped or its port closed); {_consequence}")
     who = ", ".join(map(str, endpoints)) or "(unknown)"
     return (f"ggufspec: error: lost the connection to the RPC worker(s) {who} mid-run (the worker crashed, "
-            f"restarted or the network failed); the run cannot go on")
+            f"restarted or the network failed); {_consequence}")
 
 
 def install_abort_message(endpoints: Sequence[Endpoint | str] = (),
@@ -83,6 +91,37 @@ def install_abort_message(endpoints: Sequence[Endpoint | str] = (),
 
     _installed_abort_callback = _ABORT_CALLBACK_TYPE(callback)
     _native().set_abort_callback(ctypes.cast(_installed_abort_callback, ctypes.c_void_p))
+
+
+def lost_workers(addresses: dict[tuple[str, int], Endpoint]) -> list[Endpoint]:
+    """The workers (by (IPv4, port)) that closed their connection from this process: stopped or restarted.
+    ggml-rpc would only find out at its next call; the connection says it at once (CLOSE_WAIT)."""
+    import psutil
+    process = psutil.Process()
+    connections = process.net_connections("tcp") if hasattr(process, "net_connections") else process.connections("tcp")
+    closed = {(c.raddr.ip, c.raddr.port) for c in connections
+              if c.raddr and c.status == psutil.CONN_CLOSE_WAIT}
+    return [endpoint for address, endpoint in addresses.items() if address in closed]
+
+
+def exit_when_a_worker_leaves(endpoints: Sequence[Endpoint | str], every_s: float = 1.0) -> None:
+    """A thread that ends this process with one line and exit code 1 as soon as a worker closes its
+    connection, idle or not (`serve --rpc`'s model process: its supervisor reloads the model when the
+    worker is back, before a request would find it gone)."""
+    known = [_as_endpoint(e) for e in endpoints]
+    addresses = {(_ipv4_address(e), e.port): e for e in known}
+    stderr_fd = os.dup(2)  # llama-cpp-python points fd 2 at /dev/null while a model loads
+
+    def watch():
+        while True:
+            time.sleep(every_s)
+            lost = lost_workers(addresses)
+            if lost:
+                who = ", ".join(map(str, lost))
+                os.write(stderr_fd, (f"ggufspec: error: lost the RPC worker{'s' if len(lost) > 1 else ''} {who} "
+                                     f"(it stopped or its port closed); {_consequence}\n").encode())
+                os._exit(ABORT_EXIT_CODE)
+    threading.Thread(target=watch, daemon=True, name="ggufspec-worker-watch").start()
 
 
 def keepalive(endpoints: Sequence[Endpoint | str], timeout_s: float = 30.0) -> int:

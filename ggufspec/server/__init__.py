@@ -15,6 +15,9 @@ One concern a module:
 - speculation.py: the `ggufspec` fields: each token's origin and step, the prompt's cache, the time saved
 - props.py: GET /props, the pair as its models describe themselves
 - errors.py: errors in OpenAI's shape and the app's exception handlers
+- listen.py: the listening socket, uvicorn, a clean stop on Ctrl-C or SIGTERM
+- supervisor.py: `serve --rpc`: the model in a child process, restarted when a lost or hung worker is back
+- proxy.py: the supervisor's front: requests forwarded to that child, 503 (or an SSE error) while it is gone
 The stop strings are `ggufspec.stops`, which `ggufspec eval` uses too.
 """
 from .app import create_app

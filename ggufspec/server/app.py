@@ -91,7 +91,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     @app.get("/health")
     async def health():
         last = engine.last and {"n_predict": engine.last.n_predict, "stop_reason": engine.last.stop_reason}
-        return {"status": "ok", "model": model_name, "busy": engine.busy, "waiting": engine.waiting, "last": last}
+        return {"status": "ok", "model": model_name, "busy": engine.busy, "waiting": engine.waiting, "last": last,
+                "stalled_s": round(engine.stalled_seconds, 3)}
 
     props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
              **chat_props(template, tool_format, session, decoder)}

@@ -47,8 +47,10 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self._next_check = 0.0  # when next_event next asks whether the client is still there
+        self.progressed_at = time.monotonic()  # the last token or event (a hung RPC worker stops them)
 
     def emit(self, kind: str, value: Any = None) -> None:
+        self.progressed_at = time.monotonic()
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is gone (shutting down): nobody is listening
@@ -94,6 +96,13 @@ class Engine:
     def busy(self) -> bool:
         return self._pending > 0
 
+    @property
+    def stalled_seconds(self) -> float:
+        """How long the running generation has gone without a token (0 when none runs): what `serve
+        --rpc`'s supervisor compares with --rpc-timeout to find a hung worker."""
+        current = self._current
+        return time.monotonic() - current.progressed_at if current is not None else 0.0
+
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._stopping:
@@ -112,6 +121,7 @@ class Engine:
             if self._stopping:
                 job.emit("error", shutting_down())
             elif not job.cancelled.is_set():  # a client that left while waiting costs nothing
+                job.progressed_at = time.monotonic()
                 self._current = job
                 self._generate(job)
         except Exception as exc:  # GgufspecError: the client's mistake; anything else: ours, logged
@@ -231,6 +241,7 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> bool:
     stop_filter, steps = StopFilter(job.stops), StepTracker(stats)
     make = make or (lambda piece, tracker: tracker.annotate(piece))
     for piece in stream:
+        job.progressed_at = time.monotonic()  # a token, whether or not a stop string holds it back
         if job.cancelled.is_set():
             break
         if steps.step == 0 and index == 0:  # the first token: the prompt has been evaluated

@@ -34,11 +34,14 @@ def exit_quietly_on_signals() -> None:
         signal.signal(sig, lambda *_: sys.exit(0))
 
 
-def serve_forever(app, sock: socket.socket, *, name: str, host: str, api_key: str | None) -> None:
+def serve_forever(app, sock: socket.socket, *, name: str, host: str, api_key: str | None,
+                  shown_port: int | None = None) -> None:
+    """Serve until Ctrl-C or SIGTERM. `shown_port`: the port clients use, when `sock` is not it (the
+    Unix socket of `serve --rpc`'s model process, behind its supervisor on host:shown_port)."""
     if not is_loopback(host) and not api_key:
         sys.stderr.write(f"ggufspec: warning: listening on {host} without --api-key: anyone who can reach this "
                          f"machine can use the model\n")
-    bound_host, bound_port = sock.getsockname()[:2]
+    bound_host, bound_port = (host, shown_port) if shown_port is not None else sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     sys.stderr.write(f"ggufspec: serving {name} at http://{shown}:{bound_port}/v1 (OpenAI API; Ctrl-C stops)\n")
 
