@@ -214,15 +214,25 @@ class Context:
         pos_min = llama_cpp.llama_memory_seq_pos_min(self.memory, _SEQ)
         return 0 <= pos_min <= max(0, n_tokens - self.n_swa)
 
+    def _cuttable(self, n_tokens: int) -> bool:
+        """Whether the memory can drop the suffix after n_tokens without re-evaluating anything."""
+        if n_tokens == 0:
+            return True
+        if self.rollback == "snapshot" and not (self.n_rs_seq and len(self.tokens) - n_tokens < self._last_batch
+                                                and len(self.tokens) - n_tokens <= self.n_rs_seq):
+            return False
+        return self._window_holds(n_tokens)
+
+    def keep_reevaluates(self, n_tokens: int) -> bool:
+        """Whether keep(n_tokens) would re-evaluate kept tokens (memory that cannot drop this suffix)."""
+        return n_tokens < len(self.tokens) and not self._cuttable(n_tokens)
+
     def _cut(self, n_tokens: int) -> bool:
         """Drop the suffix without re-evaluating anything, where the memory can."""
         if n_tokens == 0:
             llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)
             return True
-        if self.rollback == "snapshot" and not (self.n_rs_seq and len(self.tokens) - n_tokens < self._last_batch
-                                                and len(self.tokens) - n_tokens <= self.n_rs_seq):
-            return False
-        if not self._window_holds(n_tokens):
+        if not self._cuttable(n_tokens):
             return False
         if not llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, n_tokens, -1):
             return False
@@ -243,13 +253,31 @@ class Context:
 
         A KV cache drops the suffix; other memory restores the latest state saved at or before
         n_tokens and re-evaluates only the tokens between it and n_tokens."""
+        t0 = time.perf_counter()
+        replay = self._rewind(n_tokens)
+        if replay:
+            self._replay(replay)
+            self.restore_seconds += time.perf_counter() - t0
+
+    def keep_and_decode(self, n_tokens: int, tokens: Sequence[int], n_logits: int = 1) -> None:
+        """keep(n_tokens), then decode(tokens); where the kept tokens must be re-evaluated, all in one
+        batch, as llama-server replays after restoring a checkpoint: the re-evaluation then also gives
+        the logits of new positions instead of costing a call of its own."""
+        t0 = time.perf_counter()
+        replay = self._rewind(n_tokens)
+        self.decode(replay + list(tokens), n_logits)
+        if replay:
+            self.restore_seconds += time.perf_counter() - t0
+
+    def _rewind(self, n_tokens: int) -> list[int]:
+        """Cut back to n_tokens where the memory can; else restore the latest state saved at or before
+        n_tokens. Returns the kept tokens past that state, which the caller must evaluate again."""
         if n_tokens >= len(self.tokens):
-            return
+            return []
         self._forget_after(n_tokens)
         if self._cut(n_tokens):
             del self.tokens[n_tokens:]
-            return
-        t0 = time.perf_counter()
+            return []
         replay = self.tokens[:n_tokens]
         snap = self._best_snapshot(n_tokens)
         if snap is None or not self._restore(snap):
@@ -257,8 +285,7 @@ class Context:
             del self.tokens[:]
         replay = replay[len(self.tokens):]
         self.n_replayed += len(replay)
-        self._replay(replay)
-        self.restore_seconds += time.perf_counter() - t0
+        return replay
 
     def _replay(self, tokens: list[int]) -> None:
         """Re-evaluate kept tokens: one batch, or one token at a time where this machine's measured

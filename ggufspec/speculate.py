@@ -67,15 +67,19 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             t1 = time.perf_counter()
             n_accepted, own_token, scores = _verify(target, tokens, proposals, draft_probs, judge)
             t2 = time.perf_counter()
+            kept = proposals[:n_accepted] + [own_token]
             target_rewind = draft_rewind = 0.0
-            if proposals:
+            if proposals and _replay_decides_one_more(target, tokens, kept, len(proposals), room):
+                target_rewind, draft_rewind, token, score = _replay_and_decide(target, draft_ctx, tokens, kept, judge)
+                kept, scores = kept + [token], scores + [score]
+            elif proposals:
                 target_rewind, draft_rewind = _rewind(target, draft_ctx, len(tokens) + n_accepted)
             if drafter is not None:  # a catch-up after the draft sat idle is not a per-token cost
                 # restoring a state and re-evaluating the kept tokens is part of what a step costs
                 controller.observe(len(proposals), n_accepted, t1 - t0 - drafter.catch_up_seconds + draft_rewind,
                                    t2 - t1 + target_rewind)
             stats.add_step(len(proposals), n_accepted, t1 - t0, t2 - t1)
-            for i, token in enumerate(proposals[:n_accepted] + [own_token]):
+            for i, token in enumerate(kept):
                 stats.decode_seconds = time.perf_counter() - started
                 if target.is_end_of_generation(token):  # the end marker itself is not output
                     stats.stop_reason = "eos"
@@ -184,6 +188,30 @@ def _rewind(target: Context, draft: Context | None, n_keep: int) -> tuple[float,
     if draft is not None:
         draft.keep(n_keep)
     return t1 - t0, time.perf_counter() - t1
+
+
+def _replay_decides_one_more(target: Context, tokens: list[int], kept: list[int], n_proposed: int, room: int) -> bool:
+    """Whether the rejected proposals are dropped by re-evaluating the kept ones (memory that cannot cut),
+    and the sequence may go on past the target's own token."""
+    n_accepted = len(kept) - 1
+    return (n_accepted < n_proposed and len(kept) < room and not target.is_end_of_generation(kept[-1])
+            and target.keep_reevaluates(len(tokens) + n_accepted))
+
+
+def _replay_and_decide(target: Context, draft: Context | None, tokens: list[int], kept: list[int],
+                       judge: TargetJudge) -> tuple[float, float, int, tuple]:
+    """Drop the rejected proposals where the target's memory must re-evaluate what it keeps: the kept
+    tokens go in one batch with the target's own token, whose row then decides the next token (as
+    llama-server replays after restoring a checkpoint). The re-evaluation is paid for once either
+    way; this way it also yields a token. Returns the rewind times and the new (token, score)."""
+    t0 = time.perf_counter()
+    n_keep = len(tokens) + len(kept) - 1
+    target.keep_and_decode(n_keep, kept[-1:], n_logits=1)
+    t1 = time.perf_counter()
+    if draft is not None:
+        draft.keep(n_keep)
+    token, score = judge.decide(target.logits(0), tokens + kept, None, None)
+    return t1 - t0, time.perf_counter() - t1, token, score
 
 
 @dataclass(frozen=True)

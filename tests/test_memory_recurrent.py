@@ -51,7 +51,9 @@ def test_greedy_equals_target_alone_for_every_k(mamba_pair, decoder):
 
 def test_a_step_evaluates_only_its_batch_and_the_kept_tokens(decoder):
     """No whole-sequence re-evaluation: per step the target evaluates its batch (1 + k) and, after a
-    rejection, at most the k tokens it keeps again after restoring its state."""
+    rejection, the tokens it keeps again after restoring its state, with its own token: that batch
+    decides the next token too (llama-server's replay), so a generated token is evaluated once
+    either way."""
     for k in (1, 3, 5):
         prompt = prompts(1, seed=20 + k)[0]
         target = decoder.target
@@ -62,7 +64,9 @@ def test_a_step_evaluates_only_its_batch_and_the_kept_tokens(decoder):
         evaluated = target.n_evaluated - before
         assert s.n_drafted > 0 and s.n_accept < s.n_drafted  # there were rejections to roll back
         assert target.n_replayed - replayed <= s.n_accept + s.n_steps
-        assert evaluated <= len(prompt) + s.n_steps + s.n_drafted + s.n_accept + s.n_steps
+        assert evaluated <= len(prompt) + len(out.tokens) + 1 + s.n_drafted + s.n_accept + s.n_steps
+        decided_by_replays = len(out.tokens) - s.n_steps - s.n_accept
+        assert 0 < decided_by_replays < s.n_steps, "each rejection's re-evaluation decides a token too"
         print(f"K={k}: {evaluated / len(out.tokens):.2f} target tokens evaluated per generated token")
 
 
