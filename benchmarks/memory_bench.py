@@ -2,6 +2,10 @@
 target tokens each evaluated (rollback restores a saved state and re-evaluates only kept tokens).
 
     .venv/bin/python benchmarks/memory_bench.py [--tokens 256] [--rounds 5] [--n-embd 256 --layers 8]
+        [--llama-server third_party/llama.cpp/build/bin/llama-server]
+
+With --llama-server, llama.cpp's server runs the same files in the same rounds: the target alone, and
+`-md DRAFT --spec-type draft-simple --spec-draft-n-max K` for each K (scripts/build-llamacpp.sh builds it).
 
 The models are written at run time with the `gguf` package (ggufspec/tinymodels.py: a Mamba target and
 its first 2 layers as the draft). Each round runs every configuration once on a fresh cache
@@ -9,7 +13,10 @@ its first 2 layers as the draft). Each round runs every configuration once on a 
 median. tok/s counts generated tokens over decode time (the prompt is evaluated before).
 """
 import argparse
+import json
 import statistics
+import sys
+import urllib.request
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +28,19 @@ ROOT = Path(__file__).resolve().parent.parent
 from ggufspec import SpeculativeDecoder  # noqa: E402
 from ggufspec.load import LoadParams, open_model  # noqa: E402
 from ggufspec.tinymodels import make_lfm2_pair, make_mamba_pair  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ngram_bench import start_llama_server  # noqa: E402
+
+
+def run_llama_server(url, prompt, n):
+    body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0.0, "cache_prompt": False}).encode()
+    request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        data = json.loads(response.read())
+    t = data["timings"]
+    return dict(tps=t["predicted_per_second"], tokens=t["predicted_n"], evaluated="", replayed="",
+                drafted=t.get("draft_n", 0), accepted=t.get("draft_n_accepted", 0))
 
 
 def run_one(dec, prompt, n, draft):
@@ -44,6 +64,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--draft", default="3", help="comma-separated K values")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-server", default=None, help="llama-server binary: the same files through llama.cpp")
     ap.add_argument("--arch", choices=["mamba", "lfm2"], default="mamba",
                     help="lfm2: a hybrid where llama.cpp has per-token rollback states; each K runs twice, "
                          "rolled back by snapshots and by n_rs_seq")
@@ -73,16 +94,30 @@ def main():
         for dec in decoders.values():
             run_one(dec, prompt, 16, 3)  # warm up graphs; auto measures its costs on first use
             run_one(dec, prompt, 16, "auto")
+        servers = {}
+        if args.llama_server:
+            spec = [(f"llama-server -md, K={k}", ["-md", str(draft), "--spec-type", "draft-simple",
+                                                  "--spec-draft-n-max", str(k)]) for k in ks if k != "auto"]
+            for name, extra in [("llama-server alone", [])] + spec:
+                servers[name] = start_llama_server(args.llama_server, str(target), args.threads, extra,
+                                                   Path(tmp) / f"{len(servers)}.log")
+        configs += [("server", name) for name in servers]
         results = {c: [] for c in configs}
-        for r in range(args.rounds):
-            for c in (configs if r % 2 == 0 else configs[::-1]):
-                results[c].append(run_one(decoders[c[1]], prompt, args.tokens, c[0]))
+        try:
+            for r in range(args.rounds):
+                for c in (configs if r % 2 == 0 else configs[::-1]):
+                    results[c].append(run_llama_server(servers[c[1]][1], prompt, args.tokens) if c[0] == "server"
+                                      else run_one(decoders[c[1]], prompt, args.tokens, c[0]))
+        finally:
+            for proc, _ in servers.values():
+                proc.kill()
         costs = {name: dec.costs.get("model") for name, dec in decoders.items()}
         for dec in decoders.values():
             dec.close()
         for llm in llms:
             llm.close()
     base = max(x["tps"] for x in results[("none", "snapshot")])
+    server_base = max((x["tps"] for x in results.get(("server", "llama-server alone"), [])), default=None)
     print(f"{title}; {args.tokens} tokens, {args.rounds} rounds, {args.threads} threads")
     print("| config | tok/s (best) | tok/s (median) | vs target alone | target tokens evaluated | "
           "re-evaluated after restore | accepted / drafted |")
@@ -90,11 +125,12 @@ def main():
     for c in configs:
         runs = results[c]
         best = max(runs, key=lambda x: x["tps"])
-        name = {"none": "--no-draft", "auto": "--draft auto"}.get(c[0], f"--draft {c[0]}")
-        if len(decoders) > 1:
+        name = {"none": "--no-draft", "auto": "--draft auto", "server": c[1]}.get(c[0], f"--draft {c[0]}")
+        if len(decoders) > 1 and c[0] != "server":
             name += f" ({c[1]})"
+        alone = server_base if c[0] == "server" else base  # each against its own target alone
         print(f"| {name} | {best['tps']:.0f} | {statistics.median(x['tps'] for x in runs):.0f} | "
-              f"{best['tps'] / base:.2f}x | {best['evaluated']} | {best['replayed']} | "
+              f"{best['tps'] / alone:.2f}x | {best['evaluated']} | {best['replayed']} | "
               f"{best['accepted']} / {best['drafted']} |")
     for name, c in costs.items():
         if c is not None:
