@@ -7,7 +7,7 @@ import llama_cpp
 MiB = 1 << 20
 
 
-def buffer_sizes(path, n_ctx, n_batch=512):
+def buffer_sizes(path, n_ctx, n_batch=512, **params):
     lines = []
 
     @llama_cpp.llama_log_callback
@@ -17,7 +17,7 @@ def buffer_sizes(path, n_ctx, n_batch=512):
     llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
     try:
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                              n_threads=1, verbose=True)
+                              n_threads=1, verbose=True, **params)
         llm.close()
     finally:
         from ggufspec.native import quiet_llama_logs

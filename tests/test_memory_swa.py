@@ -91,3 +91,18 @@ def test_a_conversation_reuses_its_prefix_past_the_window(gemma_pair, decoder):
     expected, margins, _ = target_alone(gemma_pair[0], third, 20, N_CTX, "on")
     diff = first_difference(out3.tokens, expected)
     assert diff is None or margins[diff] < NEAR_TIE
+
+
+@pytest.mark.parametrize("n_ctx", [256, 1024, 4096])
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_the_planner_counts_the_window_cache_as_llamacpp_allocates_it(gemma_pair, n_ctx, swa_full):
+    """A window layer holds pad256(min(n_ctx, window + n_ubatch)) cells unless --swa-full; the plan's
+    KV estimate is llama.cpp's own KV buffer size (its log) both ways."""
+    from llamacpp_log import buffer_sizes
+    from ggufspec.plan.gguf_header import read_shape
+    shape = read_shape(gemma_pair[0])
+    assert shape.n_swa == WINDOW and shape.swa_layers == (True, False, True, False)  # gemma 2: every other layer
+    actual = buffer_sizes(gemma_pair[0], n_ctx, n_batch=512, swa_full=swa_full)["kv"]
+    assert shape.kv_bytes(n_ctx, n_ubatch=512, swa_full=swa_full) == pytest.approx(actual, rel=0.02, abs=20_000)  # the log rounds to 0.01 MiB
+    if n_ctx == 4096 and not swa_full:  # what the default saves here: half the layers at 768 cells of 4096
+        assert shape.kv_bytes(n_ctx) < 0.6 * shape.kv_bytes(n_ctx, swa_full=True)

@@ -14,7 +14,7 @@ import ctypes
 import functools
 import os
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from ..backends import find_lib
@@ -173,7 +173,7 @@ def _remember_shape(key: str, shape: ModelShape) -> None:
 
 def _cached_shape(key: str, name: str, read) -> ModelShape:
     known = read_json(SHAPES_FILE).get(key)
-    if known is not None:
+    if known is not None and set(known) == {f.name for f in fields(ModelShape)} - {"name"}:
         try:
             return ModelShape(name=name, **known)
         except TypeError:  # written by another version of ModelShape: read the header again

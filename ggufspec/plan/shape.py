@@ -3,7 +3,9 @@ and compute buffer, from the GGUF header's keys and tensor list.
 
 The memory model, per model and context (n_ctx, n_ubatch), F16 KV cache, no flash attention:
 - weights: each tensor's bytes (where they go is `estimate.placement`'s business).
-- KV cache: n_ctx * (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes per layer, where the layer lives.
+- KV cache: n_ctx * (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes per layer, where the layer lives; a
+  sliding-window layer holds min(n_ctx, pad256(n_swa + n_ubatch)) cells instead, as llama.cpp
+  allocates it by default (llama-server's, and ggufspec's: `--swa-full` keeps n_ctx for every layer).
 - compute buffer: the largest set of live activations in llama.cpp's reserve graph, for one ubatch:
   either the output (logits: n_ubatch * n_vocab floats, plus two hidden states) or the attention
   (KQ: n_ubatch * n_ctx * n_head floats, the F32 mask, the FFN and Q/K/V activations). Checked
@@ -18,6 +20,10 @@ from dataclasses import dataclass
 from .units import PlanError
 
 KV_BYTES = 2                  # F16 cache
+# Which layers use the sliding window, where the header does not say: llama.cpp's default pattern per
+# architecture (src/models/*.cpp, load_swa_pattern): n means n - 1 window layers, then a full one.
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2,
+                "exaone4": 4, "olmo2": 4, "plamo3": 8}
 
 
 @dataclass
@@ -37,14 +43,20 @@ class ModelShape:
     output_bytes: int          # output matrix + output norm (tied embeddings: the embedding again)
     other_bytes: int = 0
     n_ctx_train: int = 0       # the context length it was trained for (0: not in the header)
+    n_swa: int = 0             # the sliding window (0: none)
+    swa_layers: tuple[bool, ...] = ()  # which layers use it
 
     @property
     def weight_bytes(self) -> int:
         return sum(self.layer_bytes) + self.embd_bytes + self.output_bytes + self.other_bytes
 
-    def kv_bytes(self, n_ctx: int, n_layers: int | None = None) -> int:
+    def kv_bytes(self, n_ctx: int, n_layers: int | None = None, n_ubatch: int = 512, swa_full: bool = False) -> int:
+        """The KV cache of the last n_layers layers (those -ngl offloads; default all)."""
         n = self.n_layer if n_layers is None else n_layers
-        return n * n_ctx * (self.n_embd_k_gqa + self.n_embd_v_gqa) * KV_BYTES
+        window_cells = -(-min(n_ctx, self.n_swa + n_ubatch) // 256) * 256  # llama-kv-cache-iswa.cpp
+        cells = sum(window_cells if self.n_swa and not swa_full and self.swa_layers[il] else n_ctx
+                    for il in range(self.n_layer - n, self.n_layer))
+        return cells * (self.n_embd_k_gqa + self.n_embd_v_gqa) * KV_BYTES
 
     def compute_bytes(self, n_ctx: int, n_ubatch: int = 512) -> int:
         n_ub = min(n_ubatch, n_ctx)
@@ -99,8 +111,19 @@ def shape_from_header(kv, tensors: list[tuple[str, int]], n_tokens: int | None, 
     key_len = get("attention.key_length", n_embd // n_head)
     value_len = get("attention.value_length", key_len)
     n_ff = _largest(get("feed_forward_length", 4 * n_embd))
+    n_swa = get("attention.sliding_window", 0) or 0
     return ModelShape(name, arch, n_layer, n_embd, n_head, n_head_kv, n_head_kv * key_len,
-                      n_head_kv * value_len, n_ff, n_vocab, *sizes, n_ctx_train)
+                      n_head_kv * value_len, n_ff, n_vocab, *sizes, n_ctx_train, n_swa,
+                      _swa_layers(arch, n_layer, get("attention.sliding_window_pattern")) if n_swa else ())
+
+
+def _swa_layers(arch: str, n_layer: int, pattern) -> tuple[bool, ...]:
+    """Which layers use the sliding window: the header's per-layer list, or a pattern n (n - 1 window
+    layers, then a full one), or llama.cpp's default for the architecture (all layers if unknown)."""
+    if isinstance(pattern, list):
+        return tuple(bool(x) for x in pattern[:n_layer])
+    n = pattern if isinstance(pattern, int) else SWA_PATTERNS.get(arch, 0)
+    return tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
 
 
 def shape_from_reader(reader, name: str) -> ModelShape:
