@@ -46,6 +46,9 @@ class ModelShape:
     n_swa: int = 0             # the sliding window (0: none)
     swa_layers: tuple[bool, ...] = ()  # which layers use it
 
+    def __post_init__(self):
+        self.swa_layers = tuple(self.swa_layers)  # a list, when remembered as JSON
+
     @property
     def weight_bytes(self) -> int:
         return sum(self.layer_bytes) + self.embd_bytes + self.output_bytes + self.other_bytes
