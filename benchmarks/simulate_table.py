@@ -23,10 +23,16 @@ from ggufspec import simulate as S  # noqa: E402
 RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.67, 0.7)
 
 
+def bench_result(data: dict) -> B.BenchResult:
+    return B.BenchResult([B.Run(**r) for r in data["runs"]], data["configs"], data["summary"], data["overall"])
+
+
 def bench_curve(path: str) -> tuple[S.CostCurve, dict]:
+    """The costs a bench measured (and what auto knew before its runs, where it kept that)."""
     data = json.loads(Path(path).read_text())
-    result = B.BenchResult([B.Run(**r) for r in data["runs"]], data["configs"], data["summary"], data["overall"])
-    return B.cost_curve(data["cost_model"]["costs"], result), data
+    knew = data["cost_model"].get("auto_knew")
+    remembered = S.Costs.from_dict(knew) if knew else None
+    return B.cost_curve(data["cost_model"]["costs"], bench_result(data), remembered), data
 
 
 def check(args) -> None:
@@ -44,7 +50,8 @@ def check(args) -> None:
         cells = []
         for trace in traces:
             own = [p.prompt for p in trace.prompts if p.prompt in {s["prompt"] for s in data["summary"]}]
-            predicted = S.predict(trace, curve, policy, own or None).speedup
+            repeats = B.repeats_of(bench_result(data)) if own else 1
+            predicted = S.predict(trace, curve, policy, own or None, repeats).speedup
             cells.append(f"{predicted:.2f}x ({100 * (predicted / measured - 1):+.0f}%)")
         print(f"| {config.name} | {measured:.2f}x | " + " | ".join(cells) + " |")
     t1 = curve.target(1)

@@ -123,11 +123,12 @@ class BenchResult:
 def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict: int = 256, repeat: int = 1,
               temperature: float = 0.0, seed: int = 1, progress=None, llamacpp: str | None = None,
               n_threads: int | None = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
-              n_gpu_layers_draft: int | None = None, recorder=None) -> BenchResult:
+              n_gpu_layers_draft: int | None = None, recorder=None, cost_sampler=None) -> BenchResult:
     """flash_attn ("on" | "off" | "auto") and the offload (-ngl, -ngld; None: as the target) are the
     ones the decoder was opened with: llama.cpp's tools get the same, so both sides run alike.
     `recorder` (a traces.TraceRecorder): each prompt's acceptance trace, from its first greedy
-    target-alone run (outside every timed run)."""
+    target-alone run (outside every timed run). `cost_sampler` (a CostSampler): a round of cost
+    measurements after each prompt's configurations (outside every timed run)."""
     if flash_attn not in FLASH_ATTN_SETTINGS:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
     native = NativeSettings(n_threads, flash_attn, n_gpu_layers,
@@ -153,6 +154,8 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
                         recorder.add(item, gen.tokens, s.stop_reason)
                 if progress is not None:
                     progress.update(1)
+            if cost_sampler is not None:
+                cost_sampler.sample()
         if recorder is not None and temperature > 0:
             recorder.add(item)  # a greedy run of its own: a trace is of the target's greedy tokens
     result = BenchResult(runs, [c.name for c in configs])
@@ -205,33 +208,78 @@ def _summarise(result: BenchResult) -> None:
 # ---------------------------------------------------------------- cost model: the predicted column
 
 DRAFT_SIZES = (1, 2, 3, 4)  # the draft's batches: one token, and what it catches up on after a step
+LONG_SIZES = (13, 17)       # longer target batches: `auto` verifies n-gram copies of up to 16 tokens
 
 
-def measure_costs(decoder, k_max: int = 8, repeats: int = 5) -> dict:
-    """Median seconds of a target batch of n = 1..k_max+1 tokens, of a draft batch of DRAFT_SIZES
-    (draft_1: a token), and of reading one row of logits (an argmax over the vocabulary). The sizes take turns, repeat after repeat, so
-    that a machine whose load drifts weighs on each of them alike."""
-    tokens = decoder.tokenize("def fibonacci(n):\n    ")
-    jobs = [("target", decoder.target, n) for n in range(1, k_max + 2)]
-    jobs += [("draft", decoder.draft, n) for n in DRAFT_SIZES] if decoder.draft is not None else []
-    samples: dict[str, list[float]] = {}
-    for ctx in {id(ctx): ctx for _, ctx, _ in jobs}.values():
+class CostSampler:
+    """measure_costs' rounds spread over a bench: one after each prompt's configurations, so that
+    the costs a prediction replays come from the same moments as the runs they are compared with.
+    On a machine shared with other jobs the load drifts: one measurement after the runs found T(1)
+    at 162 ms where the target-alone runs had just taken 125 ms a token. Each size's first run
+    builds its graph and is not kept; the medians are over every round."""
+
+    def __init__(self, decoder, k_max: int = 8):
+        self.decoder = decoder
+        self.jobs = [("target", n) for n in (*range(1, k_max + 2), *LONG_SIZES)]
+        self.jobs += [("draft", n) for n in DRAFT_SIZES] if decoder.draft is not None else []
+        self.warm_up = decoder.tokenize(WARM_UP)
+        self.samples: dict[str, list[float]] = {}
+        self.rounds = 0
+
+    def sample(self, rounds: int = 1) -> None:
+        """Time every size `rounds` times (after a first, untimed round the first time)."""
+        for number in range(rounds + (self.rounds == 0)):
+            timed = self.rounds > 0 or number > 0
+            for name, n in self.jobs:
+                seconds = _time_batch(getattr(self.decoder, name), n, self.warm_up)
+                if timed:
+                    self.samples.setdefault(f"{name}_{n}", []).append(seconds)
+        self.rounds += rounds
+
+    def costs(self, min_rounds: int = 5) -> dict:
+        """Median seconds per size (rounds topped up to min_rounds), and reading one row of logits."""
+        if self.rounds < min_rounds:
+            self.sample(min_rounds - self.rounds)
+        costs = {key: statistics.median(times) for key, times in self.samples.items()}
+        costs["row"] = _row_seconds(self.decoder.target)
+        return costs
+
+
+WARM_UP = "def fibonacci(n):\n    "  # what a batch is appended to when a context is empty
+
+
+def _time_batch(ctx, n: int, warm_up: list[int]) -> float:
+    """A batch of n tokens appended to what the context holds (about the length the runs were at),
+    timed, and cut off again, so that the cached prompt survives for the next run."""
+    if ctx.n_past == 0 or ctx.n_past + n > ctx.n_ctx:
         ctx.keep(0)
-        ctx.decode(tokens, n_logits=1)
-    for _ in range(repeats + 1):  # the first round builds each size's graph: not kept
-        for name, ctx, n in jobs:
-            base = ctx.n_past
-            t0 = time.perf_counter()
-            ctx.decode(tokens[:1] * n, n_logits=n)
-            samples.setdefault(f"{name}_{n}", []).append(time.perf_counter() - t0)
-            ctx.keep(base)
-    costs = {key: statistics.median(times[1:]) for key, times in samples.items()}
-    row = decoder.target.logits(0)
+        ctx.decode(warm_up, n_logits=1)
+    base = ctx.n_past
+    token = ctx.tokens[-1]
+    t0 = time.perf_counter()
+    ctx.decode([token] * n, n_logits=n)
+    seconds = time.perf_counter() - t0
+    ctx.keep(base)
+    return seconds
+
+
+def _row_seconds(ctx) -> float:
+    ctx.decode(ctx.tokens[-1:], n_logits=1)
+    row = ctx.logits(0)
     t0 = time.perf_counter()
     for _ in range(20):
         greedy_token(row)
-    costs["row"] = (time.perf_counter() - t0) / 20
-    return costs
+    seconds = (time.perf_counter() - t0) / 20
+    ctx.keep(ctx.n_past - 1)
+    return seconds
+
+
+def measure_costs(decoder, k_max: int = 8, repeats: int = 5) -> dict:
+    """Median seconds of a target batch of n = 1..k_max+1 tokens (and LONG_SIZES), of a draft batch
+    of DRAFT_SIZES (draft_1: a token), and of reading one row of logits (an argmax over the
+    vocabulary), `repeats` rounds in a row (CostSampler spreads them over a bench instead). The
+    sizes take turns, round after round, so that a machine whose load drifts weighs on each alike."""
+    return CostSampler(decoder, k_max).costs(repeats)
 
 
 def cost_curve(costs: dict, result: BenchResult | None = None, remembered: Costs | None = None) -> CostCurve:
@@ -280,15 +328,28 @@ def _policy(config: Config) -> Policy | None:
     return Policy(int(n_draft), p_min=config.options.get("draft_p_min", 0.0))
 
 
+def repeats_of(result: BenchResult) -> int:
+    return 1 + max((r.repeat for r in result.runs), default=0)
+
+
+def snapshot_costs(decoder) -> Costs | None:
+    """What `auto` knows before a bench (its replay starts there and learns as the runs did)."""
+    learned = decoder.costs.get("model")
+    return Costs.from_dict(learned.to_dict()) if learned is not None else None
+
+
 def add_cost_model(result: BenchResult, costs: dict, configs: list[Config], trace: Trace | None = None,
                    remembered: Costs | None = None) -> None:
     """The predicted column: each configuration replayed by the simulator under this machine's costs.
 
-    With a trace, its prompts of the same id as the bench's (else all of them: held-out prompts);
+    With a trace, its prompts of the same id as the bench's, each replayed as often and in the order
+    bench ran it (one n-gram pool throughout, as the decoder has; `remembered`: what auto knew
+    before the runs), else all of them (held-out prompts);
     without one, an i.i.d. trace at the acceptance each K measured in this run (then `auto`, whose
     acceptance depends on its own choices, is not predicted)."""
     curve = cost_curve(costs, result, remembered)
     result.cost_model = {"costs": costs, "step_seconds": curve.step_seconds, "predicted": {},
+                         "auto_knew": remembered.to_dict() if remembered is not None else None,
                          "acceptance_from": trace.source if trace else "this run's tokens per step (i.i.d. model)"}
     for config in configs:
         policy = _policy(config)
@@ -298,7 +359,7 @@ def add_cost_model(result: BenchResult, costs: dict, configs: list[Config], trac
         if trace is not None:
             bench_prompts = {s["prompt"] for s in rows}
             own = [p.prompt for p in trace.prompts if p.prompt in bench_prompts]
-            predicted = predict(trace, curve, policy, own or None)
+            predicted = predict(trace, curve, policy, own or None, repeats=repeats_of(result) if own else 1)
         elif not policy.auto:
             a = acceptance_from_tokens_per_step(statistics.median(s["tokens_per_step"] for s in rows), policy.k)
             predicted = predict(synthetic_trace(a), curve, policy)
