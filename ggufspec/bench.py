@@ -20,6 +20,7 @@ from .costmodel import acceptance_from_tokens_per_step, speedup
 from .drafting import Costs
 from .errors import GgufspecError
 from .load import chat_prompt, default_threads
+from .ngram import NgramPool
 from .stepcosts import DRAFT_SIZES, CostSampler, measure_costs  # noqa: F401  (bench.measure_costs)
 from .simulate import CostCurve, Policy, Trace, curve_from_times, predict, synthetic_trace
 
@@ -104,6 +105,9 @@ class Run:
     same_text: bool | None = None
     text: str = ""
     stop: str = ""
+    n_steps: int = 0              # target batches; with the two below, what a step costs beyond them
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
 
 
 @dataclass
@@ -144,12 +148,14 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
                 elif config.llamacpp_k is not None:
                     runs.append(_run_llamacpp(llamacpp, decoder, item, config, r, n_predict, native))
                 else:
+                    _fresh_pool(decoder)
                     gen = decoder.generate(item["prompt"], n_predict=n_predict, temperature=temperature, seed=seed,
                                            chat=chat, system=item.get("system"), **config.options)
                     s = gen.stats
                     runs.append(Run(item["id"], config.name, r, s.n_prompt, s.n_predict, s.prompt_tps, s.decode_tps,
                                     s.decode_seconds, s.acceptance, s.n_predict / max(s.n_steps, 1), s.n_drafted,
-                                    s.n_accept, text=gen.text, stop=s.stop_reason))
+                                    s.n_accept, text=gen.text, stop=s.stop_reason, n_steps=s.n_steps,
+                                    draft_seconds=s.draft_seconds, target_seconds=s.target_seconds))
                     if recorder is not None and r == 0 and config.name == "target" and temperature == 0:
                         recorder.add(item, gen.tokens, s.stop_reason)
                 if progress is not None:
@@ -162,6 +168,15 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
     _compare_texts(result, temperature)
     _summarise(result)
     return result
+
+
+def _fresh_pool(decoder) -> None:
+    """An empty n-gram pool of the same size for every run: a repeat of a prompt would otherwise copy
+    the answer an earlier run gave it (auto's second run of a prompt drafted whole answers from its
+    first), which no fresh request sees. Each run's speed is then that of its prompt alone."""
+    pool = getattr(decoder, "ngram_pool", None)
+    if pool is not None:
+        decoder.ngram_pool = NgramPool(pool.size, pool.orders)
 
 
 def _prefill_draft(decoder, item: dict) -> None:
@@ -223,19 +238,26 @@ def _summarise(result: BenchResult) -> None:
 # ---------------------------------------------------------------- cost model: the predicted column
 
 def cost_curve(costs: dict, result: BenchResult | None = None, remembered: Costs | None = None) -> CostCurve:
-    """measure_costs' figures as the simulator's curve. What a target-alone step costs beyond T(1)
-    and its argmax (Python, and attention over a longer context than T(n) was timed at) is read
-    from the bench's own target-alone runs and charged to every step. `remembered`: what `auto`'s
-    controller knew of this machine's costs (the decoder's, after the runs)."""
+    """measure_costs' figures as the simulator's curve, with what a step costs beyond drafting and
+    verifying (Python, rewinding the caches, yielding the tokens): measured in the bench's own
+    target-alone runs (their time less the target's, per step). `remembered`: what `auto`'s
+    controller knew of this machine's costs before the runs."""
     batches = {int(key[7:]): t for key, t in costs.items() if key.startswith("target_")}
-    row = costs.get("row", 0.0)
-    step = 0.0
-    alone = [r for r in (result.runs if result else []) if r.config == "target" and r.n_predict]
-    if alone:
-        per_token = statistics.median(r.decode_seconds / (r.n_predict + (r.stop == "eos")) for r in alone)
-        step = max(per_token - batches[1] - row, 0.0)
-    return curve_from_times(batches, costs.get("draft_1", 0.0), step_seconds=step, row_seconds=row,
-                            source="measured", draft_batches=draft_batches(costs), remembered=remembered)
+    return curve_from_times(batches, costs.get("draft_1", 0.0), step_seconds=step_seconds(result),
+                            row_seconds=costs.get("row", 0.0), source="measured", draft_batches=draft_batches(costs),
+                            remembered=remembered)
+
+
+def step_seconds(result: BenchResult | None) -> float:
+    """The median over the target-alone runs of their time outside the target's batches, per step.
+    (Not their time per token less a T(1) timed at another moment: on a shared machine that
+    difference is the load's, and charged to every step it favoured the configurations with fewer
+    steps; one such residual was 29 ms a step where the steps' own gaps were 0.1 ms.)"""
+    alone = [r for r in (result.runs if result else []) if r.config == "target" and r.n_steps]
+    if not alone:
+        return 0.0
+    return max(statistics.median((r.decode_seconds - r.draft_seconds - r.target_seconds) / r.n_steps
+                                 for r in alone), 0.0)
 
 
 def draft_batches(costs: dict) -> dict[int, float]:

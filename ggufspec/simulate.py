@@ -354,13 +354,14 @@ class _TraceDraft:
 
 
 class Process:
-    """What outlives one generation in a process that serves several (a bench, a server): the n-gram
-    pool every request adds to, and what `--draft auto` has learned (its Costs: step times, n-gram
-    tallies). A replay of several prompts shares one, so `auto` drafts from earlier answers as the
-    decoder would (a bench's second repeat of a prompt finds its first answer in the pool)."""
+    """What outlives one generation in a process that serves several: what `--draft auto` has
+    learned (its Costs: step times, n-gram tallies), and, where requests share one (a server,
+    `shared_pool`), the n-gram pool every request adds to, so that `auto` drafts from earlier answers
+    as the decoder would. Without it each generation starts from an empty pool, as a single `run`
+    and each of bench's runs do."""
 
-    def __init__(self, curve: "CostCurve"):
-        self.pool = NgramPool()
+    def __init__(self, curve: "CostCurve", shared_pool: bool = False):
+        self.pool = NgramPool() if shared_pool else None
         self.costs = Costs.from_dict(curve.remembered.to_dict()) if curve.remembered is not None else Costs()
         if not self.costs.warm:
             for n in AUTO_PROBE_SIZES * 3:  # what measure_step_costs finds before the first step
@@ -376,7 +377,7 @@ def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy, process:
     drafter, controller = draft, FixedK(policy.k)
     if policy.auto:
         process = process or Process(curve)
-        ngram = LookupDrafter(1 << 31, process.pool)
+        ngram = LookupDrafter(1 << 31, process.pool if process.pool is not None else NgramPool())
         drafter = controller = AutoDrafting(ngram, draft, process.costs, policy.k_max)
     params, out = SamplingParams(temperature=0.0), Replay()
     pos, end = 0, len(trace.runs)
