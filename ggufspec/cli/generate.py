@@ -149,7 +149,7 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         stamp_costs(session.target_path, session.draft_path, n_threads, decoder.n_gpu_layers,
                     decoder.n_gpu_layers_draft, {"step_seconds": result.cost_model["step_seconds"],
                                                  "row_seconds": costs.get("row", 0.0),
-                                                 "draft_batch": B.draft_batches(costs)})
+                                                 "draft_batch": B.draft_batches(costs), "sampled": costs})
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
