@@ -182,9 +182,8 @@ def _fresh_pool(decoder) -> None:
 def _prefill_draft(decoder, item: dict) -> None:
     """The prompt in the draft's cache before a prompt's runs, as in the target's. The engine has the
     draft evaluate it when it first drafts (where `auto` may never draft), and bench's runs reuse
-    both caches: without this, whichever configuration drafted first on a prompt paid the draft's
-    prompt in its decode time, and the others did not (K=1, first after the target alone, lost up
-    to a fifth of a 12-token answer to it)."""
+    both caches: without this, whichever configuration drafted first on a prompt paid for the
+    draft's prompt in its decode time, and the others did not."""
     from .mtp import MtpContext
     draft = decoder.draft
     if draft is None or isinstance(getattr(draft, "inner", draft), MtpContext):
