@@ -1,9 +1,9 @@
 """`ggufspec bench`: the target alone and each speculative configuration, interleaved, per prompt.
 
 Runs alternate A B C ... then ... C B A on the next repeat, so that slow drift of the machine
-(thermal, other load) falls on every configuration alike. A cost model (`costmodel`: Leviathan et al. 2023)
-predicts each configuration's speedup from the measured acceptance, draft cost and target batch
-costs, printed next to the measured speedup.
+(thermal, other load) falls on every configuration alike. Each run starts from an empty n-gram pool
+and with the prompt in both caches. The predicted column (`simulate`) replays an acceptance trace
+under the step costs timed between the runs (`stepcosts.CostSampler`), next to the measured speedup.
 """
 from __future__ import annotations
 
