@@ -1,9 +1,9 @@
 """`ggufspec bench`: the target alone and each speculative configuration, interleaved, per prompt.
 
 Runs alternate A B C ... then ... C B A on the next repeat, so that slow drift of the machine
-(thermal, other load) falls on every configuration alike. A cost model (`costmodel`: Leviathan et al. 2023)
-predicts each configuration's speedup from the measured acceptance, draft cost and target batch
-costs, printed next to the measured speedup.
+(thermal, other load) falls on every configuration alike. Each run starts from an empty n-gram pool
+and with the prompt in both caches. The predicted column (`simulate`) replays an acceptance trace
+under the step costs timed between the runs (`stepcosts.CostSampler`), next to the measured speedup.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import os
 import re
 import statistics
 import subprocess
-import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -21,7 +20,8 @@ from .costmodel import acceptance_from_tokens_per_step, speedup
 from .drafting import Costs
 from .errors import GgufspecError
 from .load import chat_prompt, default_threads
-from .sampling import greedy_token
+from .ngram import NgramPool
+from .stepcosts import DRAFT_SIZES, CostSampler, measure_costs  # noqa: F401  (bench.measure_costs)
 from .simulate import CostCurve, Policy, Trace, curve_from_times, predict, synthetic_trace
 
 
@@ -105,6 +105,9 @@ class Run:
     same_text: bool | None = None
     text: str = ""
     stop: str = ""
+    n_steps: int = 0              # target batches; with the two below, what a step costs beyond them
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
 
 
 @dataclass
@@ -123,11 +126,12 @@ class BenchResult:
 def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict: int = 256, repeat: int = 1,
               temperature: float = 0.0, seed: int = 1, progress=None, llamacpp: str | None = None,
               n_threads: int | None = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
-              n_gpu_layers_draft: int | None = None, recorder=None) -> BenchResult:
+              n_gpu_layers_draft: int | None = None, recorder=None, cost_sampler=None) -> BenchResult:
     """flash_attn ("on" | "off" | "auto") and the offload (-ngl, -ngld; None: as the target) are the
     ones the decoder was opened with: llama.cpp's tools get the same, so both sides run alike.
     `recorder` (a traces.TraceRecorder): each prompt's acceptance trace, from its first greedy
-    target-alone run (outside every timed run)."""
+    target-alone run (outside every timed run). `cost_sampler` (a CostSampler): a round of cost
+    measurements after each prompt's configurations (outside every timed run)."""
     if flash_attn not in FLASH_ATTN_SETTINGS:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
     native = NativeSettings(n_threads, flash_attn, n_gpu_layers,
@@ -135,6 +139,7 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
     runs = []
     for item in prompts:
         chat = item.get("kind") == "chat"
+        _prefill_draft(decoder, item)
         for r in range(repeat):
             order = configs if r % 2 == 0 else configs[::-1]  # A B C, then C B A: drift cancels
             for config in order:
@@ -143,22 +148,49 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
                 elif config.llamacpp_k is not None:
                     runs.append(_run_llamacpp(llamacpp, decoder, item, config, r, n_predict, native))
                 else:
+                    _fresh_pool(decoder)
                     gen = decoder.generate(item["prompt"], n_predict=n_predict, temperature=temperature, seed=seed,
                                            chat=chat, system=item.get("system"), **config.options)
                     s = gen.stats
                     runs.append(Run(item["id"], config.name, r, s.n_prompt, s.n_predict, s.prompt_tps, s.decode_tps,
                                     s.decode_seconds, s.acceptance, s.n_predict / max(s.n_steps, 1), s.n_drafted,
-                                    s.n_accept, text=gen.text, stop=s.stop_reason))
+                                    s.n_accept, text=gen.text, stop=s.stop_reason, n_steps=s.n_steps,
+                                    draft_seconds=s.draft_seconds, target_seconds=s.target_seconds))
                     if recorder is not None and r == 0 and config.name == "target" and temperature == 0:
                         recorder.add(item, gen.tokens, s.stop_reason)
                 if progress is not None:
                     progress.update(1)
+            if cost_sampler is not None:
+                cost_sampler.sample()
         if recorder is not None and temperature > 0:
             recorder.add(item)  # a greedy run of its own: a trace is of the target's greedy tokens
     result = BenchResult(runs, [c.name for c in configs])
     _compare_texts(result, temperature)
     _summarise(result)
     return result
+
+
+def _fresh_pool(decoder) -> None:
+    """An empty n-gram pool of the same size for every run: a repeat of a prompt would otherwise copy
+    the answer an earlier run gave it (auto's second run of a prompt drafted whole answers from its
+    first), which no fresh request sees. Each run's speed is then that of its prompt alone."""
+    pool = getattr(decoder, "ngram_pool", None)
+    if pool is not None:
+        decoder.ngram_pool = NgramPool(pool.size, pool.orders)
+
+
+def _prefill_draft(decoder, item: dict) -> None:
+    """The prompt in the draft's cache before a prompt's runs, as in the target's. The engine has the
+    draft evaluate it when it first drafts (where `auto` may never draft), and bench's runs reuse
+    both caches: without this, whichever configuration drafted first on a prompt paid for the
+    draft's prompt in its decode time, and the others did not."""
+    from .mtp import MtpContext
+    draft = decoder.draft
+    if draft is None or isinstance(getattr(draft, "inner", draft), MtpContext):
+        return  # MTP heads read the target's states: nothing of their own to evaluate first
+    tokens = decoder.tokenize(item["prompt"], chat=item.get("kind") == "chat", system=item.get("system"))
+    draft.reuse_prefix(tokens[:-1])
+    draft.decode(tokens[draft.n_past:-1], n_logits=0)
 
 
 def _compare_texts(result: BenchResult, temperature: float) -> None:
@@ -204,50 +236,27 @@ def _summarise(result: BenchResult) -> None:
 
 # ---------------------------------------------------------------- cost model: the predicted column
 
-DRAFT_SIZES = (1, 2, 3, 4)  # the draft's batches: one token, and what it catches up on after a step
-
-
-def measure_costs(decoder, k_max: int = 8, repeats: int = 5) -> dict:
-    """Median seconds of a target batch of n = 1..k_max+1 tokens, of a draft batch of DRAFT_SIZES
-    (draft_1: a token), and of reading one row of logits (an argmax over the vocabulary). The sizes take turns, repeat after repeat, so
-    that a machine whose load drifts weighs on each of them alike."""
-    tokens = decoder.tokenize("def fibonacci(n):\n    ")
-    jobs = [("target", decoder.target, n) for n in range(1, k_max + 2)]
-    jobs += [("draft", decoder.draft, n) for n in DRAFT_SIZES] if decoder.draft is not None else []
-    samples: dict[str, list[float]] = {}
-    for ctx in {id(ctx): ctx for _, ctx, _ in jobs}.values():
-        ctx.keep(0)
-        ctx.decode(tokens, n_logits=1)
-    for _ in range(repeats + 1):  # the first round builds each size's graph: not kept
-        for name, ctx, n in jobs:
-            base = ctx.n_past
-            t0 = time.perf_counter()
-            ctx.decode(tokens[:1] * n, n_logits=n)
-            samples.setdefault(f"{name}_{n}", []).append(time.perf_counter() - t0)
-            ctx.keep(base)
-    costs = {key: statistics.median(times[1:]) for key, times in samples.items()}
-    row = decoder.target.logits(0)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        greedy_token(row)
-    costs["row"] = (time.perf_counter() - t0) / 20
-    return costs
-
-
 def cost_curve(costs: dict, result: BenchResult | None = None, remembered: Costs | None = None) -> CostCurve:
-    """measure_costs' figures as the simulator's curve. What a target-alone step costs beyond T(1)
-    and its argmax (Python, and attention over a longer context than T(n) was timed at) is read
-    from the bench's own target-alone runs and charged to every step. `remembered`: what `auto`'s
-    controller knew of this machine's costs (the decoder's, after the runs)."""
+    """measure_costs' figures as the simulator's curve, with what a step costs beyond drafting and
+    verifying (Python, rewinding the caches, yielding the tokens): measured in the bench's own
+    target-alone runs (their time less the target's, per step). `remembered`: what `auto`'s
+    controller knew of this machine's costs before the runs."""
     batches = {int(key[7:]): t for key, t in costs.items() if key.startswith("target_")}
-    row = costs.get("row", 0.0)
-    step = 0.0
-    alone = [r for r in (result.runs if result else []) if r.config == "target" and r.n_predict]
-    if alone:
-        per_token = statistics.median(r.decode_seconds / (r.n_predict + (r.stop == "eos")) for r in alone)
-        step = max(per_token - batches[1] - row, 0.0)
-    return curve_from_times(batches, costs.get("draft_1", 0.0), step_seconds=step, row_seconds=row,
-                            source="measured", draft_batches=draft_batches(costs), remembered=remembered)
+    return curve_from_times(batches, costs.get("draft_1", 0.0), step_seconds=step_seconds(result),
+                            row_seconds=costs.get("row", 0.0), source="measured", draft_batches=draft_batches(costs),
+                            remembered=remembered)
+
+
+def step_seconds(result: BenchResult | None) -> float:
+    """The median over the target-alone runs of their time outside the target's batches, per step.
+    (Not their time per token less a T(1) timed at another moment: on a shared machine that
+    difference is the load's, and charged to every step it favoured the configurations with fewer
+    steps; one such residual was 29 ms a step where the steps' own gaps were 0.1 ms.)"""
+    alone = [r for r in (result.runs if result else []) if r.config == "target" and r.n_steps]
+    if not alone:
+        return 0.0
+    return max(statistics.median((r.decode_seconds - r.draft_seconds - r.target_seconds) / r.n_steps
+                                 for r in alone), 0.0)
 
 
 def draft_batches(costs: dict) -> dict[int, float]:
@@ -280,15 +289,28 @@ def _policy(config: Config) -> Policy | None:
     return Policy(int(n_draft), p_min=config.options.get("draft_p_min", 0.0))
 
 
+def repeats_of(result: BenchResult) -> int:
+    return 1 + max((r.repeat for r in result.runs), default=0)
+
+
+def snapshot_costs(decoder) -> Costs | None:
+    """What `auto` knows before a bench (its replay starts there and learns as the runs did)."""
+    learned = decoder.costs.get("model")
+    return Costs.from_dict(learned.to_dict()) if learned is not None else None
+
+
 def add_cost_model(result: BenchResult, costs: dict, configs: list[Config], trace: Trace | None = None,
                    remembered: Costs | None = None) -> None:
     """The predicted column: each configuration replayed by the simulator under this machine's costs.
 
-    With a trace, its prompts of the same id as the bench's (else all of them: held-out prompts);
+    With a trace, its prompts of the same id as the bench's, each replayed as often and in the order
+    bench ran it (one n-gram pool throughout, as the decoder has; `remembered`: what auto knew
+    before the runs), else all of them (held-out prompts);
     without one, an i.i.d. trace at the acceptance each K measured in this run (then `auto`, whose
     acceptance depends on its own choices, is not predicted)."""
     curve = cost_curve(costs, result, remembered)
     result.cost_model = {"costs": costs, "step_seconds": curve.step_seconds, "predicted": {},
+                         "auto_knew": remembered.to_dict() if remembered is not None else None,
                          "acceptance_from": trace.source if trace else "this run's tokens per step (i.i.d. model)"}
     for config in configs:
         policy = _policy(config)
@@ -298,7 +320,7 @@ def add_cost_model(result: BenchResult, costs: dict, configs: list[Config], trac
         if trace is not None:
             bench_prompts = {s["prompt"] for s in rows}
             own = [p.prompt for p in trace.prompts if p.prompt in bench_prompts]
-            predicted = predict(trace, curve, policy, own or None)
+            predicted = predict(trace, curve, policy, own or None, repeats=repeats_of(result) if own else 1)
         elif not policy.auto:
             a = acceptance_from_tokens_per_step(statistics.median(s["tokens_per_step"] for s in rows), policy.k)
             predicted = predict(synthetic_trace(a), curve, policy)

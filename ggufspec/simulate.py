@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .drafting import AdaptiveK, AutoDrafting, Costs, FixedK, LookupDrafter, ModelDrafter
+from .ngram import NgramPool
 from .errors import GgufspecError
 from .native import common_prefix_length
 from .sampling import SamplingParams
@@ -352,18 +353,32 @@ class _TraceDraft:
         return self.sequence[length:length + kept] + [-1] * (n - kept), []
 
 
-def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy) -> Replay:
-    """One prompt's generation under `policy`, timed by `curve` (see `speculate.speculative_steps`)."""
+class Process:
+    """What outlives one generation in a process that serves several: what `--draft auto` has
+    learned (its Costs: step times, n-gram tallies), and, where requests share one (a server,
+    `shared_pool`), the n-gram pool every request adds to, so that `auto` drafts from earlier answers
+    as the decoder would. Without it each generation starts from an empty pool, as a single `run`
+    and each of bench's runs do."""
+
+    def __init__(self, curve: "CostCurve", shared_pool: bool = False):
+        self.pool = NgramPool() if shared_pool else None
+        self.costs = Costs.from_dict(curve.remembered.to_dict()) if curve.remembered is not None else Costs()
+        if not self.costs.warm:
+            for n in AUTO_PROBE_SIZES * 3:  # what measure_step_costs finds before the first step
+                self.costs.add_batch(n, curve.target(n))
+            self.costs.draft_times.append(curve.t_draft)
+
+
+def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy, process: Process | None = None) -> Replay:
+    """One prompt's generation under `policy`, timed by `curve` (see `speculate.speculative_steps`);
+    `process`: what earlier generations left (else a fresh process)."""
     sequence = trace.tokens or list(range(-2, -3 - trace.n_prompt - len(trace.runs), -1))  # unknown: never repeats
     draft = _TraceDraft(trace, sequence, curve, policy.p_min)
     drafter, controller = draft, FixedK(policy.k)
     if policy.auto:
-        costs = Costs.from_dict(curve.remembered.to_dict()) if curve.remembered is not None else Costs()
-        if not costs.warm:
-            for n in AUTO_PROBE_SIZES * 3:  # what measure_step_costs finds before the first step
-                costs.add_batch(n, curve.target(n))
-            costs.draft_times.append(curve.t_draft)
-        drafter = controller = AutoDrafting(LookupDrafter(1 << 31), draft, costs, policy.k_max)
+        process = process or Process(curve)
+        ngram = LookupDrafter(1 << 31, process.pool if process.pool is not None else NgramPool())
+        drafter = controller = AutoDrafting(ngram, draft, process.costs, policy.k_max)
     params, out = SamplingParams(temperature=0.0), Replay()
     pos, end = 0, len(trace.runs)
     limit = max(trace.n_predict, end)  # the generation could have gone on to n_predict but for the end marker
@@ -397,20 +412,26 @@ class Prediction:
     per_prompt: dict[str, float] = field(default_factory=dict)
 
 
-def predict(trace: Trace, curve: CostCurve, policy: Policy, prompts: list[str] | None = None) -> Prediction:
-    """Replay `policy` over the trace's prompts and compare with the target alone.
+def predict(trace: Trace, curve: CostCurve, policy: Policy, prompts: list[str] | None = None,
+            repeats: int = 1) -> Prediction:
+    """Replay `policy` over the trace's prompts, in order, in one process, and compare with the target alone.
 
-    Named prompts (a bench's own, recorded in the same run): the median of their speedups, as bench
-    reports its measurement. Otherwise every prompt of the trace, pooled (all tokens over all
-    seconds): the trace stands for text like it, and a long answer weighs more than a short one."""
+    Named prompts (a bench's own, recorded in the same run): each replayed `repeats` times in a row
+    as bench runs it, and the median of their speedups, as bench reports its measurement. Otherwise
+    every prompt of the trace, pooled (all tokens over all seconds): the trace stands for text like
+    it, and a long answer weighs more than a short one."""
     chosen = [p for p in trace.prompts if prompts is None or p.prompt in prompts] or trace.prompts
     per_prompt, total, alone = {}, Replay(), Replay()
+    process = Process(curve) if policy.auto else None
     for p in chosen:
-        run, by_itself = replay_prompt(p, curve, policy), replay_prompt(p, curve, Policy(0))
-        per_prompt[p.prompt] = run.tokens_per_second / by_itself.tokens_per_second if by_itself.seconds else 0.0
-        for name in ("tokens", "seconds", "drafted", "accepted", "steps"):
-            setattr(total, name, getattr(total, name) + getattr(run, name))
-        alone.tokens, alone.seconds = alone.tokens + by_itself.tokens, alone.seconds + by_itself.seconds
+        by_itself = replay_prompt(p, curve, Policy(0))
+        runs = [replay_prompt(p, curve, policy, process) for _ in range(repeats)]
+        rate = statistics.median(r.tokens_per_second for r in runs)
+        per_prompt[p.prompt] = rate / by_itself.tokens_per_second if by_itself.seconds else 0.0
+        for run in runs:
+            for name in ("tokens", "seconds", "drafted", "accepted", "steps"):
+                setattr(total, name, getattr(total, name) + getattr(run, name))
+            alone.tokens, alone.seconds = alone.tokens + by_itself.tokens, alone.seconds + by_itself.seconds
     pooled = total.tokens_per_second / alone.tokens_per_second if alone.seconds else 0.0
     speedup = statistics.median(per_prompt.values()) if prompts is not None else pooled
     return Prediction(policy.name, speedup, total.tokens_per_second,

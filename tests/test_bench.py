@@ -163,3 +163,19 @@ def test_the_predicted_column_without_a_trace_uses_this_runs_acceptance(tiny_dec
     assert set(result.cost_model["predicted"]) == {"K=2"}  # auto's acceptance depends on its own choices
     assert "i.i.d." in result.cost_model["acceptance_from"]
     assert set(costs) >= {f"target_{n}" for n in range(1, 10)} | {"draft_1", "row"}
+
+
+def test_costs_are_sampled_between_the_runs_and_leave_the_caches_as_the_runs_need(tiny_decoder):
+    """A round after each prompt's configurations (the same moments as the runs), appended to what
+    the caches hold and cut off again; the draft holds each prompt before its runs."""
+    prompts = [{"id": "p", "prompt": "the cat"}, {"id": "q", "prompt": "a b c d"}]
+    sampler = B.CostSampler(tiny_decoder)
+    B.run_bench(tiny_decoder, prompts, B.parse_configs("2"), n_predict=8, repeat=2, cost_sampler=sampler)
+    assert sampler.rounds == 4 and all(len(times) == 4 for times in sampler.samples.values())  # a warm-up first, untimed
+    held = list(tiny_decoder.target.tokens)
+    costs = sampler.costs(min_rounds=5)
+    assert sampler.rounds == 5 and tiny_decoder.target.tokens == held
+    assert set(costs) >= {f"target_{n}" for n in (*range(1, 10), 13, 17)} | {f"draft_{n}" for n in range(1, 5)} | {"row"}
+    prompt = tiny_decoder.tokenize("a b c d")
+    B._prefill_draft(tiny_decoder, {"prompt": "a b c d"})
+    assert tiny_decoder.draft.tokens == prompt[:-1]

@@ -446,3 +446,16 @@ def test_measured_costs_of_any_thread_count_serve_a_plan_without_t(tiny_pair):
     curve = M.measured_curve(*tiny_pair, None, 0, 0)
     assert curve.source == "measured on this machine (-t 2, -ngl 0 -ngld 0)" and curve.step_seconds == 0.001
     assert M.measured_curve(*tiny_pair, 4, 0, 0) is None and M.measured_curve(*tiny_pair, None, 1, 1) is None
+
+
+def test_the_costs_bench_sampled_come_before_the_least_ones_auto_remembers(tiny_pair):
+    """auto's least draft time after the draft sat idle counts (k - 1) of k tokens; bench's medians,
+    with which its predicted column was checked, are what plan replays where bench stamped them."""
+    from ggufspec.plan import measured as M
+    sampled = {"target_1": 0.1, "target_2": 0.17, "target_4": 0.19, "draft_1": 0.06, "row": 1e-5}
+    remember(tiny_pair, {1: 95.0, 2: 160.0, 4: 180.0}, 40.0, step_seconds=1e-4, sampled=sampled)
+    curve = M.measured_curve(*tiny_pair, None, 0, 0)
+    assert curve.target(1) == 0.1 and curve.target(2) == 0.17 and curve.t_draft == 0.06
+    assert curve.remembered.t_draft == 0.04  # auto's own decisions still start from what it learned
+    remember(tiny_pair, {1: 95.0, 2: 160.0, 4: 180.0}, 40.0, sampled={"target_1": "x"})
+    assert M.measured_curve(*tiny_pair, None, 0, 0).t_draft == 0.04

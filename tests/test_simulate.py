@@ -2,6 +2,7 @@
 one clear line each."""
 import json
 
+import numpy as np
 import pytest
 
 from ggufspec import costmodel as C
@@ -75,6 +76,19 @@ def test_a_draft_that_lagged_behind_pays_to_catch_up():
     # every step keeps its draft token: the next one starts with a 2-token catch-up batch on the draft
     expected_step = CPU.draft_batch(2) + CPU.target(2)
     assert one.seconds == pytest.approx(CPU.draft_batch(1) + CPU.target(2) + (one.steps - 1) * expected_step)
+
+
+def test_a_repeat_finds_its_first_answer_in_the_pool():
+    """A process whose requests share the n-gram pool (a server): auto's second run of a prompt copies
+    its first answer; a prediction (each generation from an empty pool, as bench runs them) does not."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 1000, 300).tolist()  # an answer that never repeats itself
+    trace = S.Trace({}, [S.PromptTrace("p", "raw", 20, [0] * 280, tokens=tokens, n_predict=280)])
+    first, second = (S.replay_prompt(trace.prompts[0], FLAT, S.Policy(auto=True), process)
+                     for process in [S.Process(FLAT, shared_pool=True)] * 2)
+    assert first.accepted == 0 and second.accepted > 200 and second.steps < first.steps / 3
+    repeated = S.predict(trace, FLAT, S.Policy(auto=True), ["p"], repeats=2)
+    assert repeated.acceptance == 0
 
 
 def test_the_best_fixed_k_and_a_scaled_draft():

@@ -126,11 +126,13 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         if record_trace:
             from ..traces import TraceRecorder
             recorder = TraceRecorder(decoder, n_predict)
+        sampler = B.CostSampler(decoder) if decoder.draft is not None else None
+        auto_knew = B.snapshot_costs(decoder)
         with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
                   disable=as_json) as progress:
             result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
                                  temperature=temperature, seed=seed, progress=progress, llamacpp=llamacpp,
-                                 n_threads=n_threads, flash_attn=flash_attn, recorder=recorder,
+                                 n_threads=n_threads, flash_attn=flash_attn, recorder=recorder, cost_sampler=sampler,
                                  n_gpu_layers=decoder.n_gpu_layers, n_gpu_layers_draft=decoder.n_gpu_layers_draft)
         if recorder is not None:
             recorded = recorder.write(record_trace, {"prompts": Path(prompts_file).name if prompts_file else "seed"})
@@ -139,15 +141,15 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
             trace = trace or recorded
         if trace is None and identity is not None:
             trace = simulate.merged(simulate.known_traces(identity))
-        costs = B.measure_costs(decoder) if decoder.draft is not None else {}
-        B.add_cost_model(result, costs, configs, trace, decoder.costs.get("model"))
+        costs = sampler.costs() if sampler is not None else {}
+        B.add_cost_model(result, costs, configs, trace, auto_knew)
         B.remember_costs(decoder, costs)
     if not rpc and costs:  # what plan reads back, marked as measured by this build
         from ..plan.measured import stamp_costs
         stamp_costs(session.target_path, session.draft_path, n_threads, decoder.n_gpu_layers,
                     decoder.n_gpu_layers_draft, {"step_seconds": result.cost_model["step_seconds"],
                                                  "row_seconds": costs.get("row", 0.0),
-                                                 "draft_batch": B.draft_batches(costs)})
+                                                 "draft_batch": B.draft_batches(costs), "sampled": costs})
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))

@@ -84,7 +84,23 @@ def measured_curve(target_path, draft_path, n_threads, ngl: int, ngld: int, warn
     try:
         batches = {int(n): float(t) for n, t in (model.get("draft_batch") or {}).items()}
         step, row = float(model.get("step_seconds", 0.0)), float(model.get("row_seconds", 0.0))
+        sampled = bench_costs(model.get("sampled"))
     except (ValueError, TypeError, AttributeError):
-        batches, step, row = {}, 0.0, 0.0
-    return CostCurve(costs, step, row, f"measured on this machine ({where}-ngl {ngl} -ngld {ngld})", batches,
-                     remembered=costs)
+        batches, step, row, sampled = {}, 0.0, 0.0, None
+    return CostCurve(sampled or costs, step, row, f"measured on this machine ({where}-ngl {ngl} -ngld {ngld})",
+                     batches, remembered=costs)
+
+
+def bench_costs(sampled) -> Costs | None:
+    """The medians bench timed between its runs (the costs its predicted column was checked with),
+    where it stamped them: they come before the least times `auto` remembers, which undercount a
+    draft token when the draft had sat idle (its catch-up batch, the first proposal's evaluation
+    included, is left out of the per-token time) and take the luckiest of a few batches."""
+    if not isinstance(sampled, dict) or "target_1" not in sampled or not sampled.get("draft_1"):
+        return None
+    costs = Costs()
+    for key, seconds in sampled.items():
+        if key.startswith("target_"):
+            costs.add_batch(int(key[7:]), float(seconds))
+    costs.draft_times.append(float(sampled["draft_1"]))
+    return costs
