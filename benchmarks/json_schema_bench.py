@@ -54,6 +54,7 @@ def main():
             for config in (configs if round_ % 2 == 0 else configs[::-1]):
                 label, k, guided = config
                 for i, text in enumerate(texts):
+                    decoder.ngram_pool = None  # an empty n-gram pool per run: a repeat would copy the last answer
                     with contextlib.nullcontext() if guided else unguided():
                         t0 = time.perf_counter()
                         out = decoder.generate(text, n_predict=args.n, n_draft=k, constraints=constraints[label])
