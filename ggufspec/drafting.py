@@ -107,7 +107,9 @@ class ModelDrafter:
             ctx.decode(tokens[ctx.n_past:], n_logits=1)  # catch up on what the draft has not seen
         except DecodeError:  # the draft's context is full (a bridged vocabulary takes more tokens)
             return [], []     # the target goes on alone
-        self.catch_up_seconds = time.perf_counter() - t0 if lag > self.CATCH_UP else 0.0
+        # the catch-up after sitting idle is not a per-token cost, but its last token is the one every
+        # step evaluates (the first proposal comes from it): only the rest is left out of the draft's time
+        self.catch_up_seconds = (time.perf_counter() - t0) * (lag - 1) / lag if lag > self.CATCH_UP else 0.0
         ctx.checkpoint(upcoming=k - 1)  # memory that cannot drop a suffix saves its state first
         guide = guide if guide is not None and guide.fits(ctx.n_vocab) else None
         with guide if guide is not None else contextlib.nullcontext():
