@@ -149,3 +149,24 @@ def test_a_hybrid_rolls_back_by_snapshot_or_by_n_rs_seq(tmp_path, n_rs_seq):
         assert near_ties <= checked // 10
     target.close()
     draft.close()
+
+
+def test_constraints_and_logprobs_through_the_replay(decoder):
+    """A rejection's re-evaluation decides a token with the request's processing (bias, penalties,
+    grammar) and reports its logprobs, as the target alone would: the same tokens and logprobs
+    at every K as at K = 0 (the target alone through the same code)."""
+    from ggufspec.processing import Constraints
+    grammar = 'root ::= ("a" | "b" | "c" | " ")+\n'
+    constraints = Constraints(logit_bias={265: 2.0, 2: float("-inf")}, frequency_penalty=0.5, repeat_penalty=1.2,
+                              grammar=grammar)  # no end of text: every run goes 30 tokens
+    drafted = accepted = generated = 0
+    for prompt in prompts(4, seed=17):
+        alone = list(decoder.stream(prompt, n_predict=30, n_draft=0, temperature=0, constraints=constraints, logprobs=2))
+        for k in (1, 3, 5):
+            got = list(decoder.stream(prompt, n_predict=30, n_draft=k, temperature=0, constraints=constraints,
+                                      logprobs=2))
+            assert [p.token for p in got] == [p.token for p in alone], f"K={k}"
+            assert np.allclose([p.logprob for p in got], [p.logprob for p in alone], atol=5e-3), f"K={k}"
+            stats = decoder.last_stats
+            drafted, accepted, generated = drafted + stats.n_drafted, accepted + stats.n_accept, generated + len(got)
+    assert generated >= 40 and drafted > accepted  # rejections were replayed
