@@ -77,6 +77,29 @@ def test_a_chat_completion_through_the_supervisor(server, first_text):
     assert greedy_answer(server) == first_text
 
 
+def test_concurrent_clients_and_malformed_requests_through_the_front(server, first_text):
+    """Four clients at once (two streamed) all get the greedy answer; malformed JSON and a wrong
+    field type are 400s passed through the front; the server answers after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(streamed: bool) -> str:
+        client = server.client(timeout=60)
+        if not streamed:
+            return greedy_answer(server)
+        chunks = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=24, temperature=0,
+                                                stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, [False, True, False, True]))
+    assert answers == [first_text] * 4
+    bad = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10,
+                     headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and "error" in bad.json()
+    wrong = httpx.post(server.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=10)
+    assert wrong.status_code == 400 and "messages" in wrong.json()["error"]["message"]
+    assert greedy_answer(server) == first_text
+
+
 def test_a_lost_worker_is_a_503_naming_it_and_an_sse_error_in_a_stream(server, worker):
     stream = server.client(timeout=30).chat.completions.create(
         model="target", messages=MESSAGES, max_tokens=1500, temperature=0, stream=True, logit_bias=NO_EOS)
