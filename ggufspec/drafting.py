@@ -123,7 +123,10 @@ class ModelDrafter:
         ctx, proposals, draft_probs = self.context, [], []
         while True:
             raw = ctx.logits(0)
-            logits = guide.apply(raw, tokens + proposals) if guide is not None else raw
+            if guide is not None:  # the sequence is copied only where the penalties read it
+                logits = guide.apply(raw, tokens + proposals if guide.needs_history else tokens)
+            else:
+                logits = raw
             if logits is None:  # the grammar allows none of the draft's tokens here
                 break
             if params.greedy:

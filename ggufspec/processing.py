@@ -125,6 +125,10 @@ class TargetProcessor:
         if self._grammar is not None:
             self._grammar.accept(token)
 
+    def grammar_copy(self) -> Grammar | None:
+        """The grammar in its current state, to walk ahead of it (None: no grammar)."""
+        return self._grammar.clone() if self._grammar is not None else None
+
     def close(self) -> None:
         if self._grammar is not None:
             self._grammar.close()
@@ -299,9 +303,13 @@ class DraftGuide:
         """Whether a drafter with this vocabulary shares the target's ids (a bridged draft's is smaller)."""
         return n_vocab <= self.processor.n_vocab
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether `apply` reads the sequence (the penalties count it); else any history will do."""
+        return self.processor.constraints.penalises
+
     def __enter__(self) -> DraftGuide:
-        grammar = self.processor._grammar
-        self._grammar = grammar.clone() if grammar is not None else None
+        self._grammar = self.processor.grammar_copy()
         return self
 
     def __exit__(self, *exc) -> None:
