@@ -71,3 +71,10 @@ def demo_pair_paths():
             os.environ.pop("GGUFSPEC_HOME", None)
         else:
             os.environ["GGUFSPEC_HOME"] = saved
+
+
+@pytest.fixture(scope="session")
+def chat_pair(tmp_path_factory):
+    """A tiny target and draft with a chat template (serverproc.make_chat_pair), shared by the server tests."""
+    from serverproc import make_chat_pair
+    return make_chat_pair(tmp_path_factory.mktemp("chat-pair"))

@@ -2,6 +2,7 @@
 that test_server and test_chat_cli serve."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -68,3 +69,13 @@ def stop_server(server: Server) -> None:
         if server.proc.poll() is None:
             server.proc.kill()
     assert "Traceback" not in server.log.read_text(), server.log.read_text()
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, *args: str):
+    """start_server ... stop_server around a block (the exit checks included)."""
+    running = start_server(tmp_path, *args)
+    try:
+        yield running
+    finally:
+        stop_server(running)

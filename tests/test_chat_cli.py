@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from serverproc import make_chat_pair
 from ggufspec.tinymodels import CHAT_TEMPLATE
 from ggufspec.tinymodels import Shape, make_weights, write_model
 
@@ -25,11 +24,6 @@ def chat(args, stdin: str, tmp_path: Path):
     done = subprocess.run([GGUFSPEC, "chat", "-t", "1", "-c", "512", *args], input=stdin.encode(),
                           capture_output=True, env=env, timeout=120)
     return done.returncode, done.stdout, done.stderr.decode(errors="replace")
-
-
-@pytest.fixture(scope="module")
-def chat_pair(tmp_path_factory):
-    return make_chat_pair(tmp_path_factory.mktemp("chat-pair"))
 
 
 def test_two_turns_the_stats_line_and_reset(chat_pair, tmp_path):

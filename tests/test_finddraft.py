@@ -11,7 +11,7 @@ from ggufspec.errors import GgufspecError, IncompatibleModelsError
 from ggufspec.finddraft import check_draft, check_draft_dir, choose_draft
 from ggufspec.fingerprint import differences, read_fingerprint
 from ggufspec.tinymodels import Shape, make_weights, vocabulary, write_model
-from serverproc import start_server, stop_server
+from serverproc import serving
 
 
 @pytest.fixture(scope="module")
@@ -116,20 +116,11 @@ def test_run_with_m_alone(models):
 
 
 def test_serve_with_m_alone(models, tmp_path):
-    running = start_server(tmp_path, "-m", str(models["target"]), "-c", "256", "--draft-dir", str(models["draft"].parent))
-    try:
-        assert "ggufspec: draft: draft model" in running.log.read_text()
-        answer = running.client().completions.create(model="target", prompt="the cat the cat", max_tokens=8,
-                                                     temperature=0)
-        assert answer.usage.completion_tokens >= 1
-    finally:
-        stop_server(running)
-    (tmp_path / "second").mkdir()
-    running = start_server(tmp_path / "second", "-m", str(models["target"]), "-c", "256")
-    try:
-        assert "ggufspec: draft: n-gram drafting" in running.log.read_text()
-        answer = running.client().completions.create(model="target", prompt="the cat the cat", max_tokens=8,
-                                                     temperature=0)
-        assert answer.usage.completion_tokens >= 1
-    finally:
-        stop_server(running)
+    draft_dir = ["--draft-dir", str(models["draft"].parent)]
+    for name, extra, said in (("found", draft_dir, "draft model"), ("none", [], "n-gram drafting")):
+        (tmp_path / name).mkdir()
+        with serving(tmp_path / name, "-m", str(models["target"]), "-c", "256", *extra) as running:
+            assert f"ggufspec: draft: {said}" in running.log.read_text()
+            answer = running.client().completions.create(model="target", prompt="the cat the cat", max_tokens=8,
+                                                         temperature=0)
+            assert answer.usage.completion_tokens >= 1

@@ -17,23 +17,17 @@ import openai
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from serverproc import make_chat_pair, start_server, stop_server
+from serverproc import serving, start_server, stop_server
 from ggufspec.tinymodels import Shape, make_weights, write_model
 
 API_KEY = "sesame"
 
 
 @pytest.fixture(scope="module")
-def chat_pair(tmp_path_factory):
-    return make_chat_pair(tmp_path_factory.mktemp("chat-pair"))
-
-
-@pytest.fixture(scope="module")
 def server(chat_pair, tmp_path_factory):
     target, draft = chat_pair
-    running = start_server(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", "512")
-    yield running
-    stop_server(running)
+    with serving(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", "512") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.tinymodels import Shape, make_weights, write_model
-from serverproc import make_chat_pair, start_server, stop_server
+from serverproc import serving, start_server, stop_server
 
 N_CTX = 2048  # the tiny models write text byte by byte: a tool list is a few hundred tokens
 
@@ -28,16 +28,10 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def chat_pair(tmp_path_factory):
-    return make_chat_pair(tmp_path_factory.mktemp("chat-pair"))
-
-
-@pytest.fixture(scope="module")
 def server(chat_pair, tmp_path_factory):
     target, draft = chat_pair
-    running = start_server(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", str(N_CTX))
-    yield running
-    stop_server(running)
+    with serving(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", str(N_CTX)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
