@@ -21,7 +21,7 @@ from .errors import DecodeError
 from .native import Context, common_prefix_length
 from .ngram import HybridDrafter, NgramDrafter, NgramTallies, bucket_of  # noqa: F401  (drafting.HybridDrafter)
 from .processing import DraftGuide
-from .sampling import SamplingParams, distribution, greedy_token, sample
+from .sampling import Draws, SamplingParams, distribution, greedy_token
 
 LookupDrafter = NgramDrafter  # the name it had when it looked in the sequence only
 
@@ -93,10 +93,12 @@ class ModelDrafter:
         self.p_min, self.n_min = p_min, n_min
         self.catch_up_seconds = 0.0  # of the last proposal: evaluating what the draft skipped while idle
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng,
+    def propose(self, tokens: list[int], k: int, params: SamplingParams, draws: Draws,
                 guide: DraftGuide | None = None) -> tuple[list[int], list]:
-        """Up to k proposals after `tokens` (and, sampling, the q each was drawn from). `guide`: the
-        request's constraints over the draft's rows (see `processing.DraftGuide`)."""
+        """Up to k proposals after `tokens` (and, sampling, the q each was drawn from). Sampling, each
+        proposal is drawn with the target's draw for its position (`sampling.Draws`), so that it is the
+        target's own pick wherever q is close to p. `guide`: the request's constraints over the
+        draft's rows (see `processing.DraftGuide`)."""
         if k <= 0:
             return [], []
         ctx = self.context
@@ -113,12 +115,12 @@ class ModelDrafter:
         ctx.checkpoint(upcoming=k - 1)  # memory that cannot drop a suffix saves its state first
         guide = guide if guide is not None and guide.fits(ctx.n_vocab) else None
         with guide if guide is not None else contextlib.nullcontext():
-            proposals, draft_probs = self._draft(tokens, k, params, rng, guide)
+            proposals, draft_probs = self._draft(tokens, k, params, draws, guide)
         if len(proposals) < min(self.n_min, k):  # too short to be worth a verification
             return [], []
         return proposals, draft_probs
 
-    def _draft(self, tokens, k, params, rng, guide) -> tuple[list[int], list]:
+    def _draft(self, tokens, k, params, draws, guide) -> tuple[list[int], list]:
         """One token at a time from the draft's own (guided) row, until k, or unsure (p_min)."""
         ctx, proposals, draft_probs = self.context, [], []
         while True:
@@ -135,7 +137,7 @@ class ModelDrafter:
                     break  # unsure by its own (unguided) distribution
             else:
                 q = distribution(logits, params)
-                token = sample(q, rng)
+                token = draws.pick(q, len(tokens) + len(proposals))
                 if self.p_min > 0 and q[token] < self.p_min and proposals:
                     break
                 draft_probs.append(q)

@@ -40,6 +40,10 @@ class LoadParams:
     # load the GGUF's MTP (nextn) blocks too, for drafting with them (`mtp`); llama.cpp skips them by
     # default, and an MTP context over a model loaded without them aborts the process
     load_mtp: bool = False
+    # llama.cpp's weight repacking for the CPU's wide kernels (use_extra_bufts; --no-repack turns it
+    # off). Off, with flash attention on, a batch's logits equal the single-token ones on the CPU
+    # (same dot-product kernel per row): verification then decides exactly what the target alone does
+    repack: bool = True
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -56,17 +60,20 @@ def flash_attn_type(setting: str | bool) -> int:
 
 
 @contextlib.contextmanager
-def _model_load_mtp(load_mtp: bool):
-    """Make the next llama model load its MTP blocks (llama_model_params.load_mtp), which Llama(...)
-    has no argument for: it builds the model through `_internals.LlamaModel(params=...)`."""
+def _model_params(load_mtp: bool, repack: bool):
+    """Set llama_model_params fields Llama(...) has no argument for, for the next load only: load_mtp
+    (the MTP blocks) and use_extra_bufts (repacking). It builds the model through
+    `_internals.LlamaModel(params=...)`."""
     from llama_cpp import _internals
     original = _internals.LlamaModel
 
-    def with_mtp(*args, params, **kwargs):
-        params.load_mtp = True
+    def with_fields(*args, params, **kwargs):
+        if load_mtp:
+            params.load_mtp = True
+        if not repack:
+            params.use_extra_bufts = False
         return original(*args, params=params, **kwargs)
-    if load_mtp:
-        _internals.LlamaModel = with_mtp
+    _internals.LlamaModel = with_fields
     try:
         yield
     finally:
@@ -120,7 +127,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         options = dict(n_ctx=params.n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
                        logits_all=False, verbose=False, swa_full=params.swa_full)
-        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq), _model_load_mtp(params.load_mtp):
+        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq), _model_params(params.load_mtp, params.repack):
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 split = list(params.tensor_split) if params.tensor_split else None
                 return load_on_devices(path, params.devices, tensor_split=split, **options)

@@ -26,7 +26,7 @@ import llama_cpp
 import numpy as np
 
 from .errors import GgufspecError
-from .sampling import SamplingParams, accept_or_resample, distribution, greedy_token, sample
+from .sampling import Draws, SamplingParams, distribution, greedy_token
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -236,13 +236,15 @@ class Grammar:
 
 class TargetJudge:
     """The target's decision at each position, as the target alone would make it: its logits through
-    the request's constraints (`processing`), then greedy, or the rejection rule of speculative
-    sampling where a draft proposed a token (written in `sampling.accept_or_resample`)."""
+    the request's constraints (`processing`), then greedy, or the position's draw (`sampling.Draws`).
+
+    A proposal is kept exactly when it is the token the target picks there; the target picks the same
+    token whatever was proposed, so the text is the target alone's, token for token, with any drafter."""
 
     def __init__(self, target, params: SamplingParams, constraints: Constraints | None = None,
                  n_logprobs: int | None = None):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        self.draws = Draws(params.seed)
         self.n_logprobs = n_logprobs
         self._is_end = target.is_end_of_generation
         active = constraints is not None and constraints.active
@@ -251,17 +253,14 @@ class TargetJudge:
         # how many of the best tokens must be exact: all for logprobs and unfiltered sampling
         self._top_n = 0 if n_logprobs is not None else 1 if params.greedy else params.top_k
 
-    def decide(self, logits: np.ndarray, history: Sequence[int], proposed: int | None,
-               q: np.ndarray | None) -> tuple[int, tuple]:
-        """The token at this position (the proposal itself when it is accepted) and its score."""
+    def decide(self, logits: np.ndarray, history: Sequence[int], position: int) -> tuple[int, tuple]:
+        """The token at this position of the sequence (after `history`, which may be shortened where
+        the penalties do not read it) and its score."""
         row = self.processor.apply(logits, history, self._top_n) if self.processor is not None else logits
         if self.params.greedy:
             token = greedy_token(row)
-        elif proposed is None:
-            token = sample(distribution(row, self.params), self.rng)
         else:
-            replacement = accept_or_resample(proposed, distribution(row, self.params), q, self.rng)
-            token = proposed if replacement is None else replacement
+            token = self.draws.pick(distribution(row, self.params), position)
         if self.processor is not None and not self._is_end(token):  # every token decided here is kept
             self.processor.accept(token)
         return token, self._score(row, token)

@@ -74,24 +74,61 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(probs) - 1))
 
 
-def accept_or_resample(token: int, p: np.ndarray, q: np.ndarray, rng: np.random.Generator) -> int | None:
-    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for one drafted token.
+# ---------------------------------------------------------------- a draw tied to each position
+# Same request, same answer: the sampled token at position t is a function of (seed, t) and the
+# target's distribution there, never of how many random numbers the drafts consumed before it. So
+# the target alone, any K, any drafter, streamed or not, all pick the same token at every position.
+#
+# The draw is the exponential race (the Gumbel-max trick): every token x gets E_x = -log U_x with
+# U_x uniform, from a counter-based hash of (seed, t, x), and the token picked from p is
+# argmin_x E_x / p_x, which is distributed exactly as p (P(x wins) = p_x / sum p). A draft model
+# samples its proposal with the same E at the same position, so where its q is close to p it picks
+# the same token: P(same) >= (1 - TV(p, q)) / (1 + TV(p, q)), close to the best any coupling gets
+# (1 - TV, what the rejection rule of `accept_or_resample` keeps), without drawing anything itself.
+# A proposal is then kept exactly when it is the target's own pick: lossless by construction.
 
-    The draft proposed `token` ~ q. Keep it with probability min(1, p[token] / q[token]); otherwise
-    return a replacement drawn from normalize(max(0, p - q)). Either way the token that comes out is
-    distributed exactly as p. Returns None when the draft token is accepted.
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment
+_MASK = (1 << 64) - 1
 
-    The vocabularies may differ in size: p is over the target's ids, q over the draft's. A token the
-    target does not have has p = 0 (always rejected); q is 0 where the draft has no token; the
-    residual is over the target's whole vocabulary.
-    """
-    p_token = p[token] if token < len(p) else 0.0
-    if rng.random() * q[token] < p_token:  # u < p/q without dividing by a tiny q
-        return None
-    residual = np.maximum(p - _resized(q, len(p)), 0.0)
-    if residual.sum() <= 0.0:  # p == q: the rejection above cannot happen, but stay total
-        residual = p
-    return sample(residual, rng)
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser on a Python int (a 64-bit bijection with full avalanche)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+    return x ^ (x >> 31)
+
+
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)  # uint64 arrays wrap around, as the hash wants
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class Draws:
+    """The random numbers of one generation, keyed by position (see the note above). `seed` None: a
+    random seed, drawn once (so the run is still reproducible from `Draws.seed`)."""
+
+    def __init__(self, seed: int | None):
+        self.seed = int(np.random.SeedSequence().entropy) & _MASK if seed is None else int(seed) & _MASK
+        self._key = _mix64(self.seed ^ 0x5851F42D4C957F2D)
+
+    def uniforms(self, position: int, ids: np.ndarray) -> np.ndarray:
+        """U_x in (0, 1) for each token id at this position: SplitMix64's stream from the
+        position's own state, indexed by the token id."""
+        state = _mix64((self._key + position * _GOLDEN) & _MASK)
+        with np.errstate(over="ignore"):
+            x = _mix64_array(np.uint64(state) + (ids.astype(np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN))
+        return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+
+    def pick(self, probs: np.ndarray, position: int) -> int:
+        """The token that position's draw picks from `probs` (exactly distributed as probs)."""
+        support = np.flatnonzero(probs)
+        if len(support) == 1:
+            return int(support[0])
+        race = -np.log(self.uniforms(position, support)) / probs[support]
+        return int(support[np.argmin(race)])
 
 
 def _resized(q: np.ndarray, n: int) -> np.ndarray:

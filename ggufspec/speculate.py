@@ -63,9 +63,9 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             # a step adds up to k + 1 tokens, verified in one batch (logits for every row: within n_batch)
             k = controller.choose(min(room, target.n_batch) - 1) if drafter is not None else 0
             t0 = time.perf_counter()
-            proposals, draft_probs = drafter.propose(tokens, k, judge.params, judge.rng, guide) if k > 0 else ([], [])
+            proposals, _ = drafter.propose(tokens, k, judge.params, judge.draws, guide) if k > 0 else ([], [])
             t1 = time.perf_counter()
-            n_accepted, own_token, scores = _verify(target, tokens, proposals, draft_probs, judge)
+            n_accepted, own_token, scores = _verify(target, tokens, proposals, judge)
             t2 = time.perf_counter()
             kept = proposals[:n_accepted] + [own_token]
             target_rewind = draft_rewind = 0.0
@@ -153,16 +153,15 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, siz
                 break  # a big model on a CPU: one warm run per size is enough to start from
 
 
-def _verify(target: Context, tokens: list[int], proposals: list[int], draft_probs: list[np.ndarray],
-            judge: TargetJudge) -> tuple[int, int, list[tuple]]:
+def _verify(target: Context, tokens: list[int], proposals: list[int], judge: TargetJudge) -> tuple[int, int, list[tuple]]:
     """One target batch over [last token] + proposals. Returns (accepted count, the target's own
     token, the scores of the accepted proposals and of the own token).
 
     Row i of the batch is the target's view after tokens + proposals[:i]; the judge decides there in
-    order and stops at the first token that differs from the proposal (greedy: its argmax; sampling:
-    the rejection rule), or takes the bonus token after the last. A proposal the target's vocabulary
-    lacks cannot be evaluated: the batch stops before it, and at its position it is rejected like any
-    token the target gives probability 0.
+    order (greedy: its argmax; sampling: that position's draw) and the step stops at the first
+    decision that differs from the proposal, or takes the bonus token after the last. A proposal the
+    target's vocabulary lacks cannot be evaluated: the batch stops before it, and it is never the
+    target's choice, so it is rejected there like any other.
     """
     n_valid = next((i for i, t in enumerate(proposals) if t >= target.n_vocab), len(proposals))
     target.checkpoint(upcoming=n_valid)  # memory that cannot drop a suffix saves its state first
@@ -171,8 +170,7 @@ def _verify(target: Context, tokens: list[int], proposals: list[int], draft_prob
     for i in range(n_valid + 1):
         proposed = proposals[i] if i < len(proposals) else None
         history = tokens + proposals[:i] if judge.needs_history and i else tokens
-        token, score = judge.decide(target.logits(i), history, proposed, draft_probs[i] if draft_probs and
-                                    proposed is not None else None)
+        token, score = judge.decide(target.logits(i), history, len(tokens) + i)
         scores.append(score)
         if token != proposed:
             return i, token, scores
@@ -210,7 +208,7 @@ def _replay_and_decide(target: Context, draft: Context | None, tokens: list[int]
     t1 = time.perf_counter()
     if draft is not None:
         draft.keep(n_keep)
-    token, score = judge.decide(target.logits(0), tokens + kept, None, None)
+    token, score = judge.decide(target.logits(0), tokens + kept, len(tokens) + len(kept))
     return t1 - t0, time.perf_counter() - t1, token, score
 
 

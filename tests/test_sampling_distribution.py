@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-import ggufspec.processing
+import ggufspec.sampling
 from ggufspec import SamplingParams
 from reference import chi_square_pvalue, draw_two_tokens, exact_first_and_second
 
@@ -37,9 +37,11 @@ def test_filters_apply_to_both_models(tiny_pair, tiny_decoder):
     assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
 
 
-def test_a_wrong_acceptance_rule_is_caught(tiny_pair, tiny_decoder, unfiltered, monkeypatch):
-    """Negative control: always accepting the draft gives the draft's distribution, and the test sees it."""
-    monkeypatch.setattr(ggufspec.processing, "accept_or_resample", lambda token, p, q, rng: None)
+def test_a_wrong_draw_is_caught(tiny_pair, tiny_decoder, unfiltered, monkeypatch):
+    """Negative control: one uniform per position for every token (instead of one per token) makes the
+    race pick the likeliest token every time, and the test sees the wrong distribution."""
+    monkeypatch.setattr(ggufspec.sampling.Draws, "uniforms",
+                        lambda self, position, ids: np.full(len(ids), 0.5))
     p1, _ = exact_first_and_second(tiny_pair[0], PROMPT, unfiltered)
     first, _ = draw(tiny_decoder, unfiltered, 1)
     assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) < 1e-3
