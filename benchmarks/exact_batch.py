@@ -22,8 +22,10 @@ import numpy as np
 from ggufspec.load import LoadParams, open_model, tokenize
 from ggufspec.native import Context
 
-PROMPTS = ["def quicksort(arr):\n    if len(arr) <= 1:\n", "The capital of France is",
-           "import numpy as np\n\ndef softmax(x):\n", "Once upon a time, in a small village,"]
+PROMPTS = ["def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[0]\n",
+           "The capital of France is Paris, and the capital of Germany is Berlin. The capital of Italy",
+           "import numpy as np\n\ndef softmax(x):\n    e = np.exp(x - x.max())\n",
+           "Once upon a time, in a small village at the edge of a great forest, there lived"]
 N_BATCH = 6
 
 

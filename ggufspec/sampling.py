@@ -68,12 +68,6 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return result
 
 
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    # inverse-CDF draw; searchsorted on the cumulative sum is exact for a dense vector
-    cumulative = np.cumsum(probs)
-    return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(probs) - 1))
-
-
 # ---------------------------------------------------------------- a draw tied to each position
 # Same request, same answer: the sampled token at position t is a function of (seed, t) and the
 # target's distribution there, never of how many random numbers the drafts consumed before it. So
@@ -129,8 +123,3 @@ class Draws:
             return int(support[0])
         race = -np.log(self.uniforms(position, support)) / probs[support]
         return int(support[np.argmin(race)])
-
-
-def _resized(q: np.ndarray, n: int) -> np.ndarray:
-    """q over the first n ids: cut, or padded with zeros for ids the draft does not have."""
-    return q[:n] if len(q) >= n else np.concatenate([q, np.zeros(n - len(q))])

@@ -140,3 +140,40 @@ def test_a_close_draft_distribution_picks_the_same_token():
     draws = Draws(11)
     same = np.mean([draws.pick(p, t) == draws.pick(q, t) for t in range(20_000)])
     assert same >= (1 - tv) / (1 + tv) - 0.01, same
+
+
+# ---------------------------------------------------------------- the edges: CLI and server
+
+def test_cli_gives_the_same_text_with_and_without_drafts(tiny_pair):
+    import json
+
+    from click.testing import CliRunner
+
+    from ggufspec.cli import main
+    target, draft = tiny_pair
+    texts = set()
+    for flags in (["--no-draft"], ["--draft", "3"], ["--draft", "auto"], ["--lookup"], ["--hybrid"]):
+        result = CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the cat sat", "-n", "32",
+                                           "-c", "256", "-t", "1", "--temp", "0.8", "-s", "7", "--strict", "--json",
+                                           *flags])
+        assert result.exit_code == 0, result.output
+        texts.add(json.loads(result.stdout)["text"])
+    assert len(texts) == 1, texts
+
+
+def test_server_gives_the_same_text_for_any_draft_stream_and_warm_pool(chat_pair, tmp_path):
+    """One request seven ways (no draft, K=3 twice: the pool warm the second time, auto, lookup,
+    streamed) and choice 1 of n=2 against its own seed (seed + 1)."""
+    from serverproc import serving
+    target, draft = chat_pair
+    base = {"model": "target", "prompt": "the cat", "max_tokens": 32, "temperature": 0.8, "seed": 7}
+    with serving(tmp_path, "-m", str(target), "-md", str(draft), "-c", "512", "--strict") as server:
+        client = server.client()
+        texts = [client.completions.create(**base, extra_body=extra).choices[0].text
+                 for extra in ({"draft": 0}, {"draft": 3}, {"draft": 3}, {"draft": "auto"}, {"lookup": True})]
+        texts.append("".join(chunk.choices[0].text for chunk in client.completions.create(
+            **base, stream=True, extra_body={"draft": 3}) if chunk.choices))
+        assert len(set(texts)) == 1, texts
+        pair = client.completions.create(**base, n=2, extra_body={"draft": 3}).choices
+        alone = client.completions.create(**{**base, "seed": 8}, extra_body={"draft": 0}).choices[0].text
+        assert sorted(pair, key=lambda c: c.index)[1].text == alone

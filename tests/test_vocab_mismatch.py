@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ggufspec import SamplingParams, SpeculativeDecoder
-from ggufspec.sampling import accept_or_resample, distribution
+from ggufspec.sampling import distribution
 from reference import prompts, same_as_target_alone, target_alone
 from ggufspec.tinymodels import Shape, make_weights, vocabulary, write_model
 
@@ -51,22 +51,6 @@ def test_greedy_identity_with_mismatched_vocabularies(tmp_path, bigger):
     assert near_ties <= checked // 10
     if bigger == "target":
         assert seen_extra > 0, "the target never emitted a token the draft lacks: the test proves nothing"
-
-
-def test_accept_or_resample_across_vocabulary_sizes():
-    rng = np.random.default_rng(0)
-    p = np.array([0.5, 0.3, 0.2])             # target: 3 ids
-    q = np.array([0.1, 0.1, 0.1, 0.7])        # draft: 4 ids, the last one the target lacks
-    outs = [accept_or_resample(3, p, q, rng) for _ in range(200)]
-    assert None not in outs                    # never accepted
-    counts = np.bincount(outs, minlength=3)
-    residual = np.maximum(p - q[:3], 0) / np.maximum(p - q[:3], 0).sum()
-    assert np.allclose(counts / 200, residual, atol=0.1)
-    q_small = np.array([0.6, 0.4])            # draft: 2 ids, p has mass on id 2 the draft lacks
-    # token 0: kept with probability p/q = 0.5/0.6; else the residual max(0, p - q) = [0, 0, 0.2] gives id 2
-    outs = [accept_or_resample(0, p, q_small, rng) for _ in range(3000)]
-    assert set(outs) == {None, 2}
-    assert abs(outs.count(None) / 3000 - 5 / 6) < 0.03
 
 
 @pytest.mark.parametrize("bigger", ["target", "draft"])
