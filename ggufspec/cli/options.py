@@ -57,6 +57,9 @@ def model_options(command):
                      help="Put the target's layers on these `ggufspec worker`s; the draft stays local."),
         click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
         click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower."),
+        click.option("--repack/--no-repack", "repack", default=True, show_default=True,
+                     help="Repack the target's weights for the CPU's wide kernels (llama.cpp's default). "
+                          "--no-repack: on the CPU a verification batch then decides exactly as single tokens do."),
         click.option("--swa-full", is_flag=True, help="Full-size caches for sliding-window layers (default: "
                      "window-sized, as llama-server; rollback through checkpoints)."),
     )(command)
@@ -98,7 +101,7 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
                            draft_dir=opts.pop("draft_dir"), lookup_pool=opts.pop("lookup_pool"),
                            no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
                            n_gpu_layers=opts.pop("n_gpu_layers"), n_gpu_layers_draft=opts.pop("n_gpu_layers_draft"),
-                           flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"),
+                           flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"), repack=opts.pop("repack"),
                            swa_full=opts.pop("swa_full"),
                            needs_draft_model=not opts["lookup"])
     if no_draft and not requests_choose_drafting:
