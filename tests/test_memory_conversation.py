@@ -7,6 +7,7 @@ The tiny models' answers are random bytes, which come back from a client as othe
 a real model's answer comes back as the tokens it generated. So turn one is kept to printable ASCII
 bytes that tokenize back to themselves, and the chat template renders an answer right after the
 generation prompt (tinymodels.CONTINUING_CHAT_TEMPLATE), as ChatML does."""
+import functools
 import itertools
 
 import pytest
@@ -109,22 +110,25 @@ def test_the_last_question_asked_again_branches_off_after_the_answer(pair, decod
     check_target_alone(target_path, tokens, again)
 
 
-def test_served_chat_turn_two_reuses_the_answer(tmp_path):
-    """Through `ggufspec serve` (chat completions, OpenAI's usage): a Mamba pair's turn two reports
-    most of turn one as cached, and answers as the target alone does from a fresh context."""
+def test_served_chat_with_a_stop_string_reuses_the_answer(tmp_path):
+    """Through `ggufspec serve` (chat completions, OpenAI's usage): a Mamba pair's turn one stopped by
+    a stop string, turn two reports most of turn one as cached, and answers as the target alone does
+    from a fresh context."""
     from serverproc import serving
     target, draft = make_mamba_pair(tmp_path, chat_template=CONTINUING_CHAT_TEMPLATE)
     as_text = {"logit_bias": [[t, False] for t in NOT_ROUND_TRIP]}
-    with serving(tmp_path, "-m", str(target), "-md", str(draft), "-c", str(N_CTX)) as server:
+    with serving(tmp_path, "-m", str(target), "-md", str(draft), "-c", str(N_CTX), "--draft", "3") as server:
         client = server.client()
-        conversation = list(FIRST)
-        one = client.chat.completions.create(model="mamba-target", messages=conversation, max_tokens=40, temperature=0,
-                                             extra_body=as_text)
-        conversation += [{"role": "assistant", "content": one.choices[0].message.content},
-                         {"role": "user", "content": " and the dog"}]
-        two = client.chat.completions.create(model="mamba-target", messages=conversation, max_tokens=24, temperature=0)
+        ask = functools.partial(client.chat.completions.create, model="mamba-target", temperature=0)
+        unstopped = ask(messages=FIRST, max_tokens=40, extra_body=as_text).choices[0].message.content
+        stop = next(unstopped[i:i + 6] for i in range(28, 34) if unstopped.find(unstopped[i:i + 6]) == i)
+        one = ask(messages=FIRST, max_tokens=40, extra_body=as_text, stop=[stop])
+        assert one.choices[0].finish_reason == "stop" and len(one.choices[0].message.content) >= 28
+        conversation = FIRST + [{"role": "assistant", "content": one.choices[0].message.content},
+                                {"role": "user", "content": " and the dog"}]
+        two = ask(messages=conversation, max_tokens=24)
     cached = two.usage.prompt_tokens_details.cached_tokens
-    print(f"served mamba: turn two reused {cached / one.usage.total_tokens:.0%} of turn one")
+    print(f"served mamba: after a stop string, turn two reused {cached} of {one.usage.total_tokens} tokens of turn one")
     assert cached >= REUSED * one.usage.total_tokens
     with SpeculativeDecoder(target, None, n_ctx=N_CTX, n_threads=1) as alone:
         tokens = alone.tokenize(alone.render_chat(conversation))
