@@ -91,10 +91,12 @@ def test_a_stop_string_leaves_the_answer_near_its_end(pair, decoder, n_draft):
     stream.close()
     n_prompt = decoder.last_stats.n_prompt
     answer = "".join(p.text for p in pieces[:-3])  # the stop string: its last three tokens
+    drafted_before = decoder.draft.n_evaluated
     tokens, second = turn_two(decoder, answer, n_draft=n_draft)
     reused = second.stats.n_prompt_cached / (n_prompt + len(pieces))
     print(f"{name} K={n_draft}: after a stop string, turn two reused {reused:.0%} of turn one")
     assert reused >= REUSED
+    assert decoder.draft.n_evaluated - drafted_before < len(tokens)  # the draft did not start over either
     check_target_alone(target_path, tokens, second)
 
 
