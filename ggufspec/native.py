@@ -66,7 +66,7 @@ CHECKPOINT_EVERY = 256           # tokens between automatic conversation checkpo
 # next prompt branch off near the end of the answer. A step that drafts saves one anyway (no extra
 # copy); where none does (the target alone, n_rs_seq rollback), one every STEP_STATE_EVERY tokens.
 STEP_STATES = 4
-STEP_STATE_BYTES = 64 << 20      # their bytes together (one is always kept: rollback needs it)
+STEP_STATE_BYTES = 128 << 20     # their bytes together (one is always kept: rollback needs it)
 STEP_STATE_EVERY = 8
 
 
