@@ -61,7 +61,8 @@ def turn_two(decoder, first_answer: str, user: str = " and the dog", **options):
     """The conversation's next turn: its prompt tokens and the answer."""
     messages = FIRST + [{"role": "assistant", "content": first_answer}, {"role": "user", "content": user}]
     tokens = decoder.tokenize(decoder.render_chat(messages))
-    return tokens, decoder.generate(tokens, n_predict=24, temperature=0, **options)
+    options.setdefault("n_predict", 24)
+    return tokens, decoder.generate(tokens, temperature=0, **options)
 
 
 def reuse(first, second) -> float:
@@ -108,6 +109,20 @@ def test_the_last_question_asked_again_branches_off_after_the_answer(pair, decod
     turn_two(decoder, first.text, n_draft=3)
     tokens, again = turn_two(decoder, first.text, user=" a cat ran on", n_draft=3)
     print(f"{name}: turn two asked again reused {reuse(first, again):.0%} of turn one")
+    assert reuse(first, again) >= REUSED
+    check_target_alone(target_path, tokens, again)
+
+
+def test_a_window_model_branches_off_after_the_answer_past_its_window(pair, decoder):
+    """Gemma 2: turn two's long answer moves the window cache (256 cells) past turn one's answer;
+    asked again differently, turn two restores the checkpoint kept where it branched off."""
+    name, (target_path, _) = pair
+    if name != "gemma2":
+        pytest.skip("a sliding-window model's case")
+    first = turn_one(decoder, 3)
+    turn_two(decoder, first.text, n_draft=3, n_predict=300)
+    tokens, again = turn_two(decoder, first.text, user=" a cat ran on", n_draft=3)
+    print(f"{name}: past the window, turn two asked again reused {reuse(first, again):.0%} of turn one")
     assert reuse(first, again) >= REUSED
     check_target_alone(target_path, tokens, again)
 
