@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "code"}}`, and the app's handlers for them."""
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "code"}}`, and the app's handlers for them;
+`error_body` gives Anthropic's shape instead under its API's paths (/v1/messages)."""
 from __future__ import annotations
 
 import logging
@@ -19,17 +20,40 @@ FLAG_TO_FIELD = {"-n/--n-predict": "max_tokens", "--draft-p-min": "speculative.p
                  "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p"}
 
 
+# Anthropic's error types (https://docs.anthropic.com/en/api/errors) by HTTP status.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether `path` belongs to Anthropic's API here (/v1/messages and below it): its errors take its shape."""
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+
+
+def error_body(path: str, status: int, message: str, type: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    """An error's JSON in the shape of the API that `path` belongs to: Anthropic's `{"type": "error",
+    "error": {"type", "message"}}` under /v1/messages, else OpenAI's `{"error": {"message", "type", "code"}}`
+    (`type` and `code` are OpenAI's; Anthropic's type follows from `status`)."""
+    if anthropic_path(path):
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    return {"error": {"message": message, "type": type, "code": code}}
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
                  headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.headers = status, message, type, code, headers
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+    def body(self, path: str = "") -> dict:
+        """In OpenAI's shape, or in that of the API `path` belongs to (`error_body`)."""
+        return error_body(path, self.status, self.message, self.type, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 def engine_error(exc: Exception) -> APIError:
