@@ -80,26 +80,27 @@ def validation_message(errors: list[dict]) -> str:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error the app answers, FastAPI's and starlette's own included, in OpenAI's shape."""
+    """Every error the app answers, FastAPI's and starlette's own included, in OpenAI's shape (in
+    Anthropic's under its paths: `error_body`)."""
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc: RequestValidationError):
-        return APIError(400, validation_message(exc.errors())).response()
+        return APIError(400, validation_message(exc.errors())).response(request.url.path)
 
     @app.exception_handler(ValidationError)
     async def invalid_value(request, exc: ValidationError):
-        return APIError(400, validation_message(exc.errors())).response()
+        return APIError(400, validation_message(exc.errors())).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request, exc: Exception):
         log.exception("request failed")
-        return APIError(500, f"internal error: {exc}", "server_error").response()
+        return APIError(500, f"internal error: {exc}", "server_error").response(request.url.path)

@@ -108,7 +108,7 @@ class Supervisor:
                 if not supervisor.stopping:
                     supervisor.stopping = True  # Ctrl-C reaches the child too: its exit is no fault then
                     child = supervisor.child  # SIGTERM may not: the child stops its generations meanwhile
-                    if child is not None and child.proc.returncode is None:
+                    if sig != signal.SIGINT and child is not None and child.proc.returncode is None:
                         child.proc.send_signal(signal.SIGTERM)
                     exit_by_deadline(STOP_DEADLINE_S + 2)  # the child's own deadline, and its last lines
                 super().handle_exit(sig, frame)
