@@ -308,6 +308,34 @@ def test_a_prompt_of_megabytes_is_refused_without_tokenizing_it_all(server):
     assert post(server, "/v1/completions", COMPLETION).status_code == 200
 
 
+def test_a_long_prompt_is_refused_from_a_prefix():
+    """What tokenize_within reads of a prompt: prefixes growing fourfold from 8 characters per token
+    of the context, never the whole of a prompt that does not fit."""
+    from ggufspec.errors import ContextFullError
+    from ggufspec.server.jobs import tokenize_within
+
+    class Tokenizer:  # four characters a token
+        n_ctx = 1024
+
+        def __init__(self):
+            self.read = []
+
+        def tokenize(self, text):
+            self.read.append(len(text))
+            return [0] * (len(text) // 4)
+    long = Tokenizer()
+    with pytest.raises(ContextFullError, match="more than 2040 tokens .* context holds 1024"):
+        tokenize_within(long, "x" * DEFAULT_CAP, -1)
+    assert long.read == [8 * 1024]
+    sparse = Tokenizer()
+    sparse.tokenize = lambda text: sparse.read.append(len(text)) or [0] * (len(text) // 40)  # 40 characters a token
+    with pytest.raises(ContextFullError, match="1024"):
+        tokenize_within(sparse, "x" * DEFAULT_CAP, 200)
+    assert sparse.read == [8 * 1024, 32 * 1024, 128 * 1024]  # 204, 819 and 3276 tokens: past 1024 - 200
+    fits = Tokenizer()
+    assert len(tokenize_within(fits, "x" * 3000, 10)) == 750 and fits.read == [3000]
+
+
 def test_a_huge_conversation_or_token_list_does_not_stall_others(server):
     many = {"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 2}
     ids = {"prompt": [5] * 500_000, "max_tokens": 2}
