@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "code"}}`, and the app's handlers for them."""
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "code"}}` (Anthropic's, `{"type": "error",
+"error": {"type", "message"}}`, under /v1/messages), and the app's handlers for them."""
 from __future__ import annotations
 
 import logging
@@ -18,6 +19,12 @@ FLAG_TO_FIELD = {"-n/--n-predict": "max_tokens", "--draft-p-min": "speculative.p
                  "--draft-min": "speculative.n_min", "--draft": "draft", "--temp": "temperature",
                  "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p"}
 
+# Anthropic's error types by status (anything else: api_error); its clients read the type, not the status.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"  # and /v1/messages/count_tokens: the paths whose errors are in Anthropic's shape
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
@@ -28,8 +35,15 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"), "message": self.message}}
+
+    def body_for(self, path: str) -> dict:
+        """The error in the shape of the protocol that `path` speaks."""
+        return self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body_for(path), status_code=self.status, headers=self.headers)
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -56,26 +70,27 @@ def validation_message(errors: list[dict]) -> str:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error the app answers, FastAPI's and starlette's own included, in OpenAI's shape."""
+    """Every error the app answers, FastAPI's and starlette's own included, in the shape of the
+    protocol the request's path speaks."""
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc: RequestValidationError):
-        return APIError(400, validation_message(exc.errors())).response()
+        return APIError(400, validation_message(exc.errors())).response(request.url.path)
 
     @app.exception_handler(ValidationError)
     async def invalid_value(request, exc: ValidationError):
-        return APIError(400, validation_message(exc.errors())).response()
+        return APIError(400, validation_message(exc.errors())).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request, exc: Exception):
         log.exception("request failed")
-        return APIError(500, f"internal error: {exc}", "server_error").response()
+        return APIError(500, f"internal error: {exc}", "server_error").response(request.url.path)

@@ -48,6 +48,7 @@ class Job:
         self.cancelled = threading.Event()
         self._next_check = 0.0  # when next_event next asks whether the client is still there
         self.progressed_at = time.monotonic()  # the last token or event (a hung RPC worker stops them)
+        self.stop_sequence: str | None = None  # the stop string that ended the last choice, if one did
 
     def emit(self, kind: str, value: Any = None) -> None:
         self.progressed_at = time.monotonic()
@@ -178,9 +179,7 @@ class Engine:
         decoder = self.decoder
         prompt = job.prompt
         if job.messages is not None:
-            plan, fmt = job.shape.plan, job.shape.fmt or toolkit.detect_format(load.chat_template(decoder.target_llm).text)
-            messages = toolkit.prepare_messages(job.messages, fmt, plan.tools)
-            prompt = load.render_chat(decoder.target_llm, messages, tools=plan.tools if fmt.native else None)
+            prompt = chat_prompt(decoder, job.messages, job.shape)
         tokens = decoder.tokenize(prompt)
         check_fits(len(tokens), job.options.get("n_predict", -1), decoder.n_ctx)
         if any(not 0 <= t < decoder.target.n_vocab for t in tokens):
@@ -250,11 +249,19 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> bool:
         if released:
             job.emit("pieces", (index, released))
         if stop_filter.stopped:
+            job.stop_sequence = stop_filter.matched
             break
     else:
         if stop_filter.pending:
             job.emit("pieces", (index, stop_filter.flush()))
     return stop_filter.stopped
+
+
+def chat_prompt(decoder, messages: list[dict], shape: Shaping) -> str:
+    """A conversation (and the tools its plan offers) through the target's chat template."""
+    plan, fmt = shape.plan, shape.fmt or toolkit.detect_format(load.chat_template(decoder.target_llm).text)
+    prepared = toolkit.prepare_messages(messages, fmt, plan.tools)
+    return load.render_chat(decoder.target_llm, prepared, tools=plan.tools if fmt.native else None)
 
 
 def combined(first: Stats, then: Stats) -> Stats:

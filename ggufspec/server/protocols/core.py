@@ -1,0 +1,177 @@
+"""The one request and the one answer that every protocol translates to and from.
+
+The request is OpenAI chat's body (`ChatBody`): it already holds all that the engine takes (messages,
+tools and tool_choice, sampling, stops, response_format and grammars, ggufspec's drafting fields),
+and its checks (`shaping`, `request_options`) are the 400s every protocol gives. `Serving.submit`
+turns it into a `Job` on the one engine, so drafting, constraints, the n-gram pool and the
+statistics are the same whichever API a client speaks.
+
+The answer is a sequence of `Text`, `Calls` and `End`: the job's pieces with the text a tool call
+may have begun in held back (`ChoiceState`, as chat streams do), then the parsed calls, then why it
+ended. Each protocol renders that sequence whole or as its own stream events."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from ...stats import Stats
+from ..choices import ChoiceState
+from ..constraints import Shaping, shaping
+from ..errors import APIError, engine_error
+from ..jobs import ClientGone, Engine, Job, chat_prompt
+from ..schemas import ChatBody, message_dicts, request_options, stop_strings
+
+# Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
+ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "repeat_penalty", "repeat_last_n",
+                 "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema")
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: str  # a JSON text
+
+
+@dataclass(frozen=True)
+class Calls:
+    calls: list[Call]
+
+
+@dataclass(frozen=True)
+class End:
+    reason: str                   # "end" (end of sequence), "stop_sequence", "length", "tool_calls"
+    stats: Stats
+    stop_sequence: str | None = None
+    estimate: dict | None = None  # the time saved against the target alone (ggufspec.estimate)
+
+
+@dataclass
+class Serving:
+    """What the protocols need of the app: the engine, the decoder, the chat template's tool format,
+    the command line's defaults and the served model's names."""
+    engine: Engine
+    decoder: object
+    tool_format: object
+    defaults: dict
+    model_name: str
+    accepted_models: set = field(default_factory=set)
+
+    def check_model(self, requested: str | None) -> None:
+        # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
+        if requested and requested not in self.accepted_models:
+            raise APIError(404, f"model {requested!r} is not served here; this server serves {self.model_name!r}",
+                           code="model_not_found")
+
+    def chat_body(self, translated: dict, extras: dict | None = None) -> ChatBody:
+        """The internal request: a protocol's translation, with the engine fields it passed through."""
+        passed = {name: value for name, value in (extras or {}).items() if name in ENGINE_EXTRAS}
+        return ChatBody.model_validate({**passed, **translated})
+
+    def shape(self, body: ChatBody) -> Shaping:
+        return shaping(body, self.tool_format, self.decoder.target.n_vocab)
+
+    def submit(self, body: ChatBody) -> Job:
+        """The request as a job on the engine (one choice); a bad value raises APIError 400."""
+        job = Job(options=request_options(body, self.defaults), stops=stop_strings(body.stop), shape=self.shape(body),
+                  messages=message_dicts(body.messages))
+        self.engine.submit(job)
+        return job
+
+    async def count_tokens(self, body: ChatBody) -> int:
+        """The prompt's length in tokens, as the request would be rendered (its tools included)."""
+        shape, messages = self.shape(body), message_dicts(body.messages)
+
+        def count() -> int:
+            try:
+                return len(self.decoder.tokenize(chat_prompt(self.decoder, messages, shape)))
+            except Exception as exc:  # the template refusing the messages: the client's mistake
+                raise engine_error(exc) from None
+        return await asyncio.to_thread(count)
+
+
+async def started(job: Job, request: Request) -> int:
+    """The prompt's length once the job has started; its errors until then as APIError (a client
+    gone meanwhile: ClientGone, and the job cancelled)."""
+    kind, value = await job.next_event(request)
+    if kind == "error":
+        raise engine_error(value)
+    return value
+
+
+async def answer_events(job: Job, request: Request | None = None):
+    """The job's answer as Text, Calls and End; an error from the engine raises APIError. With a
+    `request`, a client that leaves cancels the job (ClientGone)."""
+    state = ChoiceState(0, job.shape, chat=True)
+    while True:
+        kind, value = await (job.next_event(request) if request is not None else job.events.get())
+        if kind == "pieces":
+            released = state.push(value[1])
+            if released:
+                yield Text("".join(p["text"] for p in released))
+        elif kind == "choice":
+            _, stats, _, estimate = value
+            held, content, calls = state.end()
+            if calls:
+                if content:
+                    yield Text(content)
+                yield Calls([Call(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+            elif content:
+                yield Text(content)
+            yield End(end_reason(stats, bool(calls)), stats, job.stop_sequence, estimate)
+        elif kind == "error":
+            raise engine_error(value)
+        elif kind == "done":
+            return
+
+
+def end_reason(stats: Stats, called: bool) -> str:
+    if called:
+        return "tool_calls"
+    return {"eos": "end", "stop": "stop_sequence"}.get(stats.stop_reason, "length")
+
+
+def arguments_object(arguments: str) -> dict:
+    """A call's JSON arguments as an object (a grammar makes them valid; a free answer may not be)."""
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"arguments": arguments}
+    return parsed if isinstance(parsed, dict) else {"value": parsed}
+
+
+def joined_text(parts: list[str]) -> str:
+    """Text blocks of one message as one content string (the template sees one)."""
+    return "\n".join(part for part in parts if part)
+
+
+async def respond(job: Job, request: Request, stream: bool, whole, events):
+    """The submitted job's answer: `whole(n_prompt)` as JSON, or `events(n_prompt)` (an async
+    generator of SSE events) once the job has started, so that its errors until then are HTTP
+    statuses. A client gone before the answer cancels it."""
+    streaming = False
+    try:
+        n_prompt = await started(job, request)
+        if not stream:
+            return JSONResponse(await whole(n_prompt))
+        response = EventSourceResponse(events(n_prompt), sep="\n")
+        streaming = True
+        return response
+    except ClientGone:
+        return JSONResponse({}, status_code=499)  # nginx's "client closed request"; nobody reads it
+    finally:
+        if not streaming:  # from here on the stream's own `finally` cancels it
+            job.cancel()
+
+
+def sse(event: str | None, data: dict) -> dict:
+    return {**({"event": event} if event else {}), "data": json.dumps(data, ensure_ascii=False)}
