@@ -10,6 +10,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from sse_starlette.sse import EventSourceResponse
 
 from .. import load
@@ -100,6 +101,9 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     @app.get("/", response_class=HTMLResponse)
     async def page():
         return HTMLResponse(chat_page(), headers={"Cache-Control": "no-cache"})
+
+    # the chat page's Markdown renderer and sanitiser (marked, DOMPurify), shipped with the package
+    app.mount("/static", StaticFiles(packages=[("ggufspec", "static")]), name="static")
 
     @app.get("/props")
     async def props_endpoint():
