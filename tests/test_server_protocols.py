@@ -72,8 +72,8 @@ def test_a_message_is_the_chat_answer_to_the_same_conversation(server, claude):
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt_tokens
     assert message.usage.output_tokens == 12 and message.stop_reason == "max_tokens"
     again = claude.messages.create(model="x", max_tokens=12, system="be brief\nand kind", messages=[
-        {"role": "user", "content": "hi\nthere"}], temperature=0, top_k=40, top_p=0.9,
-        metadata={"user_id": "u1"}, thinking={"type": "enabled", "budget_tokens": 1024})
+        {"role": "user", "content": "hi\nthere"}], metadata={"user_id": "u1"},
+        thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0, "top_k": 40, "top_p": 0.9})
     assert again.content[0].text == text and again.usage.cache_read_input_tokens > 0  # the cache held the prompt
 
 
@@ -85,6 +85,13 @@ def test_a_multi_turn_conversation_and_stop_sequences(server, claude):
     message = claude.messages.create(model="target", max_tokens=16, messages=turns, stop_sequences=[stop])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert message.content[0].text == text[:text.index(stop)]
+
+
+def test_max_tokens_beyond_the_context_is_a_ceiling_not_an_error(claude, server):
+    message = claude.messages.create(model="target", max_tokens=100_000, messages=HI)  # Claude Code asks 32000
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens < N_CTX
+    response = server.client().responses.create(model="target", input="hi", max_output_tokens=100_000)
+    assert response.status in ("completed", "incomplete")
 
 
 def test_a_streamed_message_is_the_deltas_and_the_events_come_in_order(server, claude):
@@ -160,6 +167,12 @@ def test_count_tokens_counts_the_tools_too(server, claude):
     message = claude.messages.create(model="target", max_tokens=2, messages=HI, tools=[ANTHROPIC_TOOL])
     assert with_tools > bare > 0
     assert with_tools == message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+
+def test_output_config_format_is_structured_output(claude):
+    message = claude.messages.create(model="target", max_tokens=48, messages=HI,
+                                     output_config={"format": {"type": "json_schema", "schema": FLAG}})
+    assert isinstance(json.loads(message.content[0].text)["ok"], bool)
 
 
 # ---------------------------------------------------------------- OpenAI Responses
@@ -252,7 +265,7 @@ BAD_MESSAGES = [
     ({"max_tokens": 8, "messages": HI, "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
      "nope"),
     ({"max_tokens": 8, "messages": HI, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
-    ({"max_tokens": 2000, "messages": HI}, "2048"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "the cat " * 400}]}, "2048"),
 ]
 
 

@@ -40,8 +40,12 @@ class Job:
     choice ends, then ("done", (stats of them all, estimate)) or ("error", exc)."""
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                 options: dict, stops: list[str], shape: Shaping | None = None, n: int = 1):
+                 options: dict, stops: list[str], shape: Shaping | None = None, n: int = 1,
+                 fit_to_context: bool = False):
         self.prompt, self.messages, self.options, self.stops = prompt, messages, options, stops
+        # max_tokens as a ceiling that the context lowers, not a demand it refuses (Anthropic's
+        # max_tokens is required, and agents ask for tens of thousands whatever the context)
+        self.fit_to_context = fit_to_context
         self.shape, self.n = shape or Shaping(), n
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -181,6 +185,8 @@ class Engine:
         if job.messages is not None:
             prompt = chat_prompt(decoder, job.messages, job.shape)
         tokens = decoder.tokenize(prompt)
+        if job.fit_to_context and job.options.get("n_predict", -1) > decoder.n_ctx - len(tokens) > 0:
+            job.options = {**job.options, "n_predict": decoder.n_ctx - len(tokens)}
         check_fits(len(tokens), job.options.get("n_predict", -1), decoder.n_ctx)
         if any(not 0 <= t < decoder.target.n_vocab for t in tokens):
             raise GgufspecError(f"prompt token ids must be in [0, {decoder.target.n_vocab})")

@@ -7,7 +7,8 @@ Translation: `system` (a string or text blocks) is the system message; a user me
 message; an assistant's `tool_use` blocks become its tool calls (the input as JSON arguments);
 `thinking` blocks are dropped (the template never sees them). `tools` are the functions of OpenAI
 chat (Anthropic's server tools, such as web search, run at Anthropic: they are not offered), and
-`tool_choice` auto, any, tool and none are auto, required, a named function and none."""
+`tool_choice` auto, any, tool and none are auto, required, a named function and none;
+`output_config.format` (a JSON schema) is structured output, as chat's `response_format`."""
 from __future__ import annotations
 
 import datetime
@@ -58,6 +59,16 @@ class AnthropicToolChoice(Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    format: OutputFormat | None = None  # structured output, through the grammar path
+    effort: str | None = None           # accepted; a local model has one effort
+
+
 class CountTokensBody(Strict):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # engine extras pass through (core.ENGINE_EXTRAS)
     model: str | None = None         # any name: Claude Code asks for its own models' names
@@ -76,6 +87,7 @@ class MessagesBody(CountTokensBody):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict | None = None
+    output_config: OutputConfig | None = None
 
 
 # ---------------------------------------------------------------- the request
@@ -96,6 +108,9 @@ def chat_request(body: CountTokensBody, serving: Serving) -> ChatBody:
     if isinstance(body, MessagesBody):
         translated.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, stop=body.stop_sequences)
+        form = body.output_config.format if body.output_config else None
+        if form is not None:
+            translated["response_format"] = {"type": "json_schema", "json_schema": {"schema": form.schema_}}
     return serving.chat_body(translated, body.model_extra)
 
 

@@ -81,9 +81,10 @@ class Serving:
         return shaping(body, self.tool_format, self.decoder.target.n_vocab)
 
     def submit(self, body: ChatBody) -> Job:
-        """The request as a job on the engine (one choice); a bad value raises APIError 400."""
+        """The request as a job on the engine (one choice); a bad value raises APIError 400. Its
+        max_tokens is lowered to what the context has room for (agents ask for more than it holds)."""
         job = Job(options=request_options(body, self.defaults), stops=stop_strings(body.stop), shape=self.shape(body),
-                  messages=message_dicts(body.messages))
+                  messages=message_dicts(body.messages), fit_to_context=True)
         self.engine.submit(job)
         return job
 
@@ -115,9 +116,9 @@ async def answer_events(job: Job, request: Request | None = None):
     while True:
         kind, value = await (job.next_event(request) if request is not None else job.events.get())
         if kind == "pieces":
-            released = state.push(value[1])
-            if released:
-                yield Text("".join(p["text"] for p in released))
+            text = "".join(p["text"] for p in state.push(value[1]))
+            if text:  # a token that ends mid-character has no text: nothing to send yet
+                yield Text(text)
         elif kind == "choice":
             _, stats, _, estimate = value
             held, content, calls = state.end()
