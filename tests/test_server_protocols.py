@@ -316,3 +316,62 @@ def test_bad_responses_requests_are_errors_in_openais_shape(server, body, messag
         error = response.json()["error"]
         assert message in error["message"] and "\n" not in error["message"]
     assert server.health()["status"] == "ok"
+
+
+# ---------------------------------------------------------------- the demo pair (slow): a real model at work
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}
+ASK_WEATHER = "What's the weather like in Paris today?"
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    from conftest import demo_pair_paths
+    target, draft = demo_pair_paths()
+    with serving(tmp_path_factory.mktemp("demo-server"), "-m", str(target), "-md", str(draft), "-c", "2048",
+                 "-t", "2") as running:
+        yield running
+
+
+@pytest.mark.slow
+def test_claude_code_s_loop_on_the_demo_pair(demo_server):
+    """A forced call (streamed, as Claude Code asks), its result fed back, and an answer that uses it."""
+    claude = anthropic.Anthropic(base_url=demo_server.url, api_key="none", max_retries=0, timeout=600)
+    tool = {"name": "get_weather", "description": "Get the current weather in a city", "input_schema": WEATHER_SCHEMA}
+    asked = [{"role": "user", "content": ASK_WEATHER}]
+    with claude.messages.stream(model="claude-haiku-4-5", max_tokens=64, messages=asked, tools=[tool],
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    (call,) = [block for block in final.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and call.input["city"] == "Paris"
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "18 degrees celsius and sunny"}
+    # tool_choice none: offered the tool again, the 1.5B model calls it again (and in the template's
+    # own example's doubled braces, which no parser takes for a call)
+    answer = claude.messages.create(model="claude-haiku-4-5", max_tokens=64, tools=[tool], tool_choice={"type": "none"},
+                                    messages=[*asked, {"role": "assistant", "content": final.content},
+                                              {"role": "user", "content": [result]}])
+    assert answer.stop_reason == "end_turn" and "18" in answer.content[0].text
+
+
+@pytest.mark.slow
+def test_codex_s_loop_on_the_demo_pair(demo_server):
+    """Responses streamed as Codex asks for them: a forced call, its output fed back, an answer that uses it."""
+    client = demo_server.client(timeout=600)
+    tool = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+            "parameters": WEATHER_SCHEMA}
+    asked = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK_WEATHER}]}]
+    model = client.models.list().data[0].id
+    with client.responses.stream(model=model, input=asked, tools=[tool], max_output_tokens=64,
+                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        final = stream.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] == "Paris"
+    fed_back = [*asked, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees celsius and sunny"}]
+    with client.responses.stream(model=model, input=fed_back, tools=[tool], tool_choice="none",
+                                 max_output_tokens=64) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        answer = stream.get_final_response()
+    assert answer.status == "completed" and answer.output_text == "".join(deltas) and "18" in answer.output_text
