@@ -244,6 +244,70 @@ def test_text_format_json_schema_is_structured_output(server):
     assert isinstance(json.loads(response.output_text)["ok"], bool)
 
 
+# ---------------------------------------------------------------- a reasoning model's <think> block
+
+def test_thinking_is_told_apart_from_the_answer_however_the_text_is_cut():
+    from ggufspec.server.protocols.core import Text
+    from ggufspec.server.protocols.reasoning import Thinking, ThinkingSplitter
+
+    def split(chunks, opened=False):
+        splitter, events = ThinkingSplitter(opened), []
+        for chunk in chunks:
+            events += splitter.push(chunk)
+        events += splitter.flush()
+        joined = {"thinking": "", "text": ""}
+        for event in events:
+            joined["thinking" if isinstance(event, Thinking) else "text"] += event.text
+        return joined
+
+    answer = "<think>\nplan it</think>\n\nthe answer"
+    for cut in range(1, len(answer)):
+        assert split([answer[:cut], answer[cut:]]) == {"thinking": "\nplan it", "text": "the answer"}, cut
+    assert split(list(answer)) == {"thinking": "\nplan it", "text": "the answer"}
+    assert split(["plan</thi", "nk>answer"], opened=True) == {"thinking": "plan", "text": "answer"}  # DeepSeek-R1's
+    assert split(["no thinking <think>here"]) == {"thinking": "", "text": "no thinking <think>here"}
+    assert split(["<thi"]) == {"thinking": "", "text": "<thi"}
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tmp_path_factory):
+    """The tiny target with a template that knows a thinking block (as Qwen3's does); a grammar (passed
+    through as llama.cpp's field) makes its answer one."""
+    from ggufspec.tinymodels import CHAT_TEMPLATE, Shape, make_weights, write_model
+    shape = Shape(eos_bias=4.0)
+    template = CHAT_TEMPLATE + "{# the answer: <think>...</think> then the reply #}"
+    target = write_model(tmp_path_factory.mktemp("reasoning") / "reasoner.gguf", shape, make_weights(shape, 0), template)
+    with serving(tmp_path_factory.mktemp("reasoning-server"), "-m", str(target), "--no-draft", "-c", "512") as running:
+        yield running
+
+
+THINK_GRAMMAR = 'root ::= "<think>" [a-z]{2,6} "</think>" [a-z]{2,6}'
+
+
+def test_a_reasoning_model_s_thinking_is_a_thinking_block_and_a_reasoning_item(reasoning_server):
+    claude = anthropic.Anthropic(base_url=reasoning_server.url, api_key="none", max_retries=0, timeout=60)
+    ask = {"model": "reasoner", "max_tokens": 32, "messages": HI, "extra_body": {"grammar": THINK_GRAMMAR}}
+    message = claude.messages.create(**ask)
+    thinking, text = message.content
+    assert thinking.type == "thinking" and text.type == "text" and thinking.thinking.isalpha() and text.text.isalpha()
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == [
+        ("thinking", thinking.thinking), ("text", text.text)]
+    client = reasoning_server.client()
+    response = client.responses.create(model="reasoner", input="hi", max_output_tokens=32,
+                                       extra_body={"grammar": THINK_GRAMMAR})
+    reasoning, said = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == thinking.thinking
+    assert said.type == "message" and response.output_text == text.text
+    with client.responses.stream(model="reasoner", input="hi", max_output_tokens=32,
+                                 extra_body={"grammar": THINK_GRAMMAR}) as stream:
+        events = list(stream)
+        streamed = stream.get_final_response()
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking.thinking
+    assert streamed.output_text == text.text and streamed.output[0].type == "reasoning"
+
+
 # ---------------------------------------------------------------- models and errors
 
 def test_models_as_each_client_lists_them(server, claude):

@@ -5,7 +5,8 @@ Anthropic's stream events. Errors under these paths have Anthropic's shape (erro
 Translation: `system` (a string or text blocks) is the system message; a user message's
 `tool_result` blocks become tool messages (an `is_error` result says so), its text blocks one user
 message; an assistant's `tool_use` blocks become its tool calls (the input as JSON arguments);
-`thinking` blocks are dropped (the template never sees them). `tools` are the functions of OpenAI
+`thinking` blocks are dropped (the template never sees them). A reasoning model's `<think>` block
+comes back as a `thinking` block (reasoning.py). `tools` are the functions of OpenAI
 chat (Anthropic's server tools, such as web search, run at Anthropic: they are not offered), and
 `tool_choice` auto, any, tool and none are auto, required, a named function and none;
 `output_config.format` (a JSON schema) is structured output, as chat's `response_format`."""
@@ -23,6 +24,7 @@ from ..errors import APIError
 from ..responses import timings
 from ..schemas import ChatBody, Strict
 from .core import Calls, End, Serving, Text, answer_events, arguments_object, joined_text, respond, sse
+from .reasoning import Thinking, splitter_for
 
 STOP_REASONS = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -186,7 +188,7 @@ class MessageState:
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model, self.n_prompt = model, n_prompt
         self.content: list[dict] = []
-        self.text_open = False   # the last block is a text block that more text extends
+        self.open_kind: str | None = None   # "text" or "thinking": the last block, which more of it extends
         self.ending: dict = {}
 
     def start(self) -> list[dict]:
@@ -197,18 +199,24 @@ class MessageState:
 
     def on(self, event) -> list[dict]:
         if isinstance(event, Text):
-            return self.text(event.text)
+            return self.extend("text", event.text)
+        if isinstance(event, Thinking):
+            return self.extend("thinking", event.text)
         if isinstance(event, Calls):
             return [e for call in event.calls for e in self.tool_use(call.name, call.arguments)]
         return self.end(event)
 
-    def text(self, text: str) -> list[dict]:
+    def extend(self, kind: str, text: str) -> list[dict]:
+        """More text of a text or thinking block (a new block when the last one is another kind)."""
         events = []
-        if not self.text_open:
-            events += self.open({"type": "text", "text": ""})
-            self.text_open = True
-        self.content[-1]["text"] += text
-        delta = {"type": "text_delta", "text": text}
+        if self.open_kind != kind:
+            events += self.close()
+            # a thinking block's signature proves it came from Anthropic: none here (it is dropped when sent back)
+            events += self.open({"type": "text", "text": ""} if kind == "text" else
+                                {"type": "thinking", "thinking": "", "signature": ""})
+            self.open_kind = kind
+        self.content[-1][kind] += text
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
         return events + [sse("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
                                                      "delta": delta})]
 
@@ -228,9 +236,9 @@ class MessageState:
                                             "content_block": block})]
 
     def close(self, force: bool = False) -> list[dict]:
-        if not (self.text_open or force):
+        if not (self.open_kind or force):
             return []
-        self.text_open = False
+        self.open_kind = None
         return [sse("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
 
     def end(self, end: End) -> list[dict]:
@@ -266,7 +274,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
 
         async def whole(n_prompt: int) -> dict:
             state = MessageState(serving.model_name, n_prompt)
-            async for event in answer_events(job, request):
+            async for event in answer_events(job, request, splitter_for(serving)):
                 state.on(event)
             return state.whole()
 
@@ -275,7 +283,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             try:
                 for event in state.start():
                     yield event
-                async for answer_event in answer_events(job):
+                async for answer_event in answer_events(job, splitter=splitter_for(serving)):
                     for event in state.on(answer_event):
                         yield event
             except APIError as exc:  # after the stream started: Anthropic's error event ends it

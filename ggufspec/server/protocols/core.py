@@ -6,9 +6,9 @@ and its checks (`shaping`, `request_options`) are the 400s every protocol gives.
 turns it into a `Job` on the one engine, so drafting, constraints, the n-gram pool and the
 statistics are the same whichever API a client speaks.
 
-The answer is a sequence of `Text`, `Calls` and `End`: the job's pieces with the text a tool call
-may have begun in held back (`ChoiceState`, as chat streams do), then the parsed calls, then why it
-ended. Each protocol renders that sequence whole or as its own stream events."""
+The answer is a sequence of `Text` (and a reasoning model's `Thinking`), `Calls` and `End`: the
+job's pieces with the text a tool call may have begun in held back (`ChoiceState`, as chat streams
+do), then the parsed calls, then why it ended. Each protocol renders that sequence whole or as its own stream events."""
 from __future__ import annotations
 
 import asyncio
@@ -65,6 +65,7 @@ class Serving:
     defaults: dict
     model_name: str
     accepted_models: set = field(default_factory=set)
+    thinking: tuple[bool, bool] = (False, False)  # reasoning.template_thinking: the template's <think> block
 
     def check_model(self, requested: str | None) -> None:
         # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
@@ -109,25 +110,34 @@ async def started(job: Job, request: Request) -> int:
     return value
 
 
-async def answer_events(job: Job, request: Request | None = None):
-    """The job's answer as Text, Calls and End; an error from the engine raises APIError. With a
-    `request`, a client that leaves cancels the job (ClientGone)."""
-    state = ChoiceState(0, job.shape, chat=True)
+class PlainText:
+    """The answer's text as it is (reasoning.ThinkingSplitter tells a reasoning model's thinking apart)."""
+
+    def push(self, text: str) -> list:
+        return [Text(text)]
+
+    def flush(self) -> list:
+        return []
+
+
+async def answer_events(job: Job, request: Request | None = None, splitter=None):
+    """The job's answer as Text (and, through `splitter`, Thinking), Calls and End; an error from
+    the engine raises APIError. With a `request`, a client that leaves cancels the job (ClientGone)."""
+    state, splitter = ChoiceState(0, job.shape, chat=True), splitter or PlainText()
     while True:
         kind, value = await (job.next_event(request) if request is not None else job.events.get())
         if kind == "pieces":
             text = "".join(p["text"] for p in state.push(value[1]))
             if text:  # a token that ends mid-character has no text: nothing to send yet
-                yield Text(text)
+                for event in splitter.push(text):
+                    yield event
         elif kind == "choice":
             _, stats, _, estimate = value
-            held, content, calls = state.end()
+            _, content, calls = state.end()  # the text held back: content, or the calls and what is not them
+            for event in (splitter.push(content) if content else []) + splitter.flush():
+                yield event
             if calls:
-                if content:
-                    yield Text(content)
                 yield Calls([Call(c["function"]["name"], c["function"]["arguments"]) for c in calls])
-            elif content:
-                yield Text(content)
             yield End(end_reason(stats, bool(calls)), stats, job.stop_sequence, estimate)
         elif kind == "error":
             raise engine_error(value)

@@ -5,7 +5,8 @@ internal request, the answer rendered as a `response` or as its stream events (`
 Stateless, as Ollama's: nothing is stored, so `previous_response_id` is a 400 that says to send the
 whole conversation. Translation: `instructions` and system or developer messages are the system
 message; `message` items are messages; `function_call` items are the assistant's tool calls and
-`function_call_output` items the tool's results; `reasoning` items are dropped. `tools` are flat
+`function_call_output` items the tool's results; `reasoning` items are dropped (a reasoning model's
+`<think>` block comes back as one, reasoning.py). `tools` are flat
 function tools (hosted tools, web search and the like, are not offered); `text.format` json_schema
 or json_object is structured output through the grammar path, as chat's `response_format`."""
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..errors import APIError
 from ..responses import timings
 from ..schemas import ChatBody, Strict
 from .core import Calls, End, Serving, Text, answer_events, joined_text, respond, sse
+from .reasoning import Thinking, splitter_for
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 SYSTEM_ROLES = ("system", "developer")
@@ -166,7 +168,7 @@ class ResponseState:
         self.id, self.created = new_id("resp_"), int(time.time())
         self.model, self.body = model, body
         self.output: list[dict] = []
-        self.message: dict | None = None   # the open message item
+        self.open: dict | None = None   # the message or reasoning item that more text extends
         self.sequence = 0
         self.status, self.extra = "in_progress", {}
 
@@ -179,8 +181,8 @@ class ResponseState:
                 self.event("response.in_progress", response=self.response())]
 
     def on(self, event) -> list[dict]:
-        if isinstance(event, Text):
-            return self.text(event.text)
+        if isinstance(event, (Text, Thinking)):
+            return self.text(event.text, "message" if isinstance(event, Text) else "reasoning")
         if isinstance(event, Calls):
             return self.close() + [e for call in event.calls for e in self.function_call(call.name, call.arguments)]
         return self.end(event)
@@ -189,32 +191,41 @@ class ResponseState:
         self.output.append(item)
         return self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))
 
-    def text(self, text: str) -> list[dict]:
+    def text(self, text: str, kind: str = "message") -> list[dict]:
+        """More text of the answer (a message item) or of its reasoning (a reasoning item)."""
         events = []
-        if self.message is None:
-            self.message = {"type": "message", "id": new_id("msg_"), "status": "in_progress", "role": "assistant",
-                            "content": []}
-            events.append(self.add(self.message))
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            self.message["content"].append(part)
-            events.append(self.event("response.content_part.added", **self.where(), part=dict(part)))
-        self.message["content"][0]["text"] += text
-        return events + [self.event("response.output_text.delta", **self.where(), delta=text, logprobs=[])]
+        if self.open is None or self.open["type"] != kind:
+            events += self.close()
+            if kind == "message":
+                self.open = {"type": "message", "id": new_id("msg_"), "status": "in_progress", "role": "assistant",
+                             "content": []}
+                events.append(self.add(self.open))
+                self.open["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                events.append(self.event("response.content_part.added", **self.where(), part=self.open["content"][0]))
+            else:
+                self.open = {"type": "reasoning", "id": new_id("rs_"), "summary": [], "status": "in_progress",
+                             "content": [{"type": "reasoning_text", "text": ""}]}
+                events.append(self.add(self.open))
+        self.open["content"][0]["text"] += text
+        kind_event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        return events + [self.event(kind_event, **self.where(), delta=text,
+                                    **({"logprobs": []} if kind == "message" else {}))]
 
     def where(self) -> dict:
-        return {"item_id": self.message["id"], "output_index": len(self.output) - 1, "content_index": 0}
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
 
     def close(self) -> list[dict]:
-        """The open message item, done."""
-        if self.message is None:
+        """The open item, done."""
+        if self.open is None:
             return []
-        part, where = self.message["content"][0], self.where()
-        self.message["status"] = "completed"
-        events = [self.event("response.output_text.done", **where, text=part["text"], logprobs=[]),
-                  self.event("response.content_part.done", **where, part=part),
-                  self.event("response.output_item.done", output_index=where["output_index"], item=self.message)]
-        self.message = None
-        return events
+        part, where, item = self.open["content"][0], self.where(), self.open
+        item["status"], self.open = "completed", None
+        if item["type"] == "reasoning":
+            return [self.event("response.reasoning_text.done", **where, text=part["text"]),
+                    self.event("response.output_item.done", output_index=where["output_index"], item=item)]
+        return [self.event("response.output_text.done", **where, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", **where, part=part),
+                self.event("response.output_item.done", output_index=where["output_index"], item=item)]
 
     def function_call(self, name: str, arguments: str) -> list[dict]:
         item = {"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"), "name": name,
@@ -230,7 +241,7 @@ class ResponseState:
 
     def end(self, end: End) -> list[dict]:
         events = self.close()
-        if not self.output:  # an empty answer is still a message
+        if not any(item["type"] != "reasoning" for item in self.output):  # an empty answer is still a message
             events += self.text("") + self.close()
         stats = end.stats
         self.status = "incomplete" if end.reason == "length" else "completed"
@@ -264,7 +275,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
 
         async def whole(n_prompt: int) -> dict:
             state = ResponseState(serving.model_name, body)
-            async for event in answer_events(job, request):
+            async for event in answer_events(job, request, splitter_for(serving)):
                 state.on(event)
             return state.response()
 
@@ -273,7 +284,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             try:
                 for event in state.start():
                     yield event
-                async for answer_event in answer_events(job):
+                async for answer_event in answer_events(job, splitter=splitter_for(serving)):
                     for event in state.on(answer_event):
                         yield event
             except APIError as exc:  # after the stream started: an error event ends it
