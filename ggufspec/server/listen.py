@@ -43,7 +43,7 @@ def serve_forever(app, sock: socket.socket, *, name: str, host: str, api_key: st
                          f"machine can use the model\n")
     bound_host, bound_port = (host, shown_port) if shown_port is not None else sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    sys.stderr.write(f"ggufspec: serving {name} at http://{shown}:{bound_port}/v1 (OpenAI API; Ctrl-C stops)\n")
+    sys.stderr.write(f"ggufspec: serving {name} at http://{shown}:{bound_port}/v1 (OpenAI and Anthropic APIs; Ctrl-C stops)\n")
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

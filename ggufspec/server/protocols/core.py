@@ -8,7 +8,8 @@ statistics are the same whichever API a client speaks.
 
 The answer is a sequence of `Text` (and a reasoning model's `Thinking`), `Calls` and `End`: the
 job's pieces with the text a tool call may have begun in held back (`ChoiceState`, as chat streams
-do), then the parsed calls, then why it ended. Each protocol renders that sequence whole or as its own stream events."""
+do), then the parsed calls, then why it ended. Each protocol renders that sequence whole or as its
+own stream events."""
 from __future__ import annotations
 
 import asyncio
@@ -103,7 +104,7 @@ class Serving:
 
 async def started(job: Job, request: Request) -> int:
     """The prompt's length once the job has started; its errors until then as APIError (a client
-    gone meanwhile: ClientGone, and the job cancelled)."""
+    gone meanwhile: ClientGone)."""
     kind, value = await job.next_event(request)
     if kind == "error":
         raise engine_error(value)
