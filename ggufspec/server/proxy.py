@@ -9,6 +9,8 @@ import logging
 
 import h11
 
+from .errors import APIError
+
 log = logging.getLogger("ggufspec.server")
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones this hop sets itself.
@@ -21,8 +23,9 @@ class ChildGone(Exception):
     """The model process closed the connection before the answer was whole."""
 
 
-def error_body(message: str, code: str, type: str = "server_error") -> dict:
-    return {"error": {"message": message, "type": type, "code": code}}
+def error_body(message: str, code: str, type: str = "server_error", path: str = "") -> dict:
+    """The front's own error (a 503), in the shape of the protocol `path` speaks (errors.py)."""
+    return APIError(503, message, type, code).body_for(path)
 
 
 async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -139,10 +142,11 @@ class Forwarding:
         llama-server send) and the end of the stream."""
         message, code = problem
         if not self.started:
-            return await send_json(self.send, 503, error_body(message, code), [(b"retry-after", b"5")])
+            return await send_json(self.send, 503, error_body(message, code, path=self.scope["path"]),
+                                   [(b"retry-after", b"5")])
         ending = b""
         if self.event_stream:
-            ending = (b"event: error\ndata: " + json.dumps(error_body(message, code)).encode()
+            ending = (b"event: error\ndata: " + json.dumps(error_body(message, code, path=self.scope["path"])).encode()
                       + b"\n\ndata: [DONE]\n\n")
         await self.send({"type": "http.response.body", "body": ending})
 

@@ -88,9 +88,10 @@ class Supervisor:
         return child if self.state == "ready" and child is not None and not child.gone.is_set() else None
 
     def unavailable(self, path: str) -> tuple[int, dict]:
-        """The 503 while no model process serves: /health in llama-server's spirit, the rest OpenAI's."""
+        """The 503 while no model process serves: /health in llama-server's spirit, the rest in their
+        protocol's shape."""
         message, code = self.problem
-        body = error_body(message, code)
+        body = error_body(message, code, path=path)
         return 503, ({"status": self.state, **body} if path == "/health" else body)
 
     # -- the loop ---------------------------------------------------------------------------------
