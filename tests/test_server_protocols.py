@@ -87,6 +87,20 @@ def test_a_multi_turn_conversation_and_stop_sequences(server, claude):
     assert message.content[0].text == text[:text.index(stop)]
 
 
+def test_a_last_assistant_message_is_continued(server, claude):
+    from ggufspec.tinymodels import CHAT_TEMPLATE
+    assert CHAT_TEMPLATE.endswith("<s>assistant:{% endif %}")  # so the prompt below is the template's
+    prefill = " the cat"
+    expected = server.client().completions.create(model="target", prompt="<s>user: hi\n<s>assistant:" + prefill,
+                                                  max_tokens=10)
+    message = claude.messages.create(model="target", max_tokens=10, messages=[
+        *HI, {"role": "assistant", "content": [{"type": "text", "text": prefill}]}])
+    assert message.content[0].text == expected.choices[0].text  # what follows the prefill, not the prefill
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    counted = claude.messages.count_tokens(model="target", messages=[*HI, {"role": "assistant", "content": prefill}])
+    assert counted.input_tokens == expected.usage.prompt_tokens
+
+
 def test_max_tokens_beyond_the_context_is_a_ceiling_not_an_error(claude, server):
     message = claude.messages.create(model="target", max_tokens=100_000, messages=HI)  # Claude Code asks 32000
     assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens < N_CTX

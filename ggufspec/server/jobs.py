@@ -41,8 +41,9 @@ class Job:
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                  options: dict, stops: list[str], shape: Shaping | None = None, n: int = 1,
-                 fit_to_context: bool = False):
+                 fit_to_context: bool = False, prefill: str = ""):
         self.prompt, self.messages, self.options, self.stops = prompt, messages, options, stops
+        self.prefill = prefill  # the start of the assistant's answer, which it continues (Anthropic's prefill)
         # max_tokens as a ceiling that the context lowers, not a demand it refuses (Anthropic's
         # max_tokens is required, and agents ask for tens of thousands whatever the context)
         self.fit_to_context = fit_to_context
@@ -183,7 +184,7 @@ class Engine:
         decoder = self.decoder
         prompt = job.prompt
         if job.messages is not None:
-            prompt = chat_prompt(decoder, job.messages, job.shape)
+            prompt = chat_prompt(decoder, job.messages, job.shape) + job.prefill
         tokens = decoder.tokenize(prompt)
         if job.fit_to_context and job.options.get("n_predict", -1) > decoder.n_ctx - len(tokens) > 0:
             job.options = {**job.options, "n_predict": decoder.n_ctx - len(tokens)}

@@ -94,8 +94,13 @@ class MessagesBody(CountTokensBody):
 
 # ---------------------------------------------------------------- the request
 
-def chat_request(body: CountTokensBody, serving: Serving) -> ChatBody:
-    translated: dict = {"messages": conversation(body)}
+def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str]:
+    """The internal request, and the prefill: a last assistant message is the answer's start, which
+    the model continues (and the answer is what follows it, as Anthropic's is)."""
+    messages, prefill = conversation(body), ""
+    if len(messages) > 1 and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+        prefill = messages.pop()["content"] or ""
+    translated: dict = {"messages": messages}
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema or {"type": "object"}}}
              for t in body.tools or [] if t.type in (None, "custom")]
@@ -113,7 +118,7 @@ def chat_request(body: CountTokensBody, serving: Serving) -> ChatBody:
         form = body.output_config.format if body.output_config else None
         if form is not None:
             translated["response_format"] = {"type": "json_schema", "json_schema": {"schema": form.schema_}}
-    return serving.chat_body(translated, body.model_extra)
+    return serving.chat_body(translated, body.model_extra), prefill
 
 
 def conversation(body: CountTokensBody) -> list[dict]:
@@ -270,7 +275,7 @@ def model_fields(model_name: str, created: int) -> dict:
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesBody):
-        job = serving.submit(chat_request(body, serving))
+        job = serving.submit(*chat_request(body, serving))
 
         async def whole(n_prompt: int) -> dict:
             state = MessageState(serving.model_name, n_prompt)
@@ -295,4 +300,4 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensBody):
-        return {"input_tokens": await serving.count_tokens(chat_request(body, serving))}
+        return {"input_tokens": await serving.count_tokens(*chat_request(body, serving))}

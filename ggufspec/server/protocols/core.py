@@ -82,21 +82,22 @@ class Serving:
     def shape(self, body: ChatBody) -> Shaping:
         return shaping(body, self.tool_format, self.decoder.target.n_vocab)
 
-    def submit(self, body: ChatBody) -> Job:
+    def submit(self, body: ChatBody, prefill: str = "") -> Job:
         """The request as a job on the engine (one choice); a bad value raises APIError 400. Its
-        max_tokens is lowered to what the context has room for (agents ask for more than it holds)."""
+        max_tokens is lowered to what the context has room for (agents ask for more than it holds).
+        `prefill`: the answer's start, written after the template's assistant turn, which it continues."""
         job = Job(options=request_options(body, self.defaults), stops=stop_strings(body.stop), shape=self.shape(body),
-                  messages=message_dicts(body.messages), fit_to_context=True)
+                  messages=message_dicts(body.messages), fit_to_context=True, prefill=prefill)
         self.engine.submit(job)
         return job
 
-    async def count_tokens(self, body: ChatBody) -> int:
+    async def count_tokens(self, body: ChatBody, prefill: str = "") -> int:
         """The prompt's length in tokens, as the request would be rendered (its tools included)."""
         shape, messages = self.shape(body), message_dicts(body.messages)
 
         def count() -> int:
             try:
-                return len(self.decoder.tokenize(chat_prompt(self.decoder, messages, shape)))
+                return len(self.decoder.tokenize(chat_prompt(self.decoder, messages, shape) + prefill))
             except Exception as exc:  # the template refusing the messages: the client's mistake
                 raise engine_error(exc) from None
         return await asyncio.to_thread(count)
