@@ -343,6 +343,8 @@ BAD_MESSAGES = [
     ({"max_tokens": 8, "messages": HI, "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
      "nope"),
     ({"max_tokens": 8, "messages": HI, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
+    ({"max_tokens": 8, "messages": HI, "output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#/x"}}}},
+     "output_config.format"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "the cat " * 400}]}, "2048"),
 ]
 
@@ -381,7 +383,9 @@ BAD_RESPONSES = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
     ({"input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "nope"),
     ({"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/nowhere"}}}},
+     "text.format"),
     ({"input": "hi", "model": "gpt-5"}, "gpt-5"),
 ]
 

@@ -275,7 +275,7 @@ def model_fields(model_name: str, created: int) -> dict:
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesBody):
-        job = serving.submit(*chat_request(body, serving))
+        job = serving.submit(*chat_request(body, serving), names={"response_format": "output_config.format"})
 
         async def whole(n_prompt: int) -> dict:
             state = MessageState(serving.model_name, n_prompt)

@@ -82,12 +82,19 @@ class Serving:
     def shape(self, body: ChatBody) -> Shaping:
         return shaping(body, self.tool_format, self.decoder.target.n_vocab)
 
-    def submit(self, body: ChatBody, prefill: str = "") -> Job:
-        """The request as a job on the engine (one choice); a bad value raises APIError 400. Its
-        max_tokens is lowered to what the context has room for (agents ask for more than it holds).
-        `prefill`: the answer's start, written after the template's assistant turn, which it continues."""
-        job = Job(options=request_options(body, self.defaults), stops=stop_strings(body.stop), shape=self.shape(body),
-                  messages=message_dicts(body.messages), fit_to_context=True, prefill=prefill)
+    def submit(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> Job:
+        """The request as a job on the engine (one choice); a bad value raises APIError 400, the
+        fields it names renamed by `names` (chat's to the protocol's). Its max_tokens is lowered to
+        what the context has room for (agents ask for more than it holds). `prefill`: the answer's
+        start, written after the template's assistant turn, which it continues."""
+        try:
+            job = Job(options=request_options(body, self.defaults), stops=stop_strings(body.stop),
+                      shape=self.shape(body), messages=message_dicts(body.messages), fit_to_context=True,
+                      prefill=prefill)
+        except APIError as exc:
+            for chat_name, name in (names or {}).items():
+                exc.message = exc.message.replace(chat_name, name)
+            raise
         self.engine.submit(job)
         return job
 

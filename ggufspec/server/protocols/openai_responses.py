@@ -271,7 +271,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesBody):
         serving.check_model(body.model)
-        job = serving.submit(chat_request(body, serving))
+        job = serving.submit(chat_request(body, serving), names={"response_format": "text.format"})
 
         async def whole(n_prompt: int) -> dict:
             state = ResponseState(serving.model_name, body)
