@@ -121,6 +121,24 @@ def test_a_streamed_message_is_the_deltas_and_the_events_come_in_order(server, c
     assert set(names[3:-3]) == {"content_block_delta"}
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"max_tokens": 1500, "messages": HI}),
+    ("/v1/responses", {"max_output_tokens": 1500, "input": "hi"}),
+])
+def test_a_client_that_leaves_a_stream_stops_its_generation(server, path, body):
+    import time
+    long = {**body, "stream": True, "grammar": "root ::= [a-z]{1500}"}  # no end before 1500 tokens
+    with httpx.stream("POST", server.url + path, json=long, timeout=60) as response:
+        lines = response.iter_lines()
+        while "delta" not in next(lines):
+            pass  # the answer has begun
+    deadline = time.monotonic() + 10
+    while (health := server.health())["busy"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+    assert health["last"]["stop_reason"] == "interrupted" and health["last"]["n_predict"] < 1500
+
+
 # ---------------------------------------------------------------- Anthropic: tools
 
 def test_a_forced_tool_call_gives_a_parsed_input_whole_and_streamed(server, claude):

@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field
 from ..errors import APIError
 from ..responses import timings
 from ..schemas import ChatBody, Strict
-from .core import Calls, End, Serving, Text, answer_events, arguments_object, joined_text, respond, sse
+from .core import Calls, End, Serving, Text, arguments_object, joined_text, respond, sse
 from .reasoning import Thinking, splitter_for
 
 STOP_REASONS = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -263,6 +263,9 @@ class MessageState:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self.content, **self.ending}
 
+    def error(self, error: APIError) -> dict:
+        return sse("error", error.anthropic_body())
+
 
 # ---------------------------------------------------------------- the routes
 
@@ -276,27 +279,8 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesBody):
         job = serving.submit(*chat_request(body, serving), names={"response_format": "output_config.format"})
-
-        async def whole(n_prompt: int) -> dict:
-            state = MessageState(serving.model_name, n_prompt)
-            async for event in answer_events(job, request, splitter_for(serving)):
-                state.on(event)
-            return state.whole()
-
-        async def events(n_prompt: int):
-            state = MessageState(serving.model_name, n_prompt)
-            try:
-                for event in state.start():
-                    yield event
-                async for answer_event in answer_events(job, splitter=splitter_for(serving)):
-                    for event in state.on(answer_event):
-                        yield event
-            except APIError as exc:  # after the stream started: Anthropic's error event ends it
-                yield sse("error", exc.anthropic_body())
-            finally:
-                job.cancel()
-
-        return await respond(job, request, body.stream, whole, events)
+        return await respond(job, request, body.stream, lambda n_prompt: MessageState(serving.model_name, n_prompt),
+                             lambda: splitter_for(serving))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensBody):

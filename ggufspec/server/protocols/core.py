@@ -174,10 +174,30 @@ def joined_text(parts: list[str]) -> str:
     return "\n".join(part for part in parts if part)
 
 
-async def respond(job: Job, request: Request, stream: bool, whole, events):
-    """The submitted job's answer: `whole(n_prompt)` as JSON, or `events(n_prompt)` (an async
-    generator of SSE events) once the job has started, so that its errors until then are HTTP
-    statuses. A client gone before the answer cancels it."""
+async def respond(job: Job, request: Request, stream: bool, new_state, new_splitter=lambda: None):
+    """The submitted job's answer, rendered by a protocol's state (`new_state(n_prompt)`: its
+    `start()` and `on(event)` give stream events, `whole()` the answer, `error(APIError)` a stream's
+    error event): whole, or streamed once the job has started, so that its errors until then are
+    HTTP statuses. A client gone before the answer cancels it."""
+    async def whole(n_prompt: int) -> dict:
+        state = new_state(n_prompt)
+        async for event in answer_events(job, request, new_splitter()):
+            state.on(event)
+        return state.whole()
+
+    async def events(n_prompt: int):
+        state = new_state(n_prompt)
+        try:
+            for event in state.start():
+                yield event
+            async for answer_event in answer_events(job, splitter=new_splitter()):
+                for event in state.on(answer_event):
+                    yield event
+        except APIError as exc:  # after the stream started: the protocol's error event ends it
+            yield state.error(exc)
+        finally:  # a client that leaves closes the stream: the worker stops at the next token
+            job.cancel()
+
     streaming = False
     try:
         n_prompt = await started(job, request)

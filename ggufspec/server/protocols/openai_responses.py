@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field
 from ..errors import APIError
 from ..responses import timings
 from ..schemas import ChatBody, Strict
-from .core import Calls, End, Serving, Text, answer_events, joined_text, respond, sse
+from .core import Calls, End, Serving, Text, joined_text, respond, sse
 from .reasoning import Thinking, splitter_for
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -252,6 +252,12 @@ class ResponseState:
                                 "total_tokens": stats.n_prompt + stats.n_predict}}
         return events + [self.event(f"response.{self.status}", response=self.response())]
 
+    def error(self, error: APIError) -> dict:
+        return self.event("error", code=error.code, message=error.message, param=None)
+
+    def whole(self) -> dict:
+        return self.response()
+
     def response(self) -> dict:
         body = self.body
         form = (body.text.format if body.text else None) or {"type": "text"}
@@ -272,24 +278,5 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     async def responses(request: Request, body: ResponsesBody):
         serving.check_model(body.model)
         job = serving.submit(chat_request(body, serving), names={"response_format": "text.format"})
-
-        async def whole(n_prompt: int) -> dict:
-            state = ResponseState(serving.model_name, body)
-            async for event in answer_events(job, request, splitter_for(serving)):
-                state.on(event)
-            return state.response()
-
-        async def events(n_prompt: int):
-            state = ResponseState(serving.model_name, body)
-            try:
-                for event in state.start():
-                    yield event
-                async for answer_event in answer_events(job, splitter=splitter_for(serving)):
-                    for event in state.on(answer_event):
-                        yield event
-            except APIError as exc:  # after the stream started: an error event ends it
-                yield state.event("error", code=exc.code, message=exc.message, param=None)
-            finally:
-                job.cancel()
-
-        return await respond(job, request, body.stream, whole, events)
+        return await respond(job, request, body.stream, lambda n_prompt: ResponseState(serving.model_name, body),
+                             lambda: splitter_for(serving))
