@@ -189,9 +189,9 @@ class MessageState:
     """One answer as Anthropic's `message`, built block by block; each step also gives the stream
     events that say so, so that a stream and a whole answer are the same message."""
 
-    def __init__(self, model: str, n_prompt: int):
+    def __init__(self, serving: Serving, n_prompt: int):
         self.id = "msg_" + uuid.uuid4().hex[:24]
-        self.model, self.n_prompt = model, n_prompt
+        self.model, self.n_prompt, self.call_id = serving.model_name, n_prompt, serving.call_id
         self.content: list[dict] = []
         self.open_kind: str | None = None   # "text" or "thinking": the last block, which more of it extends
         self.ending: dict = {}
@@ -228,7 +228,7 @@ class MessageState:
     def tool_use(self, name: str, arguments: str) -> list[dict]:
         events = self.close()
         arguments_json = arguments_object(arguments)
-        events += self.open({"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": name, "input": {}})
+        events += self.open({"type": "tool_use", "id": self.call_id("toolu_"), "name": name, "input": {}})
         self.content[-1]["input"] = arguments_json
         delta = {"type": "input_json_delta", "partial_json": json.dumps(arguments_json, ensure_ascii=False)}
         events.append(sse("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
@@ -279,7 +279,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesBody):
         job = serving.submit(*chat_request(body, serving), names={"response_format": "output_config.format"})
-        return await respond(job, request, body.stream, lambda n_prompt: MessageState(serving.model_name, n_prompt),
+        return await respond(job, request, body.stream, lambda n_prompt: MessageState(serving, n_prompt),
                              lambda: splitter_for(serving))
 
     @app.post("/v1/messages/count_tokens")

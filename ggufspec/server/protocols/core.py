@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
+from ... import tools as toolkit
 from ...stats import Stats
 from ..choices import ChoiceState
 from ..constraints import Shaping, shaping
@@ -62,7 +64,7 @@ class Serving:
     the command line's defaults and the served model's names."""
     engine: Engine
     decoder: object
-    tool_format: object
+    tool_format: toolkit.ToolFormat
     defaults: dict
     model_name: str
     accepted_models: set = field(default_factory=set)
@@ -73,6 +75,13 @@ class Serving:
         if requested and requested not in self.accepted_models:
             raise APIError(404, f"model {requested!r} is not served here; this server serves {self.model_name!r}",
                            code="model_not_found")
+
+    def call_id(self, prefix: str) -> str:
+        """A new tool call's id: the protocol's kind (toolu_..., call_...), or the 9 letters and digits
+        that Mistral's templates insist on when the conversation comes back."""
+        if self.tool_format.name == "mistral":
+            return toolkit.new_call_id(self.tool_format)
+        return prefix + uuid.uuid4().hex[:24]
 
     def chat_body(self, translated: dict, extras: dict | None = None) -> ChatBody:
         """The internal request: a protocol's translation, with the engine fields it passed through."""

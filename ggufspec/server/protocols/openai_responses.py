@@ -164,9 +164,9 @@ class ResponseState:
     """One answer as a `response`, item by item; each step also gives the stream events that say so
     (numbered), so that a stream's final response and a whole answer are the same object."""
 
-    def __init__(self, model: str, body: ResponsesBody):
+    def __init__(self, serving: Serving, body: ResponsesBody):
         self.id, self.created = new_id("resp_"), int(time.time())
-        self.model, self.body = model, body
+        self.model, self.body, self.call_id = serving.model_name, body, serving.call_id
         self.output: list[dict] = []
         self.open: dict | None = None   # the message or reasoning item that more text extends
         self.sequence = 0
@@ -228,7 +228,7 @@ class ResponseState:
                 self.event("response.output_item.done", output_index=where["output_index"], item=item)]
 
     def function_call(self, name: str, arguments: str) -> list[dict]:
-        item = {"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"), "name": name,
+        item = {"type": "function_call", "id": new_id("fc_"), "call_id": self.call_id("call_"), "name": name,
                 "arguments": "", "status": "in_progress"}
         events = [self.add(item)]
         index = len(self.output) - 1
@@ -278,5 +278,5 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     async def responses(request: Request, body: ResponsesBody):
         serving.check_model(body.model)
         job = serving.submit(chat_request(body, serving), names={"response_format": "text.format"})
-        return await respond(job, request, body.stream, lambda n_prompt: ResponseState(serving.model_name, body),
+        return await respond(job, request, body.stream, lambda n_prompt: ResponseState(serving, body),
                              lambda: splitter_for(serving))
