@@ -13,7 +13,11 @@ has recurrent rollback snapshots (`n_rs_seq`, a few architectures), a cut within
 plain `llama_memory_seq_rm`. A sliding-window cache (`swa_full=False`) cuts a suffix like any KV
 cache, but going back further than its window needs a checkpoint too. Checkpoints along the
 conversation (bounded in count and bytes, like llama-server's `--ctx-checkpoints`) let a new prompt
-reuse the cached prefix on every kind of memory. Callers only ever call `keep` and `checkpoint`.
+reuse the cached prefix on every kind of memory: where each prompt ended, where each new prompt
+branched off the cache (the end of the previous answer, for a next turn), and the states saved before
+the last few steps of an answer (so a next turn that leaves the answer near its end, at a stop string
+or a last word tokenized differently, branches there, not where the prompt ended). Callers only ever
+call `keep`, `reuse_prefix` and `checkpoint`.
 """
 from __future__ import annotations
 
@@ -58,6 +62,12 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 MAX_CHECKPOINTS = 8              # conversation checkpoints per context (llama-server: --ctx-checkpoints)
 MAX_CHECKPOINT_BYTES = 256 << 20  # and their bytes together
 CHECKPOINT_EVERY = 256           # tokens between automatic conversation checkpoints
+# States saved before the latest steps: the newest is what a rejection restores; the older ones let a
+# next prompt branch off near the end of the answer. A step that drafts saves one anyway (no extra
+# copy); where none does (the target alone, n_rs_seq rollback), one every STEP_STATE_EVERY tokens.
+STEP_STATES = 4
+STEP_STATE_BYTES = 128 << 20     # their bytes together (one is always kept: rollback needs it)
+STEP_STATE_EVERY = 8
 
 
 class _Snapshot:
@@ -99,7 +109,7 @@ class Context:
         self.restore_seconds = 0.0  # restoring and re-evaluating, in total
         self._last_batch = 0   # tokens in the last llama_decode (n_rs_seq rolls back within it)
         self._least_seconds: dict[int, float] = {}  # least time seen for a batch of n <= 8 tokens
-        self._scratch = _Snapshot()  # before the tokens being verified or drafted
+        self._steps: list[_Snapshot] = []  # before the latest steps, by position (invalid ones first)
         self._kept: list[_Snapshot] = []  # along the conversation
 
     def decode(self, tokens: Sequence[int], n_logits: int = 1) -> None:
@@ -173,11 +183,23 @@ class Context:
         last_kept = max((c.pos for c in self._kept), default=0)
         if n > 0 and (persistent or n >= last_kept + CHECKPOINT_EVERY) and n != last_kept:
             self._keep_checkpoint(n)
-        if upcoming <= 0 or self.rollback != "snapshot" or self._scratch.pos == n:
+        if self.rollback != "snapshot" or n == 0 or self._latest_step() == n:
             return  # a sliding window drops a suffix by itself
-        if self.n_rs_seq >= upcoming and self.n_ubatch > upcoming and not force:
-            return  # llama.cpp keeps per-token states of the next batch: seq_rm cuts within it
-        self._save(self._scratch)
+        rollback_needs_it = upcoming > 0 and (force or not (self.n_rs_seq >= upcoming and self.n_ubatch > upcoming))
+        if rollback_needs_it or n >= max(self._latest_step(), last_kept) + STEP_STATE_EVERY:
+            self._save_step_state()
+
+    def _latest_step(self) -> int:
+        return self._steps[-1].pos if self._steps else -1
+
+    def _save_step_state(self) -> None:
+        """Save the state before a step, reusing the oldest step state's buffer once there are enough."""
+        size = self._steps[-1].size if self._steps else 0
+        room = max(1, min(STEP_STATES, STEP_STATE_BYTES // max(size, 1)))
+        invalid = self._steps and self._steps[0].pos < 0
+        snap = self._steps.pop(0) if invalid or len(self._steps) >= room else _Snapshot()
+        if self._save(snap):
+            self._steps.append(snap)
 
     def _save(self, snap: _Snapshot) -> bool:
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
@@ -193,6 +215,9 @@ class Context:
         if not self._save(snap):
             return
         self._kept.append(snap)
+        self._bound_checkpoints()
+
+    def _bound_checkpoints(self) -> None:
         while self._kept and (len(self._kept) > MAX_CHECKPOINTS
                               or sum(c.size for c in self._kept) > MAX_CHECKPOINT_BYTES):
             self._kept.pop(0)  # the oldest goes first, as in llama-server
@@ -240,13 +265,15 @@ class Context:
         return True
 
     def _best_snapshot(self, n_tokens: int) -> _Snapshot | None:
-        usable = [s for s in (self._scratch, *self._kept) if 0 < s.pos <= n_tokens]
+        usable = [s for s in (*self._steps, *self._kept) if 0 < s.pos <= n_tokens]
         return max(usable, key=lambda s: s.pos, default=None)
 
     def _forget_after(self, n_tokens: int) -> None:
         self._kept = [c for c in self._kept if c.pos <= n_tokens]
-        if self._scratch.pos > n_tokens:
-            self._scratch.pos = -1
+        for snap in self._steps:
+            if snap.pos > n_tokens:
+                snap.pos = -1  # its buffer is reused first
+        self._steps.sort(key=lambda snap: snap.pos)
 
     def keep(self, n_tokens: int) -> None:
         """Cut the cache back to its first n_tokens (the only way the engine rewinds).
@@ -300,7 +327,9 @@ class Context:
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the longest prefix the cache shares with `tokens` that can be kept without
-        re-evaluating anything (up to a checkpoint, for memory that cannot cut); returns its length."""
+        re-evaluating anything (up to a checkpoint, for memory that cannot cut); returns its length.
+        Where `tokens` go on past it, the state there is kept along the conversation: for a next
+        turn, the end of the previous answer."""
         n = common_prefix_length(self.tokens, tokens)
         if n < len(self.tokens):
             self._forget_after(n)
@@ -311,7 +340,24 @@ class Context:
                 if snap is None or not self._restore(snap):
                     llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)
                     del self.tokens[:]
+        if len(tokens) > len(self.tokens):
+            self._keep_branch_point()
         return len(self.tokens)
+
+    def _keep_branch_point(self) -> None:
+        """Keep the state at the cache's end along the conversation: a step state there moves over
+        (no copy), else it is saved."""
+        n = len(self.tokens)
+        if not self.needs_snapshots or n == 0 or any(c.pos == n for c in self._kept):
+            return
+        step = next((s for s in self._steps if s.pos == n), None)
+        if step is None:
+            self._keep_checkpoint(n)
+            return
+        self._steps.remove(step)
+        self._kept.append(step)
+        self._kept.sort(key=lambda c: c.pos)
+        self._bound_checkpoints()
 
     def can_roll_back(self) -> bool:
         """Whether a suffix can be dropped at all: by a cut, or by saving and restoring state."""

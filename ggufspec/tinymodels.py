@@ -84,6 +84,11 @@ def write_model(path: Path, shape: Shape, weights: dict[str, np.ndarray],
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+# As ChatML renders an answer: right after the turn's opening, which is the generation prompt, so the
+# next turn's prompt holds this turn's prompt and answer as the model produced them (CHAT_TEMPLATE
+# adds a space after the colon: a next turn leaves the answer at its first token).
+CONTINUING_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
 def make_pair(directory: Path, seed: int = 0, shape: Shape | None = None) -> tuple[Path, Path]:
@@ -233,14 +238,14 @@ def write_mamba(path: Path, weights: dict[str, np.ndarray], n_layer: int, n_embd
 
 
 def make_mamba_pair(directory: Path, seed: int = 0, n_layer: int = 4, n_embd: int = 64, eos_bias: float | None = 4.0,
-                    draft_layers: int = 2) -> tuple[Path, Path]:
+                    draft_layers: int = 2, chat_template: str | None = CHAT_TEMPLATE) -> tuple[Path, Path]:
     """A Mamba target and, as its draft, its first `draft_layers` layers (same embeddings and output)."""
     dims = dict(n_embd=n_embd, d_state=16, d_conv=4, dt_rank=8)
     weights = make_mamba_weights(n_layer, seed=seed, eos_bias=eos_bias, **dims)
-    target = write_mamba(directory / "mamba-target.gguf", weights, n_layer, **dims)
+    target = write_mamba(directory / "mamba-target.gguf", weights, n_layer, **dims, chat_template=chat_template)
     keep = tuple(f"blk.{i}." for i in range(draft_layers))
     draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(keep)}
-    draft = write_mamba(directory / "mamba-draft.gguf", draft_weights, draft_layers, **dims)
+    draft = write_mamba(directory / "mamba-draft.gguf", draft_weights, draft_layers, **dims, chat_template=chat_template)
     return target, draft
 
 
@@ -258,7 +263,7 @@ def write_gemma2(path: Path, shape: Shape, weights: dict[str, np.ndarray], windo
 
 
 def make_gemma2_pair(directory: Path, seed: int = 0, window: int = 16, n_layer: int = 4, emb_scale: float = 0.1, weight_scale: float = 4.0,
-                     eos_bias: float = 0.0) -> tuple[Path, Path]:
+                     eos_bias: float = 0.0, chat_template: str | None = CHAT_TEMPLATE) -> tuple[Path, Path]:
     """A Gemma 2 target with a small sliding window and its first 2 layers as the draft."""
     shape = Shape(n_layer=n_layer, eos_bias=eos_bias, weight_scale=weight_scale)
     base = make_weights(shape, seed)
@@ -267,15 +272,15 @@ def make_gemma2_pair(directory: Path, seed: int = 0, window: int = 16, n_layer: 
     for i in range(n_layer):
         weights[f"blk.{i}.post_attention_norm.weight"] = np.ones(shape.n_embd, np.float32)
         weights[f"blk.{i}.post_ffw_norm.weight"] = np.ones(shape.n_embd, np.float32)
-    target = write_gemma2(directory / "gemma2-target.gguf", shape, weights, window)
+    target = write_gemma2(directory / "gemma2-target.gguf", shape, weights, window, chat_template)
     draft_shape = Shape(**{**shape.__dict__, "n_layer": 2})
     draft_weights = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(("blk.0.", "blk.1."))}
-    draft = write_gemma2(directory / "gemma2-draft.gguf", draft_shape, draft_weights, window)
+    draft = write_gemma2(directory / "gemma2-draft.gguf", draft_shape, draft_weights, window, chat_template)
     return target, draft
 
 
 def make_lfm2_pair(directory: Path, seed: int = 0, n_embd: int = 64, l_cache: int = 3,
-                   eos_bias: float | None = 4.0) -> tuple[Path, Path]:
+                   eos_bias: float | None = 4.0, chat_template: str | None = CHAT_TEMPLATE) -> tuple[Path, Path]:
     """LFM2, a hybrid (short convolutions, recurrent state, beside attention layers), one of the
     architectures where llama.cpp keeps per-token rollback states (n_rs_seq). Target: conv, conv,
     attention, conv; draft: its first three (a draft with no attention layer crashes llama.cpp)."""
@@ -321,7 +326,7 @@ def make_lfm2_pair(directory: Path, seed: int = 0, n_embd: int = 64, l_cache: in
         writer.add_head_count_kv([n_head_kv if k == "attn" else 0 for k in layers])
         writer.add_rope_dimension_count(head)
         writer.add_uint32("lfm2.shortconv.l_cache", l_cache)
-        _write_common(writer, vocab, types, CHAT_TEMPLATE)
+        _write_common(writer, vocab, types, chat_template)
         keep = tuple(f"blk.{i}." for i in range(len(layers)))
         return _finish(writer, {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(keep)}, path)
 

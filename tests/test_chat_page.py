@@ -9,33 +9,17 @@ fields are checked over plain HTTP, browser or not.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import time
 
 import httpx
 import pytest
 
+from browser import chromium
 from serverproc import start_server, stop_server
 from ggufspec.tinymodels import CHAT_TEMPLATE, Shape, make_weights, write_model
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MAX_CTX = 4096
-
-
-def chromium_path() -> str | None:
-    """The system's Chromium: $GGUFSPEC_CHROMIUM when set, else Debian's (or another distribution's) on PATH."""
-    given = os.environ.get("GGUFSPEC_CHROMIUM")
-    candidates = [given] if given else [shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")]
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
-
-
-def browser_missing(reason: str):
-    if os.environ.get("CI"):  # CI installs the browser (scripts/test): its absence is a failure there
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +47,8 @@ def server(slow_chat_pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        browser_missing("the browser test needs Playwright: pip install 'ggufspec[test]'")
-    executable = chromium_path()
-    if executable is None:
-        browser_missing("no Chromium for the browser test: apt-get install chromium (or set GGUFSPEC_CHROMIUM)")
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+    with chromium() as launched:
         yield launched
-        launched.close()
 
 
 @pytest.fixture

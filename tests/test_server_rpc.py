@@ -102,6 +102,23 @@ def test_concurrent_clients_and_malformed_requests_through_the_front(server, fir
     assert greedy_answer(server) == first_text
 
 
+def test_the_front_checks_host_names_origins_and_bodies(server, first_text):
+    """The supervisor's front faces the clients: it refuses what a plain `serve` refuses (the model
+    process behind it trusts it), and its CORS headers are the ones the client sees."""
+    evil_host = httpx.get(server.url + "/health", headers={"Host": "evil.example"}, timeout=10)
+    assert evil_host.status_code == 403 and evil_host.json()["error"]["code"] == "host_not_allowed"
+    foreign = httpx.post(server.url + "/v1/chat/completions", timeout=10, headers={"Origin": "http://evil.example"},
+                         json={"messages": MESSAGES, "max_tokens": 2})
+    assert foreign.status_code == 403 and foreign.json()["error"]["code"] == "origin_not_allowed"
+    too_large = httpx.post(server.url + "/v1/chat/completions", timeout=10, content=b" " * (4 * 1024 * 1024 + 1))
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+    local = httpx.post(server.url + "/v1/chat/completions", timeout=30, headers={"Origin": "http://localhost:3000"},
+                       json={"messages": MESSAGES, "max_tokens": 24, "temperature": 0})
+    assert local.status_code == 200 and local.json()["choices"][0]["message"]["content"] == first_text
+    assert local.headers.get_list("access-control-allow-origin") == ["http://localhost:3000"]
+    assert "web pages: loopback; Host: loopback" in server.log.read_text()
+
+
 def test_a_lost_worker_is_a_503_naming_it_and_an_sse_error_in_a_stream(server, worker):
     stream = server.client(timeout=30).chat.completions.create(
         model="target", messages=MESSAGES, max_tokens=1500, temperature=0, stream=True, logit_bias=NO_EOS)

@@ -161,7 +161,15 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
 @click.option("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface; set --api-key then).")
 @click.option("--port", default=8080, type=click.IntRange(0, 65535), help="Port (0: a free one, printed).")
 @click.option("--api-key", default=None, envvar="GGUFSPEC_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1 (or set GGUFSPEC_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 (or set GGUFSPEC_API_KEY).")
+@click.option("--cors-origins", default=None, metavar="LIST",
+              help="Web pages of these origins (comma-separated scheme://host[:port], or * for any) may use the "
+                   "API from a browser, beyond loopback ones and the server's own page.")
+@click.option("--allowed-hosts", default=None, metavar="LIST",
+              help="Host names answered besides loopback ones (comma-separated; *.example.com; * for any): "
+                   "a reverse proxy's name. On loopback others get 403; elsewhere Host is checked only with this.")
+@click.option("--max-body", default="4MiB", metavar="SIZE",
+              help="Largest request body (bytes, or 512K, 8M...): larger ones get 413 before they are read.")
 @click.option("--max-queue", default=16, type=click.IntRange(0),
               help="Requests that may wait while one generates; beyond that, 429 with Retry-After.")
 @click.option("--rpc-timeout", default=60.0, type=click.FloatRange(0, min_open=True),
@@ -169,28 +177,34 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
                    "then the model reloads when the workers answer).")
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
-def serve(host, port, api_key, max_queue, rpc_timeout, serve_fd, **opts):
+def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, serve_fd, **opts):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
 
     The options after the model flags are the defaults of every request; a request may override them
     (max_tokens, temperature, top_p, top_k, min_p, seed, stop, draft, speculative.n_max/n_min/p_min).
     With --rpc the model runs in a child process: a lost or hung worker answers 503 and the server
     reloads the model once the workers are back, instead of exiting.
+
+    Exposing it (README: "Exposing the server"): on loopback only loopback Host names are answered and
+    only loopback web pages may use it; beyond loopback set --api-key.
     """
     try:
         from ..server import create_app
+        from ..server.guard import Exposure, parse_hosts, parse_origins, parse_size
         from ..server.listen import exit_quietly_on_signals, listen, serve_forever
     except ImportError as exc:
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
+    exposure = Exposure.listening(host, api_key=api_key, cors_origins=parse_origins(cors_origins),
+                                  allowed_hosts=parse_hosts(allowed_hosts), max_body=parse_size(max_body))
     exit_quietly_on_signals()
     if opts["rpc"] and serve_fd is None:
         from ..rpc import parse_endpoints
         from ..server.supervisor import supervise
         parse_endpoints(opts["rpc"])  # a bad --rpc fails here, in one line
         sys.exit(supervise(listen(host, port), rpc=opts["rpc"], rpc_timeout=rpc_timeout, argv=sys.argv[1:],
-                           api_key=api_key))
+                           exposure=exposure))
     if serve_fd is not None:
         from ..server.supervisor import supervised_socket
         sock = supervised_socket(serve_fd, opts["rpc"])
@@ -199,11 +213,12 @@ def serve(host, port, api_key, max_queue, rpc_timeout, serve_fd, **opts):
     with open_session(opts, requests_choose_drafting=True) as session:
         defaults = stream_options(opts)
         target = Path(session.target_path)
-        app = create_app(session.decoder, model_name=session.name, defaults=defaults, api_key=api_key,
-                         max_queue=max_queue, aliases=(target.name, target.stem),
+        app = create_app(session.decoder, model_name=session.name, defaults=defaults, max_queue=max_queue,
+                         aliases=(target.name, target.stem),
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
-                               "defaults": defaults}, session=session)
-        serve_forever(app, sock, name=session.name, host=host, api_key=api_key,
+                               "defaults": defaults}, session=session,
+                         exposure=exposure if serve_fd is None else exposure.behind_front())  # --rpc: its front checks
+        serve_forever(app, sock, name=session.name, host=host, exposure=exposure,
                       shown_port=port if serve_fd is not None else None)
 
 

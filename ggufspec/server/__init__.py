@@ -9,13 +9,15 @@ token coloured by origin, K per step, and the time saved against the target alon
 describes the pair for it (llama-server has an endpoint of that name).
 
 One concern a module:
-- app.py: `create_app`, the routes (thin: parse, submit, respond) and the API-key middleware
+- app.py: `create_app`, the routes (thin: parse, submit, respond)
+- guard.py: who may use them (Host names, CORS and origins, the API key) and the body cap, in one
+  middleware (`Guard`) with its policy (`Exposure`); bodies parsed and validated off the event loop
 - schemas.py: request bodies, and what they ask of the decoder (`request_options`, prompt, messages, stops)
 - jobs.py: the `Engine` (one worker thread, one generation at a time, --max-queue, 429) and a request's `Job`
 - responses.py: OpenAI's response objects and stream chunks, `usage`, `timings`
 - speculation.py: the `ggufspec` fields: each token's origin and step, the prompt's cache, the time saved
 - props.py: GET /props, the pair as its models describe themselves
-- errors.py: errors in OpenAI's shape (Anthropic's under /v1/messages) and the app's exception handlers
+- errors.py: errors in OpenAI's shape (Anthropic's under /v1/messages: `error_body`) and the app's exception handlers
 - protocols/: Anthropic's Messages and OpenAI's Responses, each a translation of the chat request and answer
 - listen.py: the listening socket, uvicorn, a clean stop on Ctrl-C or SIGTERM
 - supervisor.py: `serve --rpc`: the model in a child process, restarted when a lost or hung worker is back

@@ -1,14 +1,13 @@
-"""The app: HTTP to jobs, jobs to OpenAI's JSON. The routes only parse, submit and hand over."""
+"""The app: HTTP to jobs, jobs to OpenAI's JSON. The routes only parse, submit and hand over; `guard.Guard`
+in front of them decides who may use them."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 import sys
 import time
 from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette.sse import EventSourceResponse
@@ -18,6 +17,7 @@ from .. import tools as toolkit
 from . import protocols
 from .constraints import shaping
 from .errors import APIError, add_error_handlers, engine_error
+from .guard import Exposure, Guard, OffLoopRoute
 from .jobs import ClientGone, Engine, Job
 from .props import chat_props, pair_props
 from .responses import Reply, stream_events, whole_answer
@@ -26,42 +26,16 @@ from .schemas import (ChatBody, CompletionBody, GenerationBody, message_dicts, r
                       stop_strings)
 
 
-KEYED_PATHS = ("/props", "/tokenize", "/detokenize")
-
-
-class V1Middleware:
-    """For /v1/*, /props, /tokenize and /detokenize: 401 without `Authorization: Bearer KEY` when a key is set, and every POST
-    body read as JSON whatever its Content-Type (as llama.cpp's server does: `curl -d` sends a form
-    type). The page at / and /health need no key. Pure ASGI, so streaming responses pass through."""
-
-    def __init__(self, app, api_key: str | None):
-        self.app, self.key = app, api_key.encode() if api_key else None
-
-    async def __call__(self, scope, receive, send):
-        guarded = scope.get("path", "").startswith("/v1") or scope.get("path") in KEYED_PATHS
-        if scope["type"] != "http" or not guarded or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.key is not None:
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
-                error = APIError(401, "invalid or missing API key: send the header Authorization: Bearer KEY",
-                                 "authentication_error", "invalid_api_key")
-                return await error.response()(scope, receive, send)
-        if scope["method"] == "POST":
-            headers[b"content-type"] = b"application/json"
-            scope = {**scope, "headers": list(headers.items())}
-        await self.app(scope, receive, send)
-
-
 def chat_page() -> str:
     return resources.files("ggufspec").joinpath("static", "chat.html").read_text(encoding="utf-8")
 
 
 def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_key: str | None = None,
                max_queue: int = 16, aliases: tuple[str, ...] = (), info: dict | None = None,
-               session=None) -> FastAPI:
+               session=None, exposure: Exposure | None = None) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
+    `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
+    defaults (no Host check: where it listens is not known here).
     `aliases`: other model ids accepted in requests (file names). `info`: shown in /v1/models' meta.
     `session`: the opened session, for /props (its `draft_choice`, where it has one)."""
     engine = Engine(decoder, max_queue)
@@ -80,8 +54,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
 
     app = FastAPI(title="ggufspec", lifespan=lifespan)
     app.state.engine = engine
-    app.add_middleware(V1Middleware, api_key=api_key)
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(Guard, exposure=exposure or Exposure(api_key=api_key))  # Host, CORS, origin, key, body cap
+    app.router.route_class = OffLoopRoute  # request bodies parsed and validated off the event loop
     add_error_handlers(app)
 
     # Anthropic's Messages and OpenAI's Responses: translations of the same requests to the same engine
@@ -141,7 +115,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatBody):
-        return await answer(request, body, {"messages": message_dicts(body.messages)}, chat=True)
+        messages = await asyncio.to_thread(message_dicts, body.messages)  # thousands of them take a while
+        return await answer(request, body, {"messages": messages}, chat=True)
 
     return app
 

@@ -1,5 +1,5 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "code"}}` (Anthropic's, `{"type": "error",
-"error": {"type", "message"}}`, under /v1/messages), and the app's handlers for them."""
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "code"}}`, and the app's handlers for them;
+`error_body` gives Anthropic's shape instead under its API's paths (/v1/messages)."""
 from __future__ import annotations
 
 import logging
@@ -19,11 +19,27 @@ FLAG_TO_FIELD = {"-n/--n-predict": "max_tokens", "--draft-p-min": "speculative.p
                  "--draft-min": "speculative.n_min", "--draft": "draft", "--temp": "temperature",
                  "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p"}
 
-# Anthropic's error types by status (anything else: api_error); its clients read the type, not the status.
+
+# Anthropic's error types (https://docs.anthropic.com/en/api/errors) by HTTP status.
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                    503: "overloaded_error", 529: "overloaded_error"}
-ANTHROPIC_PATHS = "/v1/messages"  # and /v1/messages/count_tokens: the paths whose errors are in Anthropic's shape
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether `path` belongs to Anthropic's API here (/v1/messages and below it): its errors take its shape."""
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+
+
+def error_body(path: str, status: int, message: str, type: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    """An error's JSON in the shape of the API that `path` belongs to: Anthropic's `{"type": "error",
+    "error": {"type", "message"}}` under /v1/messages, else OpenAI's `{"error": {"message", "type", "code"}}`
+    (`type` and `code` are OpenAI's; Anthropic's type follows from `status`)."""
+    if anthropic_path(path):
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    return {"error": {"message": message, "type": type, "code": code}}
 
 
 class APIError(Exception):
@@ -32,18 +48,12 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.headers = status, message, type, code, headers
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
-
-    def anthropic_body(self) -> dict:
-        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"), "message": self.message}}
-
-    def body_for(self, path: str) -> dict:
-        """The error in the shape of the protocol that `path` speaks."""
-        return self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+    def body(self, path: str = "") -> dict:
+        """In OpenAI's shape, or in that of the API `path` belongs to (`error_body`)."""
+        return error_body(path, self.status, self.message, self.type, self.code)
 
     def response(self, path: str = "") -> JSONResponse:
-        return JSONResponse(self.body_for(path), status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -70,8 +80,8 @@ def validation_message(errors: list[dict]) -> str:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error the app answers, FastAPI's and starlette's own included, in the shape of the
-    protocol the request's path speaks."""
+    """Every error the app answers, FastAPI's and starlette's own included, in OpenAI's shape (in
+    Anthropic's under its paths: `error_body`)."""
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):

@@ -185,8 +185,12 @@ class Engine:
         prompt = job.prompt
         if job.messages is not None:
             prompt = chat_prompt(decoder, job.messages, job.shape) + job.prefill
-        tokens = decoder.tokenize(prompt)
-        if job.fit_to_context and job.options.get("n_predict", -1) > decoder.n_ctx - len(tokens) > 0:
+        n_predict = job.options.get("n_predict", -1)
+        if isinstance(prompt, str):  # a max_tokens that the context lowers (fit_to_context) refuses nothing
+            tokens = tokenize_within(decoder, prompt, -1 if job.fit_to_context else n_predict)
+        else:
+            tokens = decoder.tokenize(prompt)
+        if job.fit_to_context and n_predict > decoder.n_ctx - len(tokens) > 0:
             job.options = {**job.options, "n_predict": decoder.n_ctx - len(tokens)}
         check_fits(len(tokens), job.options.get("n_predict", -1), decoder.n_ctx)
         if any(not 0 <= t < decoder.target.n_vocab for t in tokens):
@@ -281,6 +285,29 @@ def combined(first: Stats, then: Stats) -> Stats:
 
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", "server_error", "shutting_down")
+
+
+def tokenize_within(decoder, text: str, max_tokens: int) -> list[int]:
+    """`text`'s tokens, refused (ContextFullError) without tokenizing it all when a part of it already
+    does not fit the context: prefixes four times longer each time, from a few characters per token of
+    the context, so that a prompt of megabytes costs what a context's worth of it does."""
+    n_ctx = decoder.n_ctx
+    room = n_ctx - max(max_tokens, 0)
+    size = max(PREFIX_CHARS_PER_TOKEN * n_ctx, 4096)
+    while size < len(text):
+        n_prefix = len(decoder.tokenize(text[:size]))
+        if n_prefix - PREFIX_SLACK > room or n_prefix - PREFIX_SLACK >= n_ctx:  # the cut may merge a few tokens
+            n_prefix -= PREFIX_SLACK
+            wanted = f" + {max_tokens} max_tokens" if max_tokens > 0 else ""
+            raise ContextFullError(
+                f"the prompt is more than {n_prefix} tokens (its first {size} characters alone are){wanted}, but "
+                f"this model's context holds {n_ctx}: shorten the prompt" + (" or lower max_tokens" if wanted else ""))
+        size *= 4
+    return decoder.tokenize(text)
+
+
+PREFIX_CHARS_PER_TOKEN = 8  # the first prefix tried: this many characters per token of the context
+PREFIX_SLACK = 8  # tokens that a prefix may have more than the whole text has there (a cut word)
 
 
 def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:

@@ -1,15 +1,22 @@
 """Serving an app on a socket: bound before the models load (a port in use fails at once, port 0
-works and the real URL is printed), run by uvicorn, stopped cleanly by Ctrl-C or SIGTERM."""
+works and the real URL is printed), run by uvicorn, stopped by Ctrl-C or SIGTERM within a few seconds
+whatever a request is doing."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
+import threading
 
 import uvicorn
 
 from ..errors import GgufspecError
 from ..netaddr import is_loopback
+from .guard import Exposure
+
+STOP_GRACE_S = 2.0  # after Ctrl-C or SIGTERM, how long open connections may take to finish
+STOP_DEADLINE_S = 4.0  # ... and how long the whole process may: then it exits without waiting
 
 
 def listen(host: str, port: int):
@@ -34,20 +41,47 @@ def exit_quietly_on_signals() -> None:
         signal.signal(sig, lambda *_: sys.exit(0))
 
 
-def serve_forever(app, sock: socket.socket, *, name: str, host: str, api_key: str | None,
+def exit_by_deadline(seconds: float = STOP_DEADLINE_S) -> None:
+    """From now on, the process has `seconds` to end: past them (a llama.cpp call that does not return,
+    a request that does not finish) it exits at once, without closing the models."""
+    def deadline():
+        threading.Event().wait(seconds)
+        sys.stderr.write(f"ggufspec: still busy {seconds:g} s after the stop signal: exiting without waiting\n")
+        sys.stderr.flush()
+        os._exit(0)
+    threading.Thread(target=deadline, daemon=True, name="ggufspec-stop-deadline").start()
+
+
+def warnings(host: str, exposure: Exposure) -> list[str]:
+    """What the start should say about who can reach the model."""
+    said = []
+    if not is_loopback(host) and not exposure.api_key:
+        said.append(f"listening on {host} without --api-key: anyone who can reach this machine can use the model")
+    if exposure.any_origin and not exposure.api_key:
+        said.append("--cors-origins * without --api-key: any web page open in a browser on a machine that "
+                    "reaches this server can use the model")
+    return said
+
+
+def serve_forever(app, sock: socket.socket, *, name: str, host: str, exposure: Exposure,
                   shown_port: int | None = None) -> None:
     """Serve until Ctrl-C or SIGTERM. `shown_port`: the port clients use, when `sock` is not it (the
-    Unix socket of `serve --rpc`'s model process, behind its supervisor on host:shown_port)."""
-    if not is_loopback(host) and not api_key:
-        sys.stderr.write(f"ggufspec: warning: listening on {host} without --api-key: anyone who can reach this "
-                         f"machine can use the model\n")
+    Unix socket of `serve --rpc`'s model process, behind its supervisor on host:shown_port).
+    `exposure`: the policy clients meet, said in the start line."""
+    for warning in warnings(host, exposure):
+        sys.stderr.write(f"ggufspec: warning: {warning}\n")
     bound_host, bound_port = (host, shown_port) if shown_port is not None else sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    sys.stderr.write(f"ggufspec: serving {name} at http://{shown}:{bound_port}/v1 (OpenAI and Anthropic APIs; Ctrl-C stops)\n")
+    sys.stderr.write(f"ggufspec: serving {name} at http://{shown}:{bound_port}/v1 (OpenAI and Anthropic APIs; "
+                     f"{exposure.summary()}; Ctrl-C stops)\n")
+    stopping = threading.Event()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             app.state.engine.stop()  # a long answer must not hold up the shutdown
+            if not stopping.is_set():
+                stopping.set()
+                exit_by_deadline()
             super().handle_exit(sig, frame)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S)
     Server(config).run(sockets=[sock])

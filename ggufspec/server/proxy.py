@@ -9,7 +9,7 @@ import logging
 
 import h11
 
-from .errors import APIError
+from .errors import error_body
 
 log = logging.getLogger("ggufspec.server")
 
@@ -21,11 +21,6 @@ READ_SIZE = 65536
 
 class ChildGone(Exception):
     """The model process closed the connection before the answer was whole."""
-
-
-def error_body(message: str, code: str, type: str = "server_error", path: str = "") -> dict:
-    """The front's own error (a 503), in the shape of the protocol `path` speaks (errors.py)."""
-    return APIError(503, message, type, code).body_for(path)
 
 
 async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -141,13 +136,12 @@ class Forwarding:
         """A 503 before the answer started; in a stream, an SSE `error` event (as OpenAI and
         llama-server send) and the end of the stream."""
         message, code = problem
+        body = error_body(self.scope["path"], 503, message, "server_error", code)  # Anthropic's under /v1/messages
         if not self.started:
-            return await send_json(self.send, 503, error_body(message, code, path=self.scope["path"]),
-                                   [(b"retry-after", b"5")])
+            return await send_json(self.send, 503, body, [(b"retry-after", b"5")])
         ending = b""
         if self.event_stream:
-            ending = (b"event: error\ndata: " + json.dumps(error_body(message, code, path=self.scope["path"])).encode()
-                      + b"\n\ndata: [DONE]\n\n")
+            ending = b"event: error\ndata: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
         await self.send({"type": "http.response.body", "body": ending})
 
 

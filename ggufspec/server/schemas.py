@@ -67,7 +67,7 @@ class GenerationBody(Strict):
 
 
 class CompletionBody(GenerationBody):
-    prompt: str | list[str] | list[int]
+    prompt: list[int] | str | list[str]  # ids first: a long list of ids is checked as ints at once
     logprobs: int | None = Field(None, ge=0, le=20)  # the legacy API: how many alternatives per token
 
 

@@ -25,8 +25,10 @@ import uvicorn
 
 from ..errors import GgufspecError
 from ..rpc import Endpoint, RpcError, parse_endpoints, probe
-from .app import V1Middleware
-from .proxy import ChildGone, ask, error_body, get_scope, proxy_app
+from .errors import error_body
+from .guard import Exposure, Guard
+from .listen import STOP_DEADLINE_S, STOP_GRACE_S, exit_by_deadline
+from .proxy import ChildGone, ask, get_scope, proxy_app
 
 # What happens after a worker is lost: the child's abort line says it too (`faults.set_abort_consequence`).
 RECOVERY = "the server answers 503 until the worker is back, then reloads the model (retrying)"
@@ -71,9 +73,9 @@ async def first(awaitable, event: asyncio.Event):
 
 class Supervisor:
     def __init__(self, command: list[str], socket_path: str, socket_fd: int, endpoints: list[Endpoint],
-                 rpc_timeout: float, api_key: str | None = None):
+                 rpc_timeout: float, exposure: Exposure | None = None):
         self.command, self.socket_path, self.socket_fd = command, socket_path, socket_fd
-        self.endpoints, self.rpc_timeout, self.api_key = endpoints, rpc_timeout, api_key
+        self.endpoints, self.rpc_timeout, self.exposure = endpoints, rpc_timeout, exposure or Exposure()
         self.child: Child | None = None
         self.state = "loading"  # loading | ready | unavailable
         self.problem = ("the model is loading", "model_loading")
@@ -91,20 +93,26 @@ class Supervisor:
         """The 503 while no model process serves: /health in llama-server's spirit, the rest in their
         protocol's shape."""
         message, code = self.problem
-        body = error_body(message, code, path=path)
+        body = error_body(path, 503, message, "server_error", code)
         return 503, ({"status": self.state, **body} if path == "/health" else body)
 
     # -- the loop ---------------------------------------------------------------------------------
 
     async def main(self, sock: socket.socket) -> None:
-        # the key is checked here too, so that a client without it learns nothing, the model up or not
-        config = uvicorn.Config(V1Middleware(proxy_app(self), self.api_key), log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5)
+        # Host, origin, key and body cap are checked here, in front (the model process trusts this one), so
+        # that a client without the key learns nothing, the model up or not, and a large body is never read
+        config = uvicorn.Config(Guard(proxy_app(self), self.exposure), log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S)
         supervisor = self
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                supervisor.stopping = True  # Ctrl-C reaches the child too: its exit is no fault then
+                if not supervisor.stopping:
+                    supervisor.stopping = True  # Ctrl-C reaches the child too: its exit is no fault then
+                    child = supervisor.child  # SIGTERM may not: the child stops its generations meanwhile
+                    if sig != signal.SIGINT and child is not None and child.proc.returncode is None:
+                        child.proc.send_signal(signal.SIGTERM)
+                    exit_by_deadline(STOP_DEADLINE_S + 2)  # the child's own deadline, and its last lines
                 super().handle_exit(sig, frame)
         server = Server(config)
         for sig in (signal.SIGINT, signal.SIGTERM):  # what uvicorn restores, and raises again, after serving
@@ -239,13 +247,14 @@ class Supervisor:
         if child.proc.returncode is None:
             child.proc.terminate()
             try:
-                await asyncio.wait_for(child.proc.wait(), 10)
+                await asyncio.wait_for(child.proc.wait(), STOP_DEADLINE_S + 1)
             except asyncio.TimeoutError:
                 child.proc.kill()
         await first(asyncio.sleep(5), child.gone)  # its last lines passed through
 
 
-def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[str], api_key: str | None) -> int:
+def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[str],
+              exposure: Exposure | None = None) -> int:
     """Serve `sock` with the model in a child process (`ggufspec serve ARGV` on a Unix socket); the exit code."""
     endpoints = parse_endpoints(rpc)
     if "serve" not in argv:  # the child is this command line again
@@ -259,7 +268,7 @@ def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[s
             model_sock.set_inheritable(True)
             command = [sys.executable, "-m", "ggufspec.cli", *argv, "--host", host, "--port", str(port),
                        "--serve-fd", str(model_sock.fileno())]
-            supervisor = Supervisor(command, path, model_sock.fileno(), endpoints, rpc_timeout, api_key)
+            supervisor = Supervisor(command, path, model_sock.fileno(), endpoints, rpc_timeout, exposure)
             asyncio.run(supervisor.main(sock))
     return supervisor.exit_code
 

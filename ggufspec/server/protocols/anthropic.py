@@ -264,7 +264,7 @@ class MessageState:
                 "content": self.content, **self.ending}
 
     def error(self, error: APIError) -> dict:
-        return sse("error", error.anthropic_body())
+        return sse("error", error.body("/v1/messages"))  # Anthropic's shape (errors.error_body)
 
 
 # ---------------------------------------------------------------- the routes
