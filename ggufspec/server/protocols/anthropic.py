@@ -12,6 +12,7 @@ chat (Anthropic's server tools, such as web search, run at Anthropic: they are n
 `output_config.format` (a JSON schema) is structured output, as chat's `response_format`."""
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import uuid
@@ -278,10 +279,12 @@ def model_fields(model_name: str, created: int) -> dict:
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesBody):
-        job = serving.submit(*chat_request(body, serving), names={"response_format": "output_config.format"})
+        chat, prefill = await asyncio.to_thread(chat_request, body, serving)  # thousands of messages take a while
+        job = await serving.submit(chat, prefill, names={"response_format": "output_config.format"})
         return await respond(job, request, body.stream, lambda n_prompt: MessageState(serving, n_prompt),
                              lambda: splitter_for(serving))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensBody):
-        return {"input_tokens": await serving.count_tokens(*chat_request(body, serving))}
+        chat, prefill = await asyncio.to_thread(chat_request, body, serving)
+        return {"input_tokens": await serving.count_tokens(chat, prefill)}

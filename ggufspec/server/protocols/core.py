@@ -26,6 +26,7 @@ from ...stats import Stats
 from ..choices import ChoiceState
 from ..constraints import Shaping, shaping
 from ..errors import APIError, engine_error
+from ..guard import validated_data
 from ..jobs import ClientGone, Engine, Job, chat_prompt
 from ..schemas import ChatBody, message_dicts, request_options, stop_strings
 
@@ -86,20 +87,21 @@ class Serving:
     def chat_body(self, translated: dict, extras: dict | None = None) -> ChatBody:
         """The internal request: a protocol's translation, with the engine fields it passed through."""
         passed = {name: value for name, value in (extras or {}).items() if name in ENGINE_EXTRAS}
-        return ChatBody.model_validate({**passed, **translated})
+        return validated_data(ChatBody, {**passed, **translated})  # thousands of messages a slice at a time
 
     def shape(self, body: ChatBody) -> Shaping:
         return shaping(body, self.tool_format, self.decoder.target.n_vocab)
 
-    def submit(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> Job:
+    async def submit(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> Job:
         """The request as a job on the engine (one choice); a bad value raises APIError 400, the
         fields it names renamed by `names` (chat's to the protocol's). Its max_tokens is lowered to
         what the context has room for (agents ask for more than it holds). `prefill`: the answer's
         start, written after the template's assistant turn, which it continues."""
+        def prepared() -> dict:  # off the event loop: thousands of messages take a while
+            return {"options": request_options(body, self.defaults), "stops": stop_strings(body.stop),
+                    "shape": self.shape(body), "messages": message_dicts(body.messages)}
         try:
-            job = Job(options=request_options(body, self.defaults), stops=stop_strings(body.stop),
-                      shape=self.shape(body), messages=message_dicts(body.messages), fit_to_context=True,
-                      prefill=prefill)
+            job = Job(**await asyncio.to_thread(prepared), fit_to_context=True, prefill=prefill)
         except APIError as exc:
             for chat_name, name in (names or {}).items():
                 exc.message = exc.message.replace(chat_name, name)
@@ -109,9 +111,8 @@ class Serving:
 
     async def count_tokens(self, body: ChatBody, prefill: str = "") -> int:
         """The prompt's length in tokens, as the request would be rendered (its tools included)."""
-        shape, messages = self.shape(body), message_dicts(body.messages)
-
-        def count() -> int:
+        def count() -> int:  # off the event loop
+            shape, messages = self.shape(body), message_dicts(body.messages)
             try:
                 return len(self.decoder.tokenize(chat_prompt(self.decoder, messages, shape) + prefill))
             except Exception as exc:  # the template refusing the messages: the client's mistake

@@ -11,6 +11,7 @@ function tools (hosted tools, web search and the like, are not offered); `text.f
 or json_object is structured output through the grammar path, as chat's `response_format`."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Annotated, Any
@@ -277,6 +278,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesBody):
         serving.check_model(body.model)
-        job = serving.submit(chat_request(body, serving), names={"response_format": "text.format"})
+        chat = await asyncio.to_thread(chat_request, body, serving)  # thousands of items take a while
+        job = await serving.submit(chat, names={"response_format": "text.format"})
         return await respond(job, request, body.stream, lambda n_prompt: ResponseState(serving, body),
                              lambda: splitter_for(serving))
