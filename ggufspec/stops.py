@@ -32,6 +32,7 @@ class StopFilter:
         self.sent = 0         # characters of it released
         self.pending: list[dict] = []
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     def push(self, piece: dict) -> list[dict]:
         """The pieces that can go out now that `piece` came (none after a stop string)."""
@@ -43,6 +44,7 @@ class StopFilter:
         found = first_stop(self.text, self.stops, max(0, self.sent - self.longest))
         if found is not None:
             self.stopped = True
+            self.matched = next(s for s in self.stops if self.text.startswith(s, found))
             return self._release(found)
         return self._release(len(self.text) - self._partial_stop_length())
 

@@ -224,3 +224,30 @@ def test_a_bad_setting_shows_the_servers_error(page, server):
     page.press("#input", "Enter")
     assert wait_for_state(page, 1, "done|error") == "done"
     assert stat(page, 1, "tokens") == "8"
+
+
+MARKDOWN_ANSWER = ("Use **bold** and `code`:\n\n```python\nprint(1)\n```\n\n- one\n- two\n\n"
+                   "<img src=x onerror=\"window.pwned = 1\">")
+
+
+def test_answers_render_as_markdown_with_tokens_still_coloured_by_origin(page, server):
+    static = [httpx.get(server.url + "/static/" + name, timeout=10) for name in ("marked.umd.js", "purify.min.js")]
+    assert all(r.status_code == 200 and "javascript" in r.headers["content-type"] for r in static)
+    # the page's own functions, fed an answer in pieces of 3 characters, alternately draft and target tokens
+    shown = page.evaluate("""(text) => {
+        const view = addAnswer(), pieces = [];
+        for (let i = 0, step = 1; i < text.length; i += 3, step++)
+            pieces.push({text: text.slice(i, i + 3), token: step, from_draft: step % 2 === 0, step, drafted: 1});
+        addPieces(view, pieces);
+        render(view);
+        return {html: view.text.innerHTML, code: view.text.querySelector("pre code").textContent,
+                kinds: [...view.text.querySelectorAll("span")].map((s) => s.className),
+                uncoloured: [...view.text.querySelectorAll("strong, code, li, p")].flatMap((e) => [...e.childNodes])
+                                .filter((n) => n.nodeType === 3 && n.nodeValue.trim()).length,
+                pwned: window.pwned === 1};
+    }""", MARKDOWN_ANSWER)
+    html = shown["html"]
+    assert "<strong>" in html and "<li>" in html and 'class="language-python"' in html
+    assert shown["code"] == "print(1)\n" and "**" not in html and "```" not in html
+    assert set(shown["kinds"]) == {"tok draft", "tok target fix"} and shown["uncoloured"] == 0
+    assert "onerror" not in html and not shown["pwned"]  # DOMPurify removed the model's script

@@ -75,6 +75,8 @@ def test_a_chat_completion_through_the_supervisor(server, first_text):
     with pytest.raises(openai.BadRequestError, match="temperature"):  # bad values: a 400, the server fine after
         server.client().chat.completions.create(model="target", messages=MESSAGES, temperature="hot")
     assert greedy_answer(server) == first_text
+    message = httpx.post(server.url + "/v1/messages", json={"max_tokens": 24, "messages": MESSAGES}, timeout=30)
+    assert message.status_code == 200 and message.json()["content"][0]["text"] == first_text  # the front passes it
 
 
 def test_concurrent_clients_and_malformed_requests_through_the_front(server, first_text):
@@ -131,6 +133,9 @@ def test_a_lost_worker_is_a_503_naming_it_and_an_sse_error_in_a_stream(server, w
     with pytest.raises(openai.InternalServerError) as refused:  # the next request: 503, what happened
         server.client().chat.completions.create(model="target", messages=MESSAGES, max_tokens=8)
     assert refused.value.status_code == 503 and str(worker.endpoint) in refused.value.message
+    anthropic_refused = httpx.post(server.url + "/v1/messages", json={"max_tokens": 8, "messages": MESSAGES}, timeout=10)
+    assert anthropic_refused.status_code == 503 and anthropic_refused.json()["type"] == "error"  # Anthropic's shape
+    assert str(worker.endpoint) in anthropic_refused.json()["error"]["message"]
     assert server.proc.poll() is None
     down = health(server)
     assert down.status_code == 503 and down.json()["status"] == "unavailable"

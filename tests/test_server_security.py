@@ -233,6 +233,31 @@ def test_error_bodies_by_path():
     assert "type" not in error_body("/v1/messagesx", 400, "x")
 
 
+AGENT_POSTS = (("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+               ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+               ("/v1/responses", {"input": "hi", "max_output_tokens": 2}))
+
+
+def test_the_agents_apis_and_the_pages_scripts_are_behind_the_same_guard(server, keyed):
+    """/v1/messages, /v1/messages/count_tokens and /v1/responses: the Host check, the origin check, the
+    key and the cap as on the chat API; /static (the chat page's scripts): the Host check, no key."""
+    for path, body in AGENT_POSTS:
+        payload = json.dumps(body).encode()
+        rebound = raw(server, "POST", path, {"Host": "evil.example", "Content-Length": str(len(payload))}, payload)
+        assert rebound.status == 403 and "is not served here" in rebound.body.decode(), (path, rebound.body)
+        assert post(server, path, body, Origin=EVIL).status_code == 403, path
+        assert post(server, path, body, Origin="http://localhost:5173").status_code == 200, path
+        large = raw(server, "POST", path, {"Host": host_of(server), "Content-Length": str(DEFAULT_CAP + 1)})
+        assert large.status == 413, (path, large.body)
+        assert post(keyed, path, body).status_code == 401, path
+        for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}):
+            assert post(keyed, path, body, **headers).status_code == 200, (path, headers)
+    script = "/static/marked.umd.js"
+    assert raw(server, "GET", script, {"Host": "evil.example"}).status == 403
+    assert raw(server, "GET", script, {"Host": host_of(server)}).status == 200
+    assert httpx.get(keyed.url + script, timeout=10).status_code == 200  # like the page: no key
+
+
 # ---------------------------------------------------------------- bodies
 
 def test_a_body_over_the_cap_is_413_at_once_and_the_next_request_is_answered(server):
@@ -339,10 +364,12 @@ def test_a_long_prompt_is_refused_from_a_prefix():
 def test_a_huge_conversation_or_token_list_does_not_stall_others(server):
     many = {"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 2}
     ids = {"prompt": [5] * 500_000, "max_tokens": 2}
-    for path, body in (("/v1/chat/completions", many), ("/v1/completions", ids)):
+    items = {"input": [{"role": "user", "content": "hi"}] * 100_000, "max_output_tokens": 2}
+    for path, body in (("/v1/chat/completions", many), ("/v1/completions", ids), ("/v1/messages", many),
+                       ("/v1/responses", items)):
         response, seconds = sent_while_others_are_answered(server, path, body)
-        assert response.status_code == 400 and "512" in error_of(response)["message"], response.text
-        assert seconds < 10, seconds
+        assert response.status_code == 400 and "512" in response.json()["error"]["message"], response.text
+        assert seconds < 10, (path, seconds)
     assert post(server, "/v1/completions", COMPLETION).status_code == 200
 
 

@@ -1,4 +1,5 @@
-"""`ggufspec serve`: an OpenAI-compatible HTTP API over one `SpeculativeDecoder`.
+"""`ggufspec serve`: an OpenAI-compatible HTTP API over one `SpeculativeDecoder`, which also speaks
+Anthropic's Messages API and OpenAI's Responses API (protocols/: coding agents).
 
 Each request sends its whole prompt (or conversation); the decoder keeps the longest prefix its KV
 cache shares with it, so a conversation that grows turn by turn is only evaluated once.
@@ -17,6 +18,7 @@ One concern a module:
 - speculation.py: the `ggufspec` fields: each token's origin and step, the prompt's cache, the time saved
 - props.py: GET /props, the pair as its models describe themselves
 - errors.py: errors in OpenAI's shape (Anthropic's under /v1/messages: `error_body`) and the app's exception handlers
+- protocols/: Anthropic's Messages and OpenAI's Responses, each a translation of the chat request and answer
 - listen.py: the listening socket, uvicorn, a clean stop on Ctrl-C or SIGTERM
 - supervisor.py: `serve --rpc`: the model in a child process, restarted when a lost or hung worker is back
 - proxy.py: the supervisor's front: requests forwarded to that child, 503 (or an SSE error) while it is gone

@@ -9,10 +9,12 @@ from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from sse_starlette.sse import EventSourceResponse
 
 from .. import load
 from .. import tools as toolkit
+from . import protocols
 from .constraints import shaping
 from .errors import APIError, add_error_handlers, engine_error
 from .guard import Exposure, Guard, OffLoopRoute
@@ -56,11 +58,10 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     app.router.route_class = OffLoopRoute  # request bodies parsed and validated off the event loop
     add_error_handlers(app)
 
-    def check_model(requested: str | None) -> None:
-        # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
-        if requested and requested not in accepted_models:
-            raise APIError(404, f"model {requested!r} is not served here; this server serves {model_name!r}",
-                           code="model_not_found")
+    # Anthropic's Messages and OpenAI's Responses: translations of the same requests to the same engine
+    serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models)
+    protocols.add_routes(app, serving)
+    check_model = serving.check_model
 
     @app.get("/health")
     async def health():
@@ -75,6 +76,9 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     async def page():
         return HTMLResponse(chat_page(), headers={"Cache-Control": "no-cache"})
 
+    # the chat page's Markdown renderer and sanitiser (marked, DOMPurify), shipped with the package
+    app.mount("/static", StaticFiles(packages=[("ggufspec", "static")]), name="static")
+
     @app.get("/props")
     async def props_endpoint():
         return props
@@ -82,8 +86,11 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     @app.get("/v1/models")
     async def models():
         meta = {"n_ctx": decoder.n_ctx, **(info or {})}
+        # OpenAI's list and Anthropic's at once (each SDK reads its own fields)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "ggufspec", "meta": meta}]}
+                                            "owned_by": "ggufspec", "meta": meta, **protocols.anthropic_model(
+                                                model_name, created)}],
+                "has_more": False, "first_id": model_name, "last_id": model_name}
 
     async def answer(request: Request, body: GenerationBody, job_args: dict, chat: bool):
         check_model(body.model)

@@ -22,6 +22,8 @@ import json
 import re
 import secrets
 import time
+import types
+import typing
 from urllib.parse import urlsplit
 
 from fastapi import Request
@@ -351,14 +353,31 @@ def validated(model: type[BaseModel], body: bytes) -> BaseModel:
         data = json.loads(body)
     except ValueError:
         return model.model_validate_json(body)  # pydantic's own message for malformed JSON
+    return validated_data(model, data)
+
+
+def validated_data(model: type[BaseModel], data) -> BaseModel:
+    """`model` from parsed JSON (or a dict built like it: a protocol's translation), a long list of
+    models a slice at a time."""
     if isinstance(data, dict):
         for name, field in model.model_fields.items():
-            key, items = field.alias or name, data.get(field.alias or name)
-            args = getattr(field.annotation, "__args__", ())
-            if (getattr(field.annotation, "__origin__", None) is list and len(args) == 1 and isinstance(args[0], type)
-                    and issubclass(args[0], BaseModel) and isinstance(items, list) and len(items) > SLICE):
-                data[key] = validated_items(TypeAdapter(list[args[0]]), items, key)
+            key = field.alias or name
+            items, item_model = data.get(key), listed_model(field.annotation)
+            if item_model is not None and isinstance(items, list) and len(items) > SLICE:
+                data[key] = validated_items(TypeAdapter(list[item_model]), items, key)
     return model.model_validate(data)
+
+
+def listed_model(annotation) -> type | None:
+    """M for a field of type list[M] (M a model), also within a union (`str | list[M]`) or Annotated."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        return args[0] if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel) else None
+    if origin in (typing.Union, types.UnionType):
+        return next((found for found in map(listed_model, args) if found is not None), None)
+    return None
 
 
 def validated_items(adapter: TypeAdapter, items: list, key: str) -> list:

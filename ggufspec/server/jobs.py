@@ -40,14 +40,20 @@ class Job:
     choice ends, then ("done", (stats of them all, estimate)) or ("error", exc)."""
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                 options: dict, stops: list[str], shape: Shaping | None = None, n: int = 1):
+                 options: dict, stops: list[str], shape: Shaping | None = None, n: int = 1,
+                 fit_to_context: bool = False, prefill: str = ""):
         self.prompt, self.messages, self.options, self.stops = prompt, messages, options, stops
+        self.prefill = prefill  # the start of the assistant's answer, which it continues (Anthropic's prefill)
+        # max_tokens as a ceiling that the context lowers, not a demand it refuses (Anthropic's
+        # max_tokens is required, and agents ask for tens of thousands whatever the context)
+        self.fit_to_context = fit_to_context
         self.shape, self.n = shape or Shaping(), n
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self._next_check = 0.0  # when next_event next asks whether the client is still there
         self.progressed_at = time.monotonic()  # the last token or event (a hung RPC worker stops them)
+        self.stop_sequence: str | None = None  # the stop string that ended the last choice, if one did
 
     def emit(self, kind: str, value: Any = None) -> None:
         self.progressed_at = time.monotonic()
@@ -178,13 +184,14 @@ class Engine:
         decoder = self.decoder
         prompt = job.prompt
         if job.messages is not None:
-            plan, fmt = job.shape.plan, job.shape.fmt or toolkit.detect_format(load.chat_template(decoder.target_llm).text)
-            messages = toolkit.prepare_messages(job.messages, fmt, plan.tools)
-            prompt = load.render_chat(decoder.target_llm, messages, tools=plan.tools if fmt.native else None)
-        if isinstance(prompt, str):
-            tokens = tokenize_within(decoder, prompt, job.options.get("n_predict", -1))
+            prompt = chat_prompt(decoder, job.messages, job.shape) + job.prefill
+        n_predict = job.options.get("n_predict", -1)
+        if isinstance(prompt, str):  # a max_tokens that the context lowers (fit_to_context) refuses nothing
+            tokens = tokenize_within(decoder, prompt, -1 if job.fit_to_context else n_predict)
         else:
             tokens = decoder.tokenize(prompt)
+        if job.fit_to_context and n_predict > decoder.n_ctx - len(tokens) > 0:
+            job.options = {**job.options, "n_predict": decoder.n_ctx - len(tokens)}
         check_fits(len(tokens), job.options.get("n_predict", -1), decoder.n_ctx)
         if any(not 0 <= t < decoder.target.n_vocab for t in tokens):
             raise GgufspecError(f"prompt token ids must be in [0, {decoder.target.n_vocab})")
@@ -253,11 +260,19 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> bool:
         if released:
             job.emit("pieces", (index, released))
         if stop_filter.stopped:
+            job.stop_sequence = stop_filter.matched
             break
     else:
         if stop_filter.pending:
             job.emit("pieces", (index, stop_filter.flush()))
     return stop_filter.stopped
+
+
+def chat_prompt(decoder, messages: list[dict], shape: Shaping) -> str:
+    """A conversation (and the tools its plan offers) through the target's chat template."""
+    plan, fmt = shape.plan, shape.fmt or toolkit.detect_format(load.chat_template(decoder.target_llm).text)
+    prepared = toolkit.prepare_messages(messages, fmt, plan.tools)
+    return load.render_chat(decoder.target_llm, prepared, tools=plan.tools if fmt.native else None)
 
 
 def combined(first: Stats, then: Stats) -> Stats:

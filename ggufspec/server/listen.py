@@ -72,7 +72,7 @@ def serve_forever(app, sock: socket.socket, *, name: str, host: str, exposure: E
         sys.stderr.write(f"ggufspec: warning: {warning}\n")
     bound_host, bound_port = (host, shown_port) if shown_port is not None else sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    sys.stderr.write(f"ggufspec: serving {name} at http://{shown}:{bound_port}/v1 (OpenAI API; "
+    sys.stderr.write(f"ggufspec: serving {name} at http://{shown}:{bound_port}/v1 (OpenAI and Anthropic APIs; "
                      f"{exposure.summary()}; Ctrl-C stops)\n")
     stopping = threading.Event()
 

@@ -9,6 +9,8 @@ import logging
 
 import h11
 
+from .errors import error_body
+
 log = logging.getLogger("ggufspec.server")
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones this hop sets itself.
@@ -19,10 +21,6 @@ READ_SIZE = 65536
 
 class ChildGone(Exception):
     """The model process closed the connection before the answer was whole."""
-
-
-def error_body(message: str, code: str, type: str = "server_error") -> dict:
-    return {"error": {"message": message, "type": type, "code": code}}
 
 
 async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -138,12 +136,12 @@ class Forwarding:
         """A 503 before the answer started; in a stream, an SSE `error` event (as OpenAI and
         llama-server send) and the end of the stream."""
         message, code = problem
+        body = error_body(self.scope["path"], 503, message, "server_error", code)  # Anthropic's under /v1/messages
         if not self.started:
-            return await send_json(self.send, 503, error_body(message, code), [(b"retry-after", b"5")])
+            return await send_json(self.send, 503, body, [(b"retry-after", b"5")])
         ending = b""
         if self.event_stream:
-            ending = (b"event: error\ndata: " + json.dumps(error_body(message, code)).encode()
-                      + b"\n\ndata: [DONE]\n\n")
+            ending = b"event: error\ndata: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
         await self.send({"type": "http.response.body", "body": ending})
 
 

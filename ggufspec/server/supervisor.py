@@ -25,9 +25,10 @@ import uvicorn
 
 from ..errors import GgufspecError
 from ..rpc import Endpoint, RpcError, parse_endpoints, probe
+from .errors import error_body
 from .guard import Exposure, Guard
 from .listen import STOP_DEADLINE_S, STOP_GRACE_S, exit_by_deadline
-from .proxy import ChildGone, ask, error_body, get_scope, proxy_app
+from .proxy import ChildGone, ask, get_scope, proxy_app
 
 # What happens after a worker is lost: the child's abort line says it too (`faults.set_abort_consequence`).
 RECOVERY = "the server answers 503 until the worker is back, then reloads the model (retrying)"
@@ -89,9 +90,10 @@ class Supervisor:
         return child if self.state == "ready" and child is not None and not child.gone.is_set() else None
 
     def unavailable(self, path: str) -> tuple[int, dict]:
-        """The 503 while no model process serves: /health in llama-server's spirit, the rest OpenAI's."""
+        """The 503 while no model process serves: /health in llama-server's spirit, the rest in their
+        protocol's shape."""
         message, code = self.problem
-        body = error_body(message, code)
+        body = error_body(path, 503, message, "server_error", code)
         return 503, ({"status": self.state, **body} if path == "/health" else body)
 
     # -- the loop ---------------------------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""The one request and the one answer that every protocol translates to and from.
+
+The request is OpenAI chat's body (`ChatBody`): it already holds all that the engine takes (messages,
+tools and tool_choice, sampling, stops, response_format and grammars, ggufspec's drafting fields),
+and its checks (`shaping`, `request_options`) are the 400s every protocol gives. `Serving.submit`
+turns it into a `Job` on the one engine, so drafting, constraints, the n-gram pool and the
+statistics are the same whichever API a client speaks.
+
+The answer is a sequence of `Text` (and a reasoning model's `Thinking`), `Calls` and `End`: the
+job's pieces with the text a tool call may have begun in held back (`ChoiceState`, as chat streams
+do), then the parsed calls, then why it ended. Each protocol renders that sequence whole or as its
+own stream events."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from ... import tools as toolkit
+from ...stats import Stats
+from ..choices import ChoiceState
+from ..constraints import Shaping, shaping
+from ..errors import APIError, engine_error
+from ..guard import validated_data
+from ..jobs import ClientGone, Engine, Job, chat_prompt
+from ..schemas import ChatBody, message_dicts, request_options, stop_strings
+
+# Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
+ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "repeat_penalty", "repeat_last_n",
+                 "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema")
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: str  # a JSON text
+
+
+@dataclass(frozen=True)
+class Calls:
+    calls: list[Call]
+
+
+@dataclass(frozen=True)
+class End:
+    reason: str                   # "end" (end of sequence), "stop_sequence", "length", "tool_calls"
+    stats: Stats
+    stop_sequence: str | None = None
+    estimate: dict | None = None  # the time saved against the target alone (ggufspec.estimate)
+
+
+@dataclass
+class Serving:
+    """What the protocols need of the app: the engine, the decoder, the chat template's tool format,
+    the command line's defaults and the served model's names."""
+    engine: Engine
+    decoder: object
+    tool_format: toolkit.ToolFormat
+    defaults: dict
+    model_name: str
+    accepted_models: set = field(default_factory=set)
+    thinking: tuple[bool, bool] = (False, False)  # reasoning.template_thinking: the template's <think> block
+
+    def check_model(self, requested: str | None) -> None:
+        # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
+        if requested and requested not in self.accepted_models:
+            raise APIError(404, f"model {requested!r} is not served here; this server serves {self.model_name!r}",
+                           code="model_not_found")
+
+    def call_id(self, prefix: str) -> str:
+        """A new tool call's id: the protocol's kind (toolu_..., call_...), or the 9 letters and digits
+        that Mistral's templates insist on when the conversation comes back."""
+        if self.tool_format.name == "mistral":
+            return toolkit.new_call_id(self.tool_format)
+        return prefix + uuid.uuid4().hex[:24]
+
+    def chat_body(self, translated: dict, extras: dict | None = None) -> ChatBody:
+        """The internal request: a protocol's translation, with the engine fields it passed through."""
+        passed = {name: value for name, value in (extras or {}).items() if name in ENGINE_EXTRAS}
+        return validated_data(ChatBody, {**passed, **translated})  # thousands of messages a slice at a time
+
+    def shape(self, body: ChatBody) -> Shaping:
+        return shaping(body, self.tool_format, self.decoder.target.n_vocab)
+
+    async def submit(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> Job:
+        """The request as a job on the engine (one choice); a bad value raises APIError 400, the
+        fields it names renamed by `names` (chat's to the protocol's). Its max_tokens is lowered to
+        what the context has room for (agents ask for more than it holds). `prefill`: the answer's
+        start, written after the template's assistant turn, which it continues."""
+        def prepared() -> dict:  # off the event loop: thousands of messages take a while
+            return {"options": request_options(body, self.defaults), "stops": stop_strings(body.stop),
+                    "shape": self.shape(body), "messages": message_dicts(body.messages)}
+        try:
+            job = Job(**await asyncio.to_thread(prepared), fit_to_context=True, prefill=prefill)
+        except APIError as exc:
+            for chat_name, name in (names or {}).items():
+                exc.message = exc.message.replace(chat_name, name)
+            raise
+        self.engine.submit(job)
+        return job
+
+    async def count_tokens(self, body: ChatBody, prefill: str = "") -> int:
+        """The prompt's length in tokens, as the request would be rendered (its tools included)."""
+        def count() -> int:  # off the event loop
+            shape, messages = self.shape(body), message_dicts(body.messages)
+            try:
+                return len(self.decoder.tokenize(chat_prompt(self.decoder, messages, shape) + prefill))
+            except Exception as exc:  # the template refusing the messages: the client's mistake
+                raise engine_error(exc) from None
+        return await asyncio.to_thread(count)
+
+
+async def started(job: Job, request: Request) -> int:
+    """The prompt's length once the job has started; its errors until then as APIError (a client
+    gone meanwhile: ClientGone)."""
+    kind, value = await job.next_event(request)
+    if kind == "error":
+        raise engine_error(value)
+    return value
+
+
+class PlainText:
+    """The answer's text as it is (reasoning.ThinkingSplitter tells a reasoning model's thinking apart)."""
+
+    def push(self, text: str) -> list:
+        return [Text(text)]
+
+    def flush(self) -> list:
+        return []
+
+
+async def answer_events(job: Job, request: Request | None = None, splitter=None):
+    """The job's answer as Text (and, through `splitter`, Thinking), Calls and End; an error from
+    the engine raises APIError. With a `request`, a client that leaves cancels the job (ClientGone)."""
+    state, splitter = ChoiceState(0, job.shape, chat=True), splitter or PlainText()
+    while True:
+        kind, value = await (job.next_event(request) if request is not None else job.events.get())
+        if kind == "pieces":
+            text = "".join(p["text"] for p in state.push(value[1]))
+            if text:  # a token that ends mid-character has no text: nothing to send yet
+                for event in splitter.push(text):
+                    yield event
+        elif kind == "choice":
+            _, stats, _, estimate = value
+            _, content, calls = state.end()  # the text held back: content, or the calls and what is not them
+            for event in (splitter.push(content) if content else []) + splitter.flush():
+                yield event
+            if calls:
+                yield Calls([Call(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+            yield End(end_reason(stats, bool(calls)), stats, job.stop_sequence, estimate)
+        elif kind == "error":
+            raise engine_error(value)
+        elif kind == "done":
+            return
+
+
+def end_reason(stats: Stats, called: bool) -> str:
+    if called:
+        return "tool_calls"
+    return {"eos": "end", "stop": "stop_sequence"}.get(stats.stop_reason, "length")
+
+
+def arguments_object(arguments: str) -> dict:
+    """A call's JSON arguments as an object (a grammar makes them valid; a free answer may not be)."""
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"arguments": arguments}
+    return parsed if isinstance(parsed, dict) else {"value": parsed}
+
+
+def joined_text(parts: list[str]) -> str:
+    """Text blocks of one message as one content string (the template sees one)."""
+    return "\n".join(part for part in parts if part)
+
+
+async def respond(job: Job, request: Request, stream: bool, new_state, new_splitter=lambda: None):
+    """The submitted job's answer, rendered by a protocol's state (`new_state(n_prompt)`: its
+    `start()` and `on(event)` give stream events, `whole()` the answer, `error(APIError)` a stream's
+    error event): whole, or streamed once the job has started, so that its errors until then are
+    HTTP statuses. A client gone before the answer cancels it."""
+    async def whole(n_prompt: int) -> dict:
+        state = new_state(n_prompt)
+        async for event in answer_events(job, request, new_splitter()):
+            state.on(event)
+        return state.whole()
+
+    async def events(n_prompt: int):
+        state = new_state(n_prompt)
+        try:
+            for event in state.start():
+                yield event
+            async for answer_event in answer_events(job, splitter=new_splitter()):
+                for event in state.on(answer_event):
+                    yield event
+        except APIError as exc:  # after the stream started: the protocol's error event ends it
+            yield state.error(exc)
+        finally:  # a client that leaves closes the stream: the worker stops at the next token
+            job.cancel()
+
+    streaming = False
+    try:
+        n_prompt = await started(job, request)
+        if not stream:
+            return JSONResponse(await whole(n_prompt))
+        response = EventSourceResponse(events(n_prompt), sep="\n")
+        streaming = True
+        return response
+    except ClientGone:
+        return JSONResponse({}, status_code=499)  # nginx's "client closed request"; nobody reads it
+    finally:
+        if not streaming:  # from here on the stream's own `finally` cancels it
+            job.cancel()
+
+
+def sse(event: str | None, data: dict) -> dict:
+    return {**({"event": event} if event else {}), "data": json.dumps(data, ensure_ascii=False)}

@@ -1,0 +1,284 @@
+"""OpenAI's Responses API (`POST /v1/responses`), what Codex speaks: its body translated into the
+internal request, the answer rendered as a `response` or as its stream events (`sequence_number`,
+`output_index` and the items' ids, as the SDK's `responses.stream()` helper needs them).
+
+Stateless, as Ollama's: nothing is stored, so `previous_response_id` is a 400 that says to send the
+whole conversation. Translation: `instructions` and system or developer messages are the system
+message; `message` items are messages; `function_call` items are the assistant's tool calls and
+`function_call_output` items the tool's results; `reasoning` items are dropped (a reasoning model's
+`<think>` block comes back as one, reasoning.py). `tools` are flat
+function tools (hosted tools, web search and the like, are not offered); `text.format` json_schema
+or json_object is structured output through the grammar path, as chat's `response_format`."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from pydantic import ConfigDict, Field
+
+from ..errors import APIError
+from ..responses import timings
+from ..schemas import ChatBody, Strict
+from .core import Calls, End, Serving, Text, joined_text, respond, sse
+from .reasoning import Thinking, splitter_for
+
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+SYSTEM_ROLES = ("system", "developer")
+
+
+class Part(Strict):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class Item(Strict):
+    model_config = ConfigDict(extra="allow")
+    type: str | None = None          # "message" when left out (an EasyInputMessage)
+    role: str | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = None       # function_call, function_call_output
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[Part] | None = None
+
+
+class TextOptions(Strict):
+    format: dict | None = None
+
+
+class ResponsesBody(Strict):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # engine extras pass through (core.ENGINE_EXTRAS)
+    model: str | None = None
+    input: str | Annotated[list[Item], Field(min_length=1)]
+    instructions: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None  # not OpenAI's here, but harmless to honour
+    text: TextOptions | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    metadata: dict | None = None
+
+
+# ---------------------------------------------------------------- the request
+
+def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
+    if body.previous_response_id:
+        raise APIError(400, "previous_response_id: this server keeps no responses (it is stateless); send the "
+                            "whole conversation in input", code="invalid_value")
+    translated: dict[str, Any] = {"messages": conversation(body), "max_tokens": body.max_output_tokens,
+                                  "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+                                  "stop": body.stop, "parallel_tool_calls": body.parallel_tool_calls}
+    tools = [{"type": "function", "function": {key: t[key] for key in ("name", "description", "parameters") if key in t}}
+             for t in body.tools or [] if isinstance(t, dict) and t.get("type", "function") == "function"]
+    if tools:
+        translated["tools"] = tools
+    if body.tool_choice is not None:
+        translated["tool_choice"] = tool_choice(body.tool_choice)
+    form = (body.text.format if body.text else None) or {"type": "text"}
+    if form.get("type") == "json_schema":
+        translated["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": form.get("name"), "schema": form.get("schema"), "strict": form.get("strict")}}
+    elif form.get("type") != "text":
+        translated["response_format"] = form
+    return serving.chat_body(translated, body.model_extra)
+
+
+def tool_choice(choice: str | dict):
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and choice.get("name"):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, 'tool_choice must be auto, none, required or {"type": "function", "name": ...}',
+                   code="invalid_value")
+
+
+def conversation(body: ResponsesBody) -> list[dict]:
+    """The input as OpenAI chat's messages; the instructions and every system or developer message
+    first, as one system message (templates want it there)."""
+    if isinstance(body.input, str):
+        items = [Item(role="user", content=body.input)]
+    else:
+        items = body.input
+    system = [body.instructions] if body.instructions else []
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        kind, where = item.type or "message", f"input[{i}]"
+        if kind == "message" and item.role in SYSTEM_ROLES:
+            system.append(content_text(item.content, where))
+        elif kind == "message":
+            if item.role not in ("user", "assistant"):
+                raise APIError(400, f"{where}.role must be user, assistant, system or developer, got {item.role!r}")
+            messages.append({"role": item.role, "content": content_text(item.content, where)})
+        elif kind == "function_call":
+            add_call(messages, item, where)
+        elif kind == "function_call_output":
+            output = item.output if isinstance(item.output, str) else content_text(item.output, f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": item.call_id or "", "content": output})
+        elif kind != "reasoning":
+            raise APIError(400, f"{where}: items of type {kind!r} are not supported here (this server keeps no state)")
+    return ([{"role": "system", "content": joined_text(system)}] if system else []) + messages
+
+
+def add_call(messages: list[dict], item: Item, where: str) -> None:
+    """A function_call item as a tool call of the assistant message before it (or of a new one)."""
+    if not item.name:
+        raise APIError(400, f"{where}.name: a function_call item needs the function's name")
+    call = {"id": item.call_id or "", "type": "function", "function": {"name": item.name,
+                                                                       "arguments": item.arguments or "{}"}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+        last["content"] = last["content"] or None
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def content_text(content: str | list[Part] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in TEXT_PARTS:
+            raise APIError(400, f"{where}.content[{j}]: only text content is supported (no images or files)")
+        texts.append(part.text if part.text is not None else part.refusal or "")
+    return joined_text(texts)
+
+
+# ---------------------------------------------------------------- the answer
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class ResponseState:
+    """One answer as a `response`, item by item; each step also gives the stream events that say so
+    (numbered), so that a stream's final response and a whole answer are the same object."""
+
+    def __init__(self, serving: Serving, body: ResponsesBody):
+        self.id, self.created = new_id("resp_"), int(time.time())
+        self.model, self.body, self.call_id = serving.model_name, body, serving.call_id
+        self.output: list[dict] = []
+        self.open: dict | None = None   # the message or reasoning item that more text extends
+        self.sequence = 0
+        self.status, self.extra = "in_progress", {}
+
+    def event(self, kind: str, **fields) -> dict:
+        number, self.sequence = self.sequence, self.sequence + 1
+        return sse(kind, {"type": kind, "sequence_number": number, **fields})
+
+    def start(self) -> list[dict]:
+        return [self.event("response.created", response=self.response()),
+                self.event("response.in_progress", response=self.response())]
+
+    def on(self, event) -> list[dict]:
+        if isinstance(event, (Text, Thinking)):
+            return self.text(event.text, "message" if isinstance(event, Text) else "reasoning")
+        if isinstance(event, Calls):
+            return self.close() + [e for call in event.calls for e in self.function_call(call.name, call.arguments)]
+        return self.end(event)
+
+    def add(self, item: dict) -> dict:
+        self.output.append(item)
+        return self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))
+
+    def text(self, text: str, kind: str = "message") -> list[dict]:
+        """More text of the answer (a message item) or of its reasoning (a reasoning item)."""
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events += self.close()
+            if kind == "message":
+                self.open = {"type": "message", "id": new_id("msg_"), "status": "in_progress", "role": "assistant",
+                             "content": []}
+                events.append(self.add(self.open))
+                self.open["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                events.append(self.event("response.content_part.added", **self.where(), part=self.open["content"][0]))
+            else:
+                self.open = {"type": "reasoning", "id": new_id("rs_"), "summary": [], "status": "in_progress",
+                             "content": [{"type": "reasoning_text", "text": ""}]}
+                events.append(self.add(self.open))
+        self.open["content"][0]["text"] += text
+        kind_event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        return events + [self.event(kind_event, **self.where(), delta=text,
+                                    **({"logprobs": []} if kind == "message" else {}))]
+
+    def where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+
+    def close(self) -> list[dict]:
+        """The open item, done."""
+        if self.open is None:
+            return []
+        part, where, item = self.open["content"][0], self.where(), self.open
+        item["status"], self.open = "completed", None
+        if item["type"] == "reasoning":
+            return [self.event("response.reasoning_text.done", **where, text=part["text"]),
+                    self.event("response.output_item.done", output_index=where["output_index"], item=item)]
+        return [self.event("response.output_text.done", **where, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", **where, part=part),
+                self.event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+    def function_call(self, name: str, arguments: str) -> list[dict]:
+        item = {"type": "function_call", "id": new_id("fc_"), "call_id": self.call_id("call_"), "name": name,
+                "arguments": "", "status": "in_progress"}
+        events = [self.add(item)]
+        index = len(self.output) - 1
+        item.update(arguments=arguments, status="completed")
+        return events + [
+            self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=arguments),
+            self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=name,
+                       arguments=arguments),
+            self.event("response.output_item.done", output_index=index, item=item)]
+
+    def end(self, end: End) -> list[dict]:
+        events = self.close()
+        if not any(item["type"] != "reasoning" for item in self.output):  # an empty answer is still a message
+            events += self.text("") + self.close()
+        stats = end.stats
+        self.status = "incomplete" if end.reason == "length" else "completed"
+        self.extra = {"timings": timings(stats), "ggufspec": {"stats": stats.to_dict(), "estimate": end.estimate},
+                      "usage": {"input_tokens": stats.n_prompt,
+                                "input_tokens_details": {"cached_tokens": stats.n_prompt_cached},
+                                "output_tokens": stats.n_predict, "output_tokens_details": {"reasoning_tokens": 0},
+                                "total_tokens": stats.n_prompt + stats.n_predict}}
+        return events + [self.event(f"response.{self.status}", response=self.response())]
+
+    def error(self, error: APIError) -> dict:
+        return self.event("error", code=error.code, message=error.message, param=None)
+
+    def whole(self) -> dict:
+        return self.response()
+
+    def response(self) -> dict:
+        body = self.body
+        form = (body.text.format if body.text else None) or {"type": "text"}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+                "model": self.model, "output": self.output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
+                "previous_response_id": None, "reasoning": None, "store": False, "temperature": body.temperature,
+                "top_p": body.top_p, "text": {"format": form}, "tool_choice": body.tool_choice or "auto",
+                "tools": body.tools or [], "truncation": "disabled", "user": None, "usage": None, **self.extra}
+
+
+# ---------------------------------------------------------------- the route
+
+def add_routes(app: FastAPI, serving: Serving) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesBody):
+        serving.check_model(body.model)
+        chat = await asyncio.to_thread(chat_request, body, serving)  # thousands of items take a while
+        job = await serving.submit(chat, names={"response_format": "text.format"})
+        return await respond(job, request, body.stream, lambda n_prompt: ResponseState(serving, body),
+                             lambda: splitter_for(serving))

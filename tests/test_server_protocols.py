@@ -1,0 +1,477 @@
+"""Anthropic's Messages API and OpenAI's Responses API on `ggufspec serve`, through the real server
+process, spoken to with the official `anthropic` and `openai` SDKs (httpx for the raw events and the
+errors). Each is a translation of the same request the chat API makes: the tests compare their
+answers and prompt lengths with /v1/chat/completions' for the same conversation.
+
+The tiny chat pair: its template knows no tools (a system message teaches them), and under a grammar
+a random model still writes a valid call, so a forced call's input must parse whatever it says."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from serverproc import serving
+
+N_CTX = 2048  # the tiny models write text byte by byte: a tool list is a few hundred tokens
+SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+          "additionalProperties": False}
+CHAT_TOOL = {"type": "function", "function": {"name": "set_unit", "description": "choose the temperature unit",
+                                              "parameters": SCHEMA}}
+ANTHROPIC_TOOL = {"name": "set_unit", "description": "choose the temperature unit", "input_schema": SCHEMA}
+RESPONSES_TOOL = {"type": "function", "name": "set_unit", "description": "choose the temperature unit",
+                  "parameters": SCHEMA}
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(chat_pair, tmp_path_factory):
+    target, draft = chat_pair
+    with serving(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", str(N_CTX)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+
+
+def chat(server, messages, **fields):
+    """The same conversation through /v1/chat/completions: (text, prompt tokens)."""
+    answer = server.client().chat.completions.create(model="target", messages=messages, **fields)
+    return answer.choices[0].message.content, answer.usage.prompt_tokens
+
+
+def raw_events(server, path, body) -> list[tuple[str, dict]]:
+    """A streamed answer's SSE events as (event name, data)."""
+    events, name = [], None
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+                name = None
+    return events
+
+
+# ---------------------------------------------------------------- Anthropic: answers
+
+def test_a_message_is_the_chat_answer_to_the_same_conversation(server, claude):
+    system = [{"type": "text", "text": "be brief"}, {"type": "text", "text": "and kind"}]
+    message = claude.messages.create(model="claude-sonnet-4-5", max_tokens=12, system=system, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}])
+    text, prompt_tokens = chat(server, [{"role": "system", "content": "be brief\nand kind"},
+                                        {"role": "user", "content": "hi\nthere"}], max_tokens=12)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [block.type for block in message.content] == ["text"] and message.content[0].text == text
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt_tokens
+    assert message.usage.output_tokens == 12 and message.stop_reason == "max_tokens"
+    again = claude.messages.create(model="x", max_tokens=12, system="be brief\nand kind", messages=[
+        {"role": "user", "content": "hi\nthere"}], metadata={"user_id": "u1"},
+        thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0, "top_k": 40, "top_p": 0.9})
+    assert again.content[0].text == text and again.usage.cache_read_input_tokens > 0  # the cache held the prompt
+
+
+def test_a_multi_turn_conversation_and_stop_sequences(server, claude):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "and then?"}]
+    text, _ = chat(server, turns, max_tokens=16)
+    stop = text[6:8]
+    message = claude.messages.create(model="target", max_tokens=16, messages=turns, stop_sequences=[stop])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == text[:text.index(stop)]
+
+
+def test_a_last_assistant_message_is_continued(server, claude):
+    from ggufspec.tinymodels import CHAT_TEMPLATE
+    assert CHAT_TEMPLATE.endswith("<s>assistant:{% endif %}")  # so the prompt below is the template's
+    prefill = " the cat"
+    expected = server.client().completions.create(model="target", prompt="<s>user: hi\n<s>assistant:" + prefill,
+                                                  max_tokens=10)
+    message = claude.messages.create(model="target", max_tokens=10, messages=[
+        *HI, {"role": "assistant", "content": [{"type": "text", "text": prefill}]}])
+    assert message.content[0].text == expected.choices[0].text  # what follows the prefill, not the prefill
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    counted = claude.messages.count_tokens(model="target", messages=[*HI, {"role": "assistant", "content": prefill}])
+    assert counted.input_tokens == expected.usage.prompt_tokens
+
+
+def test_max_tokens_beyond_the_context_is_a_ceiling_not_an_error(claude, server):
+    message = claude.messages.create(model="target", max_tokens=100_000, messages=HI)  # Claude Code asks 32000
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens < N_CTX
+    response = server.client().responses.create(model="target", input="hi", max_output_tokens=100_000)
+    assert response.status in ("completed", "incomplete")
+
+
+def test_a_streamed_message_is_the_deltas_and_the_events_come_in_order(server, claude):
+    whole = claude.messages.create(model="target", max_tokens=16, messages=HI)
+    with claude.messages.stream(model="target", max_tokens=16, messages=HI) as stream:
+        deltas = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(deltas) > 1 and "".join(deltas) == final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    names = [name for name, _ in raw_events(server, "/v1/messages", {"max_tokens": 16, "messages": HI})]
+    assert names[:4] == ["message_start", "ping", "content_block_start", "content_block_delta"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"max_tokens": 1500, "messages": HI}),
+    ("/v1/responses", {"max_output_tokens": 1500, "input": "hi"}),
+])
+def test_a_client_that_leaves_a_stream_stops_its_generation(server, path, body):
+    import time
+    long = {**body, "stream": True, "grammar": "root ::= [a-z]{1500}"}  # no end before 1500 tokens
+    with httpx.stream("POST", server.url + path, json=long, timeout=60) as response:
+        lines = response.iter_lines()
+        while "delta" not in next(lines):
+            pass  # the answer has begun
+    deadline = time.monotonic() + 10
+    while (health := server.health())["busy"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+    assert health["last"]["stop_reason"] == "interrupted" and health["last"]["n_predict"] < 1500
+
+
+# ---------------------------------------------------------------- Anthropic: tools
+
+def test_a_forced_tool_call_gives_a_parsed_input_whole_and_streamed(server, claude):
+    ask = {"model": "target", "max_tokens": 64, "messages": HI, "tools": [ANTHROPIC_TOOL],
+           "tool_choice": {"type": "tool", "name": "set_unit"}}
+    message = claude.messages.create(**ask)
+    assert message.stop_reason == "tool_use"
+    (call,) = [block for block in message.content if block.type == "tool_use"]
+    assert call.name == "set_unit" and call.id.startswith("toolu_") and call.input["unit"] in ("celsius", "fahrenheit")
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content if b.type == "tool_use"] == [("tool_use", call.name, call.input)]
+    events = raw_events(server, "/v1/messages", {k: v for k, v in ask.items() if k != "model"})
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert {"type": "input_json_delta", "partial_json": json.dumps(call.input)} in deltas
+    assert not any(d["type"] == "text_delta" and "<tool_call>" in d["text"] for d in deltas)  # never the raw call
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "auto"}, {"type": "none"}])
+def test_each_tool_choice_is_accepted(claude, tool_choice):
+    message = claude.messages.create(model="target", max_tokens=64, messages=HI, tools=[ANTHROPIC_TOOL],
+                                     tool_choice=tool_choice)
+    kinds = {block.type for block in message.content}
+    assert (message.stop_reason == "tool_use") == ("tool_use" in kinds)
+    if tool_choice["type"] == "any":
+        assert message.stop_reason == "tool_use"
+    if tool_choice["type"] == "none":
+        assert "tool_use" not in kinds
+
+
+def test_a_tool_result_fed_back_is_rendered_as_chat_renders_it_and_answered(server, claude):
+    call = {"type": "tool_use", "id": "toolu_1", "name": "set_unit", "input": {"unit": "celsius"}}
+    results = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "done"},
+               {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                "content": [{"type": "text", "text": "no such unit"}]}]
+    messages = [{"role": "user", "content": "which unit?"},
+                {"role": "assistant", "content": [{"type": "text", "text": "let me see"}, call]},
+                {"role": "user", "content": [*results, {"type": "text", "text": "well?"}]}]
+    message = claude.messages.create(model="target", max_tokens=8, messages=messages, tools=[ANTHROPIC_TOOL],
+                                     tool_choice={"type": "none"})
+    openai_call = {"id": "toolu_1", "type": "function", "function": {"name": "set_unit", "arguments": '{"unit": "celsius"}'}}
+    text, prompt_tokens = chat(server, [
+        {"role": "user", "content": "which unit?"},
+        {"role": "assistant", "content": "let me see", "tool_calls": [openai_call]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "done"},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: no such unit"},
+        {"role": "user", "content": "well?"}], tools=[CHAT_TOOL], tool_choice="none", max_tokens=8)
+    assert message.content[0].text == text
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt_tokens
+    counted = claude.messages.count_tokens(model="target", messages=messages, tools=[ANTHROPIC_TOOL],
+                                           tool_choice={"type": "none"})
+    assert counted.input_tokens == prompt_tokens
+
+
+def test_count_tokens_counts_the_tools_too(server, claude):
+    bare = claude.messages.count_tokens(model="target", messages=HI).input_tokens
+    with_tools = claude.messages.count_tokens(model="target", messages=HI, tools=[ANTHROPIC_TOOL]).input_tokens
+    message = claude.messages.create(model="target", max_tokens=2, messages=HI, tools=[ANTHROPIC_TOOL])
+    assert with_tools > bare > 0
+    assert with_tools == message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+
+def test_output_config_format_is_structured_output(claude):
+    message = claude.messages.create(model="target", max_tokens=48, messages=HI,
+                                     output_config={"format": {"type": "json_schema", "schema": FLAG}})
+    assert isinstance(json.loads(message.content[0].text)["ok"], bool)
+
+
+# ---------------------------------------------------------------- OpenAI Responses
+
+def test_a_response_is_the_chat_answer_to_the_same_conversation(server):
+    client = server.client()
+    response = client.responses.create(model="target", input="hi", instructions="be brief", max_output_tokens=12)
+    text, prompt_tokens = chat(server, [{"role": "system", "content": "be brief"}, *HI], max_tokens=12)
+    assert response.object == "response" and response.id.startswith("resp_") and response.output_text == text
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == prompt_tokens and response.usage.output_tokens == 12
+    items = client.responses.create(model="target", max_output_tokens=12, input=[
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}])
+    assert items.output_text == text
+
+
+def test_a_streamed_response_is_the_deltas_and_numbered(server):
+    client = server.client()
+    whole = client.responses.create(model="target", input="hi", max_output_tokens=400)
+    assert whole.status == "completed"  # the tiny model ends on its own (eos_bias)
+    with client.responses.stream(model="target", input="hi", max_output_tokens=400) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == final.output_text == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+
+
+def test_a_forced_function_call_whole_and_streamed(server):
+    client = server.client()
+    ask = {"model": "target", "input": "hi", "max_output_tokens": 64, "tools": [RESPONSES_TOOL],
+           "tool_choice": {"type": "function", "name": "set_unit"}}
+    response = client.responses.create(**ask)
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "set_unit" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments)["unit"] in ("celsius", "fahrenheit")
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "set_unit", call.arguments)]
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+    assert not any(e.type == "response.output_text.delta" for e in events)
+
+
+def test_a_function_call_output_fed_back_is_rendered_as_chat_renders_it(server):
+    client = server.client()
+    response = client.responses.create(model="target", max_output_tokens=8, tools=[RESPONSES_TOOL], tool_choice="none",
+                                       input=[{"role": "user", "content": "which unit?"},
+                                              {"type": "function_call", "call_id": "call_1", "name": "set_unit",
+                                               "arguments": '{"unit": "celsius"}'},
+                                              {"type": "function_call_output", "call_id": "call_1", "output": "done"}])
+    openai_call = {"id": "call_1", "type": "function", "function": {"name": "set_unit", "arguments": '{"unit": "celsius"}'}}
+    text, prompt_tokens = chat(server, [{"role": "user", "content": "which unit?"},
+                                        {"role": "assistant", "content": None, "tool_calls": [openai_call]},
+                                        {"role": "tool", "tool_call_id": "call_1", "content": "done"}],
+                               tools=[CHAT_TOOL], tool_choice="none", max_tokens=8)
+    assert response.output_text == text and response.usage.input_tokens == prompt_tokens
+
+
+def test_text_format_json_schema_is_structured_output(server):
+    response = server.client().responses.create(model="target", input="hi", max_output_tokens=48, text={
+        "format": {"type": "json_schema", "name": "flag", "schema": FLAG, "strict": True}})
+    assert isinstance(json.loads(response.output_text)["ok"], bool)
+
+
+# ---------------------------------------------------------------- a reasoning model's <think> block
+
+def test_thinking_is_told_apart_from_the_answer_however_the_text_is_cut():
+    from ggufspec.server.protocols.core import Text
+    from ggufspec.server.protocols.reasoning import Thinking, ThinkingSplitter
+
+    def split(chunks, opened=False):
+        splitter, events = ThinkingSplitter(opened), []
+        for chunk in chunks:
+            events += splitter.push(chunk)
+        events += splitter.flush()
+        joined = {"thinking": "", "text": ""}
+        for event in events:
+            joined["thinking" if isinstance(event, Thinking) else "text"] += event.text
+        return joined
+
+    answer = "<think>\nplan it</think>\n\nthe answer"
+    for cut in range(1, len(answer)):
+        assert split([answer[:cut], answer[cut:]]) == {"thinking": "\nplan it", "text": "the answer"}, cut
+    assert split(list(answer)) == {"thinking": "\nplan it", "text": "the answer"}
+    assert split(["plan</thi", "nk>answer"], opened=True) == {"thinking": "plan", "text": "answer"}  # DeepSeek-R1's
+    assert split(["no thinking <think>here"]) == {"thinking": "", "text": "no thinking <think>here"}
+    assert split(["<thi"]) == {"thinking": "", "text": "<thi"}
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tmp_path_factory):
+    """The tiny target with a template that knows a thinking block (as Qwen3's does); a grammar (passed
+    through as llama.cpp's field) makes its answer one."""
+    from ggufspec.tinymodels import CHAT_TEMPLATE, Shape, make_weights, write_model
+    shape = Shape(eos_bias=4.0)
+    template = CHAT_TEMPLATE + "{# the answer: <think>...</think> then the reply #}"
+    target = write_model(tmp_path_factory.mktemp("reasoning") / "reasoner.gguf", shape, make_weights(shape, 0), template)
+    with serving(tmp_path_factory.mktemp("reasoning-server"), "-m", str(target), "--no-draft", "-c", "512") as running:
+        yield running
+
+
+THINK_GRAMMAR = 'root ::= "<think>" [a-z]{2,6} "</think>" [a-z]{2,6}'
+
+
+def test_a_reasoning_model_s_thinking_is_a_thinking_block_and_a_reasoning_item(reasoning_server):
+    claude = anthropic.Anthropic(base_url=reasoning_server.url, api_key="none", max_retries=0, timeout=60)
+    ask = {"model": "reasoner", "max_tokens": 32, "messages": HI, "extra_body": {"grammar": THINK_GRAMMAR}}
+    message = claude.messages.create(**ask)
+    thinking, text = message.content
+    assert thinking.type == "thinking" and text.type == "text" and thinking.thinking.isalpha() and text.text.isalpha()
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == [
+        ("thinking", thinking.thinking), ("text", text.text)]
+    client = reasoning_server.client()
+    response = client.responses.create(model="reasoner", input="hi", max_output_tokens=32,
+                                       extra_body={"grammar": THINK_GRAMMAR})
+    reasoning, said = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == thinking.thinking
+    assert said.type == "message" and response.output_text == text.text
+    with client.responses.stream(model="reasoner", input="hi", max_output_tokens=32,
+                                 extra_body={"grammar": THINK_GRAMMAR}) as stream:
+        events = list(stream)
+        streamed = stream.get_final_response()
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking.thinking
+    assert streamed.output_text == text.text and streamed.output[0].type == "reasoning"
+
+
+# ---------------------------------------------------------------- models and errors
+
+def test_models_as_each_client_lists_them(server, claude):
+    assert [m.id for m in server.client().models.list()] == ["target"]
+    (model,) = claude.models.list().data
+    assert model.id == "target" and model.type == "model"
+
+
+BAD_MESSAGES = [
+    ({"max_tokens": 8, "messages": []}, "messages"),
+    ({"max_tokens": 8, "messages": "hi"}, "messages"),
+    ({"max_tokens": 8}, "messages"),
+    ({"max_tokens": 8, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"max_tokens": 0, "messages": HI}, "max_tokens"),
+    ({"max_tokens": 8, "messages": HI, "temperature": "hot"}, "temperature"),
+    ({"max_tokens": 8, "messages": HI, "top_p": 5}, "top_p"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text"),
+    ({"max_tokens": 8, "messages": HI, "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
+     "nope"),
+    ({"max_tokens": 8, "messages": HI, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
+    ({"max_tokens": 8, "messages": HI, "output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#/x"}}}},
+     "output_config.format"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "the cat " * 400}]}, "2048"),
+]
+
+
+@pytest.mark.parametrize("body, message", BAD_MESSAGES)
+def test_bad_messages_are_400s_in_anthropics_shape(server, body, message):
+    for stream in (False, True):
+        response = httpx.post(server.url + "/v1/messages", json={**body, "stream": stream}, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert message in error["error"]["message"] and "\n" not in error["error"]["message"]
+    assert server.health()["status"] == "ok"
+
+
+def test_anthropic_errors_reach_the_sdk_and_the_server_keeps_serving(server, claude):
+    malformed = httpx.post(server.url + "/v1/messages", content=b'{"messages": [', timeout=30)
+    assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]["message"]
+    missing = httpx.post(server.url + "/v1/messages/nothing", json={}, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError, match="messages"):
+        claude.messages.create(model="target", max_tokens=8, messages=[])
+    with pytest.raises(anthropic.BadRequestError, match="messages"):
+        claude.messages.count_tokens(model="target", messages=[])
+    assert claude.messages.create(model="target", max_tokens=4, messages=HI).usage.output_tokens == 4
+
+
+BAD_RESPONSES = [
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({}, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "role"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
+    ({"input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "nope"),
+    ({"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/nowhere"}}}},
+     "text.format"),
+    ({"input": "hi", "model": "gpt-5"}, "gpt-5"),
+]
+
+
+@pytest.mark.parametrize("body, message", BAD_RESPONSES)
+def test_bad_responses_requests_are_errors_in_openais_shape(server, body, message):
+    for stream in (False, True):
+        response = httpx.post(server.url + "/v1/responses", json={**body, "stream": stream}, timeout=30)
+        assert response.status_code == (404 if "model" in body else 400), response.text
+        error = response.json()["error"]
+        assert message in error["message"] and "\n" not in error["message"]
+    assert server.health()["status"] == "ok"
+
+
+# ---------------------------------------------------------------- the demo pair (slow): a real model at work
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}
+ASK_WEATHER = "What's the weather like in Paris today?"
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    from conftest import demo_pair_paths
+    target, draft = demo_pair_paths()
+    with serving(tmp_path_factory.mktemp("demo-server"), "-m", str(target), "-md", str(draft), "-c", "2048",
+                 "-t", "2") as running:
+        yield running
+
+
+@pytest.mark.slow
+def test_claude_code_s_loop_on_the_demo_pair(demo_server):
+    """A forced call (streamed, as Claude Code asks), its result fed back, and an answer that uses it."""
+    claude = anthropic.Anthropic(base_url=demo_server.url, api_key="none", max_retries=0, timeout=600)
+    tool = {"name": "get_weather", "description": "Get the current weather in a city", "input_schema": WEATHER_SCHEMA}
+    asked = [{"role": "user", "content": ASK_WEATHER}]
+    with claude.messages.stream(model="claude-haiku-4-5", max_tokens=64, messages=asked, tools=[tool],
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    (call,) = [block for block in final.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and call.input["city"] == "Paris"
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "18 degrees celsius and sunny"}
+    # tool_choice none: offered the tool again, the 1.5B model calls it again (and in the template's
+    # own example's doubled braces, which no parser takes for a call)
+    answer = claude.messages.create(model="claude-haiku-4-5", max_tokens=64, tools=[tool], tool_choice={"type": "none"},
+                                    messages=[*asked, {"role": "assistant", "content": final.content},
+                                              {"role": "user", "content": [result]}])
+    assert answer.stop_reason == "end_turn" and "18" in answer.content[0].text
+
+
+@pytest.mark.slow
+def test_codex_s_loop_on_the_demo_pair(demo_server):
+    """Responses streamed as Codex asks for them: a forced call, its output fed back, an answer that uses it."""
+    client = demo_server.client(timeout=600)
+    tool = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+            "parameters": WEATHER_SCHEMA}
+    asked = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK_WEATHER}]}]
+    model = client.models.list().data[0].id
+    with client.responses.stream(model=model, input=asked, tools=[tool], max_output_tokens=64,
+                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        final = stream.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] == "Paris"
+    fed_back = [*asked, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees celsius and sunny"}]
+    with client.responses.stream(model=model, input=fed_back, tools=[tool], tool_choice="none",
+                                 max_output_tokens=64) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        answer = stream.get_final_response()
+    assert answer.status == "completed" and answer.output_text == "".join(deltas) and "18" in answer.output_text
