@@ -42,8 +42,9 @@ class LoadParams:
     load_mtp: bool = False
     # llama.cpp's weight repacking for the CPU's wide kernels (use_extra_bufts; --no-repack turns it
     # off). Off, with flash attention on, a batch's logits equal the single-token ones on the CPU
-    # (same dot-product kernel per row): verification then decides exactly what the target alone does
-    repack: bool = True
+    # (same dot-product kernel per row): verification then decides exactly what the target alone
+    # does. None: `default_repack()`
+    repack: bool | None = None
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -103,6 +104,14 @@ def _context_flash_attn(kind: int, n_rs_seq: int = 0):
         _internals.LlamaContext = original
 
 
+def default_repack() -> bool:
+    """--repack's default: llama.cpp's (on), except in an x86 build without AVX-512, where the repacked
+    kernels were measured no faster for a single token (docs/benchmarks.md: AMD EPYC, AVX2), so
+    leaving them out keeps a verification batch exact at no cost; with AVX-512 they are 25% faster."""
+    info = llama_cpp.llama_print_system_info().decode()
+    return "AVX512 = 1" in info or "AVX2 = 1" not in info
+
+
 def default_threads() -> int:
     import psutil
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
@@ -127,7 +136,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         options = dict(n_ctx=params.n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
                        logits_all=False, verbose=False, swa_full=params.swa_full)
-        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq), _model_params(params.load_mtp, params.repack):
+        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq), _model_params(params.load_mtp, default_repack() if params.repack is None else params.repack):
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 split = list(params.tensor_split) if params.tensor_split else None
                 return load_on_devices(path, params.devices, tensor_split=split, **options)

@@ -44,7 +44,7 @@ class ModelOptions:
     flash_attn: str = "auto"
     rpc: str | None = None              # HOST:PORT[,...]: the target's layers go to these workers
     strict: bool = False
-    repack: bool = True                 # --no-repack: the target's batches decide as single tokens do (CPU)
+    repack: bool | None = None          # --no-repack: batches decide as single tokens do (CPU); None: load.default_repack
     swa_full: bool = False              # full-size caches for sliding-window layers (default: window-sized)
 
 

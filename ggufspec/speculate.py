@@ -269,7 +269,7 @@ class SpeculativeDecoder:
                  n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
                  check_vocab: bool = True, flash_attn: str = "auto", devices: Sequence | None = None,
                  tensor_split: Sequence[float] | None = None, costs_tag: str = "", swa_full: bool = False,
-                 repack: bool = True):
+                 repack: bool | None = None):
         from .load import LoadParams, check_compatible, check_gguf_file, flash_attn_type
         self._owned: list = []
         self._closed = False

@@ -57,9 +57,10 @@ def model_options(command):
                      help="Put the target's layers on these `ggufspec worker`s; the draft stays local."),
         click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
         click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower."),
-        click.option("--repack/--no-repack", "repack", default=True, show_default=True,
-                     help="Repack the target's weights for the CPU's wide kernels (llama.cpp's default). "
-                          "--no-repack: on the CPU a verification batch then decides exactly as single tokens do."),
+        click.option("--repack/--no-repack", " /-nr", "repack", default=None,
+                     help="Repack weights for the CPU's wide kernels (llama.cpp's default; ggufspec's too, except "
+                          "on x86 without AVX-512). --no-repack: a verification batch decides exactly as single "
+                          "tokens do (with flash attention on)."),
         click.option("--swa-full", is_flag=True, help="Full-size caches for sliding-window layers (default: "
                      "window-sized, as llama-server; rollback through checkpoints)."),
     )(command)
