@@ -211,7 +211,7 @@ def versus_best_llama(records: list[dict], sessions: list[str]) -> str:
 
 def demo_pair() -> tuple[Path, Path]:
     from ggufspec import store
-    target, draft, _ = store.demo_pair_paths(progress=False)
+    target, draft = store.demo_pair_paths(progress=False)
     return Path(target), Path(draft)
 
 

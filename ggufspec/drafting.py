@@ -253,6 +253,15 @@ class Costs:
         return best_possible > 1.05 / batch(1)
 
 
+def copy_limit(match_length: int) -> int:
+    """The most n-gram tokens worth risking on a match of this length: 2m + 4. A copy's evidence is how
+    much of it already agrees; a bucket's acceptance is an average over its matches, and one that
+    learned high on long copies (6 agreeing tokens are often the restart of a copied file after an
+    edit) otherwise proposed 64 tokens where the text went elsewhere: T(65), 11 T(1), for nothing.
+    Doubling as the agreement grows reaches 64 tokens a few steps into a copy (a TCP-like slow start)."""
+    return 2 * match_length + 4
+
+
 def _batch_model(measured: dict[int, float]):
     """T(n) from the least times measured for some sizes: those where measured, straight lines
     between neighbouring sizes elsewhere, and beyond the largest the slope of the last two. Not one
@@ -381,8 +390,10 @@ class AutoDrafting:
     PROBE_FIRST, PROBE_LONGEST = 4, 64  # candidates between probes of a bucket that does not pay
     # n-gram proposals are free to draft, and on a CPU a batch of 17 cost about 5 single tokens
     # (T(n) flattens where llama.cpp's batched kernels take over): a long copy is proposed in long
-    # steps, up to this many tokens even where --draft-max (the draft model's K) is lower
-    NGRAM_K_MAX = 16
+    # steps, up to this many tokens even where --draft-max (the draft model's K) is lower. 64, as
+    # llama.cpp's ngram-mod (ngram-simple: 48): on an agent's whole-file rewrite, replayed with the
+    # demo pair's T(n), 16 gave 2.75x the target alone and 64 3.24x (fewer, longer verifications)
+    NGRAM_K_MAX = 64
     PROBE_MAX_LAG = 8  # tokens the draft model may have to catch up for a probe of it
 
     def __init__(self, ngram: NgramDrafter, model: ModelDrafter | None, costs: Costs, k_max: int):
@@ -421,7 +432,7 @@ class AutoDrafting:
         a = min(self.tallies.acceptance(bucket), 0.999)
         alternative = self.alternative_rate()
         best_k, best_rate = 0, alternative
-        for k in range(1, len(candidate.tokens) + 1):
+        for k in range(1, min(len(candidate.tokens), copy_limit(candidate.match_length)) + 1):
             rate = expected_tokens(a, k) / batch(k + 1)
             if rate > best_rate:
                 best_k, best_rate = k, rate

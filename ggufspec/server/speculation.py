@@ -59,7 +59,7 @@ def time_estimate(decoder, drafter: str, stats: Stats) -> dict | None:
 # on the demo pair at 2 threads, which a server's first request used to wait for. A server times
 # them once, before it says it is serving; every later start reads them from costs.json.
 
-STARTUP_SIZES = (1, 2, 4, 8, 16, 32, 48)  # up to the long n-gram copies auto proposes (drafting.AutoDrafting)
+STARTUP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # up to the longest n-gram copy auto proposes (AutoDrafting.NGRAM_K_MAX)
 STARTUP_BUDGET_S = 6.0  # nobody waits yet, but a start should stay short on a slow machine
 
 
