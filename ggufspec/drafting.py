@@ -395,6 +395,7 @@ class AutoDrafting:
     # demo pair's T(n), 16 gave 2.75x the target alone and 64 3.24x (fewer, longer verifications)
     NGRAM_K_MAX = 64
     PROBE_MAX_LAG = 8  # tokens the draft model may have to catch up for a probe of it
+    LONG_PROBE_MATCH, LONG_PROBE_ACCEPTANCE, LONG_PROBE_K = 16, 0.8, 16  # see long_copy_probe
 
     def __init__(self, ngram: NgramDrafter, model: ModelDrafter | None, costs: Costs, k_max: int):
         self.ngram, self.model, self.costs = ngram, model, costs
@@ -440,28 +441,38 @@ class AutoDrafting:
         if best_k:
             wait[:] = [0, self.PROBE_FIRST]
             return best_k
-        if not self.right_guess_pays(len(candidate.tokens), alternative):  # no probe where none could pay
-            return 0
+        long_probe = self.long_copy_probe(candidate, a)
+        if not long_probe and not self.right_guess_pays(len(candidate.tokens), alternative):
+            return 0  # no probe where none could pay
         wait[0] += 1
         if wait[0] < wait[1]:
             return 0
         wait[:] = [0, min(2 * wait[1], self.PROBE_LONGEST)]  # reset to the first interval if it is kept
-        return 1
+        return long_probe or 1
+
+    def long_copy_probe(self, candidate, acceptance: float) -> int:
+        """Tokens for a probe of a long copy (0: none). A batch of n never costs more than n single
+        tokens, so a copy kept in full costs no more than the target alone would for its tokens: such a
+        probe risks little even where no K seems to pay, and it times the long batches again. Timed
+        once at the start of a busy moment they can shut copying out for good (T(1), timed at every
+        step, falls back while T(17) does not: on a shared machine a whole file was then written by
+        the target alone, 150 steps, its copy in the prompt)."""
+        if acceptance < self.LONG_PROBE_ACCEPTANCE or candidate.match_length < self.LONG_PROBE_MATCH:
+            return 0
+        return min(len(candidate.tokens), copy_limit(candidate.match_length), self.LONG_PROBE_K)
 
     def right_guess_pays(self, k_max: int, alternative: float) -> bool:
         """Whether k <= k_max n-gram tokens, every one kept, would beat `alternative` (tokens/s). On a
-        CPU where a batch of n costs n tokens none does: then there is no probe, and no search."""
+        CPU where a batch of n costs n tokens none does: then no probe, but of a long copy."""
         return self.costs.best_batch_rate(k_max) > alternative
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams, rng,
                 guide: DraftGuide | None = None) -> tuple[list[int], list]:
         self.catch_up_seconds = 0.0
         k_max = min(k, self.k_max)
-        if self.right_guess_pays(k_max, self.alternative_rate()):
-            candidate = self.ngram.candidate(tokens, k_max)
-        else:  # the search (up to 64 tokens compared per place) would be wasted: only index what is new
-            self.ngram.remember(tokens)
-            candidate = None
+        # searched even where no K seems to pay (a long copy is still probed): replayed over an agent's
+        # 1,000-token session, the whole search and indexing took 0.1 s
+        candidate = self.ngram.candidate(tokens, k_max)
         if candidate is not None and candidate.tokens:
             bucket = bucket_of(candidate)
             k_ngram = self.ngram_k(candidate, bucket)
