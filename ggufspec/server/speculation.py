@@ -76,7 +76,7 @@ def time_costs_before_serving(decoder, defaults: dict) -> float:
     if costs.warm:
         return 0.0
     started = time.perf_counter()
-    token = decoder.tokenize("def")[0]
+    token = (decoder.tokenize("def") or [0])[0]  # any token: what is timed is the batch size
     measure_step_costs(decoder.target, decoder.draft if uses_model else None, costs, sizes=STARTUP_SIZES,
                        token=token, budget_seconds=STARTUP_BUDGET_S)
     _share_target_costs(decoder.costs, costs)
