@@ -128,9 +128,9 @@ def test_controller_picks_zero_for_an_unrelated_draft(tiny_pair, tmp_path, monke
     asked, accepted = [], []  # sequence lengths at which the draft model proposed
     real = ModelDrafter.propose
 
-    def spy(self, tokens, k, params, rng):
+    def spy(self, tokens, k, params, rng, guide=None):
         asked.append(len(tokens))
-        return real(self, tokens, k, params, rng)
+        return real(self, tokens, k, params, rng, guide)
     monkeypatch.setattr(ModelDrafter, "propose", spy)
     with SpeculativeDecoder(tiny_pair[0], unrelated, n_ctx=512, n_threads=1) as decoder:
         out = decoder.generate([1, 260, 261], n_predict=200, n_draft="auto")
