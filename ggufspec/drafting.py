@@ -255,6 +255,15 @@ class Costs:
         return best_possible > 1.05 / batch(1)
 
 
+def copy_limit(match_length: int) -> int:
+    """The most n-gram tokens worth risking on a match of this length: 2m + 4. A copy's evidence is how
+    much of it already agrees; a bucket's acceptance is an average over its matches, and one that
+    learned high on long copies (6 agreeing tokens are often the restart of a copied file after an
+    edit) otherwise proposed 64 tokens where the text went elsewhere: T(65), 11 T(1), for nothing.
+    Doubling as the agreement grows reaches 64 tokens a few steps into a copy (a TCP-like slow start)."""
+    return 2 * match_length + 4
+
+
 def _batch_model(measured: dict[int, float]):
     """T(n) from the least times measured for some sizes: those where measured, straight lines
     between neighbouring sizes elsewhere, and beyond the largest the slope of the last two. Not one
@@ -383,9 +392,12 @@ class AutoDrafting:
     PROBE_FIRST, PROBE_LONGEST = 4, 64  # candidates between probes of a bucket that does not pay
     # n-gram proposals are free to draft, and on a CPU a batch of 17 cost about 5 single tokens
     # (T(n) flattens where llama.cpp's batched kernels take over): a long copy is proposed in long
-    # steps, up to this many tokens even where --draft-max (the draft model's K) is lower
-    NGRAM_K_MAX = 16
+    # steps, up to this many tokens even where --draft-max (the draft model's K) is lower. 64, as
+    # llama.cpp's ngram-mod (ngram-simple: 48): on an agent's whole-file rewrite, replayed with the
+    # demo pair's T(n), 16 gave 2.75x the target alone and 64 3.24x (fewer, longer verifications)
+    NGRAM_K_MAX = 64
     PROBE_MAX_LAG = 8  # tokens the draft model may have to catch up for a probe of it
+    LONG_PROBE_MATCH, LONG_PROBE_ACCEPTANCE, LONG_PROBE_K = 16, 0.8, 16  # see long_copy_probe
 
     def __init__(self, ngram: NgramDrafter, model: ModelDrafter | None, costs: Costs, k_max: int):
         self.ngram, self.model, self.costs = ngram, model, costs
@@ -423,7 +435,7 @@ class AutoDrafting:
         a = min(self.tallies.acceptance(bucket), 0.999)
         alternative = self.alternative_rate()
         best_k, best_rate = 0, alternative
-        for k in range(1, len(candidate.tokens) + 1):
+        for k in range(1, min(len(candidate.tokens), copy_limit(candidate.match_length)) + 1):
             rate = expected_tokens(a, k) / batch(k + 1)
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -431,28 +443,38 @@ class AutoDrafting:
         if best_k:
             wait[:] = [0, self.PROBE_FIRST]
             return best_k
-        if not self.right_guess_pays(len(candidate.tokens), alternative):  # no probe where none could pay
-            return 0
+        long_probe = self.long_copy_probe(candidate, a)
+        if not long_probe and not self.right_guess_pays(len(candidate.tokens), alternative):
+            return 0  # no probe where none could pay
         wait[0] += 1
         if wait[0] < wait[1]:
             return 0
         wait[:] = [0, min(2 * wait[1], self.PROBE_LONGEST)]  # reset to the first interval if it is kept
-        return 1
+        return long_probe or 1
+
+    def long_copy_probe(self, candidate, acceptance: float) -> int:
+        """Tokens for a probe of a long copy (0: none). A batch of n never costs more than n single
+        tokens, so a copy kept in full costs no more than the target alone would for its tokens: such a
+        probe risks little even where no K seems to pay, and it times the long batches again. Timed
+        once at the start of a busy moment they can shut copying out for good (T(1), timed at every
+        step, falls back while T(17) does not: on a shared machine a whole file was then written by
+        the target alone, 150 steps, its copy in the prompt)."""
+        if acceptance < self.LONG_PROBE_ACCEPTANCE or candidate.match_length < self.LONG_PROBE_MATCH:
+            return 0
+        return min(len(candidate.tokens), copy_limit(candidate.match_length), self.LONG_PROBE_K)
 
     def right_guess_pays(self, k_max: int, alternative: float) -> bool:
         """Whether k <= k_max n-gram tokens, every one kept, would beat `alternative` (tokens/s). On a
-        CPU where a batch of n costs n tokens none does: then there is no probe, and no search."""
+        CPU where a batch of n costs n tokens none does: then no probe, but of a long copy."""
         return self.costs.best_batch_rate(k_max) > alternative
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams, rng,
                 guide: DraftGuide | None = None) -> tuple[list[int], list]:
         self.catch_up_seconds = 0.0
         k_max = min(k, self.k_max)
-        if self.right_guess_pays(k_max, self.alternative_rate()):
-            candidate = self.ngram.candidate(tokens, k_max)
-        else:  # the search (up to 64 tokens compared per place) would be wasted: only index what is new
-            self.ngram.remember(tokens)
-            candidate = None
+        # searched even where no K seems to pay (a long copy is still probed): replayed over an agent's
+        # 1,000-token session, the whole search and indexing took 0.1 s
+        candidate = self.ngram.candidate(tokens, k_max)
         if candidate is not None and candidate.tokens:
             bucket = bucket_of(candidate)
             k_ngram = self.ngram_k(candidate, bucket)

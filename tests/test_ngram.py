@@ -107,11 +107,20 @@ def test_auto_drafts_long_copies_and_probes_cheaply():
         sizes.append(len(stingy.propose(tokens, 8, GREEDY, None)[0]))
         stingy.observe(sizes[-1], 0, 0.0, 1e-3 * (1 + 0.05 * sizes[-1]))
     assert set(sizes) <= {0, 1} and 1 <= sum(sizes) <= 5, sizes
-    # where not even a right guess could pay (a batch of n costs n tokens), nothing, not even a probe
+    # where not even a right guess could pay (a batch of n costs n tokens), nothing but, now and then,
+    # a long copy (kept in full, it costs what the target alone would: a free check of the costs)
+    hopeless = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, compute_bound_costs(), k_max=8)
+    sizes = []
+    for _ in range(20):
+        hopeless.choose(8)
+        sizes.append(len(hopeless.propose(tokens, 8, GREEDY, None)[0]))
+        hopeless.observe(0, 0, 0.0, 1e-3)
+    assert sum(1 for n in sizes if n) <= 2 and all(n in (0, 8) for n in sizes), sizes  # K = 8 asked
+    short_match = [1, 5, 6, 7, 260, 261, 9, 260, 261]  # 260 261 seen once before: a 2-token match
     hopeless = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, compute_bound_costs(), k_max=8)
     for _ in range(20):
         hopeless.choose(8)
-        assert hopeless.propose(tokens, 8, GREEDY, None) == ([], [])
+        assert hopeless.propose(short_match, 8, GREEDY, None) == ([], [])
         hopeless.observe(0, 0, 0.0, 1e-3)
 
 

@@ -212,6 +212,11 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
         sock = listen(host, port)  # a port in use fails before the models load
     with open_session(opts, requests_choose_drafting=True) as session:
         defaults = stream_options(opts)
+        from ..server.speculation import time_costs_before_serving
+        timed = time_costs_before_serving(session.decoder, defaults)  # not on the first request's clock
+        if timed:
+            click.echo(f"ggufspec: timed the step costs for --draft auto in {timed:.1f} s (remembered in "
+                       f"costs.json)", err=True)
         target = Path(session.target_path)
         app = create_app(session.decoder, model_name=session.name, defaults=defaults, max_queue=max_queue,
                          aliases=(target.name, target.stem),

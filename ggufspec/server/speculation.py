@@ -3,6 +3,7 @@ token came from and in which step, how much of the prompt the cache held, the ti
 from __future__ import annotations
 
 import statistics
+import time
 
 from ..stats import Stats
 
@@ -50,3 +51,47 @@ def time_estimate(decoder, drafter: str, stats: Stats) -> dict | None:
     return {"t1_ms": t1 * 1000, "target_alone_ms": alone * 1000, "decode_ms": stats.decode_seconds * 1000,
             "saved_ms": (alone - stats.decode_seconds) * 1000, "speedup": alone / stats.decode_seconds,
             "target_alone": stats.n_drafted == 0}  # nothing drafted: the target alone, whatever the figures say
+
+
+# ---------------------------------------------------------------- step costs timed before serving
+# `--draft auto` prices every proposal with the target's batch costs T(n). A decoder that has none
+# for this pair, threads and offload (costs.json) times them before its first generation: 3.2-3.6 s
+# on the demo pair at 2 threads, which a server's first request used to wait for. A server times
+# them once, before it says it is serving; every later start reads them from costs.json.
+
+STARTUP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # up to the longest n-gram copy auto proposes (AutoDrafting.NGRAM_K_MAX)
+STARTUP_BUDGET_S = 6.0  # nobody waits yet, but a start should stay short on a slow machine
+
+
+def time_costs_before_serving(decoder, defaults: dict) -> float:
+    """Time the step costs the server's default drafting needs, when this machine has none yet.
+    Returns the seconds spent (0: remembered, or no `auto` drafting to price)."""
+    from ..drafting import Costs
+    from ..speculate import measure_step_costs
+    drafter = defaults.get("drafter", "model")
+    uses_model = drafter != "lookup"
+    if defaults.get("n_draft") != "auto" or (uses_model and decoder.draft is None):
+        return 0.0
+    costs = decoder.costs.setdefault(drafter, Costs())
+    if costs.warm:
+        return 0.0
+    started = time.perf_counter()
+    token = (decoder.tokenize("def") or [0])[0]  # any token: what is timed is the batch size
+    measure_step_costs(decoder.target, decoder.draft if uses_model else None, costs, sizes=STARTUP_SIZES,
+                       token=token, budget_seconds=STARTUP_BUDGET_S)
+    _share_target_costs(decoder.costs, costs)
+    return time.perf_counter() - started
+
+
+def _share_target_costs(by_drafter: dict, measured) -> None:
+    """T(n) is the target's, whichever drafter proposes: a request choosing another drafter starts
+    from these too (one with a draft model only where the draft's time was measured as well)."""
+    from ..drafting import Costs
+    for name in ("model", "lookup", "hybrid"):
+        other = by_drafter.setdefault(name, Costs())
+        if other is measured or other.warm or (name != "lookup" and not measured.draft_times):
+            continue
+        for n, times in measured.batch_times.items():
+            for seconds in times:
+                other.add_batch(n, seconds)
+        other.draft_times.extend(measured.draft_times)

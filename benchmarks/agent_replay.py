@@ -1,0 +1,154 @@
+"""An agent session's drafting replayed without the load of a shared machine (docs/benchmarks.md, issue 29).
+
+    # record: each turn's prompt and the target's greedy answer (n-gram lookup: lossless, quicker)
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_replay.py record --session inventory.py --out turns.json
+    # replay: n-gram policies over those turns, each step priced by a fixed T(n) table
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_replay.py replay turns.json
+
+A replayed step proposes what the policy proposes after the sequence so far, keeps the proposals that
+agree with the recorded answer and adds the target's own token, as `speculate` does; its time is
+T(k + 1) from the table. Policies: llama.cpp's ngram-simple (common/ngram-map.cpp: the last 12 tokens'
+latest earlier place, up to 48 tokens copied, none below 12) and `--draft auto` over n-gram lookup
+(`drafting.AutoDrafting`, the engine's own code), with several NGRAM_K_MAX and without the copy limit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# T(n) / T(1) on the AMD EPYC at 2 threads: T(3), T(9) and T(17) measured (drafting._batch_model's
+# note), the rest interpolated, T(33) and T(49) extrapolated (assumed)
+AMD_RATIOS = {1: 1.0, 2: 1.45, 3: 2.1, 4: 2.3, 8: 3.2, 9: 3.4, 16: 4.4, 17: 4.5, 32: 6.7, 48: 9.0}
+
+
+def record(session_id: str, out: str, threads: int) -> None:
+    import agent_bench as bench
+    from ggufspec import load
+    from ggufspec.ngram import NgramPool
+    from ggufspec.speculate import SpeculativeDecoder
+    script = json.loads(bench.SESSIONS.read_text())
+    session = next(s for s in script["sessions"] if s["id"] == session_id)
+    target, _ = bench.demo_pair()
+    turns, messages = [], bench.opening(script, session)
+    with SpeculativeDecoder(str(target), None, n_ctx=4096, n_threads=threads) as decoder:
+        decoder.ngram_pool = NgramPool()
+        for number, turn in enumerate(session["turns"]):
+            if number:
+                messages.append({"role": "user", "content": turn["user"]})
+            prompt = load.render_chat(decoder.target_llm, messages, tools=script["tools"])
+            answer = decoder.generate(prompt, n_predict=turn["max_tokens"], n_draft="auto", drafter="lookup")
+            turns.append({"prompt": decoder.tokenize(prompt), "answer": answer.tokens})
+            messages.append({"role": "assistant", "content": answer.text})
+    Path(out).write_text(json.dumps(turns))
+
+
+def batch_time(ratios: dict[int, float]):
+    sizes = sorted(ratios)
+
+    def T(n: int) -> float:
+        if n in ratios:
+            return ratios[n]
+        if n > sizes[-1]:  # the slope of the last two
+            a, b = sizes[-2], sizes[-1]
+            return ratios[b] + (ratios[b] - ratios[a]) * (n - b) / (b - a)
+        low, high = max(s for s in sizes if s < n), min(s for s in sizes if s > n)
+        return ratios[low] + (ratios[high] - ratios[low]) * (n - low) / (high - low)
+    return T
+
+
+def ngram_simple(sequence: list[int], n: int = 12, m: int = 48) -> list[int]:
+    """llama.cpp's common_ngram_simple_draft."""
+    length = len(sequence)
+    if length <= n + m + 1:
+        return []
+    pattern = sequence[-n:]
+    for j in range(length - n - 1, 0, -1):
+        if sequence[j:j + n] == pattern:
+            copy = min(m, length - (j + n))
+            return sequence[j + n:j + n + copy] if copy >= n else []
+    return []
+
+
+def replay(turns: list[dict], T, propose, observe=lambda k, kept, seconds, state: None) -> dict:
+    seconds = steps = drafted = kept_total = 0
+    for turn in turns:
+        sequence, answer, i = list(turn["prompt"]), turn["answer"], 0
+        start = propose.start() if hasattr(propose, "start") else None
+        while i < len(answer):
+            proposals = propose(sequence, len(answer) - i - 1, start)[:len(answer) - i - 1]
+            kept = 0
+            while kept < len(proposals) and proposals[kept] == answer[i + kept]:
+                kept += 1
+            cost = T(len(proposals) + 1)
+            observe(len(proposals), kept, cost, start)
+            seconds, steps, drafted, kept_total = seconds + cost, steps + 1, drafted + len(proposals), kept_total + kept
+            sequence += answer[i:i + kept + 1]
+            i += kept + 1
+    return {"time": seconds, "steps": steps, "drafted": drafted, "kept": kept_total}
+
+
+class AutoLookup:
+    """--draft auto over n-gram lookup, the engine's AutoDrafting, its costs from the table."""
+
+    def __init__(self, T, k_max: int, copy_limit: bool = True):
+        from ggufspec import drafting, ngram
+        self.drafting, self.T = drafting, T
+        self.costs = drafting.Costs()
+        for n in (1, 2, 4, 8, 16, 32, 64):
+            for _ in range(3):
+                self.costs.add_batch(n, T(n))
+        self.pool, self.k_max, self.copy_limit = ngram.NgramPool(), k_max, copy_limit
+        self.ngram = ngram
+
+    def start(self):
+        self.drafting.AutoDrafting.NGRAM_K_MAX = self.k_max
+        auto = self.drafting.AutoDrafting(self.ngram.NgramDrafter(1 << 20, self.pool), None, self.costs, 8)
+        if not self.copy_limit:
+            auto.long_copy_probe = lambda candidate, acceptance: 0
+            self.drafting.copy_limit = lambda match_length: 1 << 20
+        return auto
+
+    def __call__(self, sequence, room, auto):
+        from ggufspec.sampling import SamplingParams
+        k = auto.choose(min(room, 511)) if room > 0 else 0
+        return auto.propose(sequence, k, SamplingParams(temperature=0), None)[0] if k > 0 else []
+
+    @staticmethod
+    def observe(k, kept, seconds, auto):
+        auto.observe(k, kept, 0.0, seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("--session", default="inventory.py")
+    rec.add_argument("--out", required=True)
+    rec.add_argument("--threads", type=int, default=1)
+    rep = sub.add_parser("replay")
+    rep.add_argument("turns")
+    args = parser.parse_args()
+    if args.command == "record":
+        return record(args.session, args.out, args.threads)
+    turns = json.loads(Path(args.turns).read_text())
+    T = batch_time(AMD_RATIOS)
+    alone = sum(len(t["answer"]) for t in turns) * T(1)
+    from ggufspec import drafting
+    limit = drafting.copy_limit
+    rows = [("llama.cpp ngram-simple", replay(turns, T, lambda seq, room, _: ngram_simple(seq)))]
+    for k_max, limited in ((16, False), (64, False), (64, True)):
+        policy = AutoLookup(T, k_max, limited)
+        rows.append((f"auto lookup, K up to {k_max}" + (", copy limit and long probes" if limited else ""),
+                     replay(turns, T, policy, policy.observe)))
+        drafting.copy_limit = limit
+    print(f"{sum(len(t['answer']) for t in turns)} tokens in {len(turns)} turns; T(n) = AMD ratios x T(1)")
+    for name, r in rows:
+        print(f"{name:50s} {alone / r['time']:.2f}x the target alone, {r['steps']} steps, {r['kept']}/{r['drafted']} kept")
+
+
+if __name__ == "__main__":
+    main()
