@@ -115,7 +115,7 @@ class AutoLookup:
     def __call__(self, sequence, room, auto):
         from ggufspec.sampling import SamplingParams
         k = auto.choose(min(room, 511)) if room > 0 else 0
-        return auto.propose(sequence, k, SamplingParams(temperature=0), None)[0] if k > 0 else []
+        return auto.propose(sequence, k, SamplingParams(temperature=0), None) if k > 0 else []
 
     @staticmethod
     def observe(k, kept, seconds, auto):

@@ -94,13 +94,13 @@ class ModelDrafter:
         self.catch_up_seconds = 0.0  # of the last proposal: evaluating what the draft skipped while idle
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams, draws: Draws,
-                guide: DraftGuide | None = None) -> tuple[list[int], list]:
-        """Up to k proposals after `tokens` (and, sampling, the q each was drawn from). Sampling, each
+                guide: DraftGuide | None = None) -> list[int]:
+        """Up to k proposals after `tokens`. Sampling, each
         proposal is drawn with the target's draw for its position (`sampling.Draws`), so that it is the
         target's own pick wherever q is close to p. `guide`: the request's constraints over the
         draft's rows (see `processing.DraftGuide`)."""
         if k <= 0:
-            return [], []
+            return []
         ctx = self.context
         lag = len(tokens) - ctx.n_past
         self.catch_up_seconds = 0.0
@@ -108,21 +108,21 @@ class ModelDrafter:
         try:
             ctx.decode(tokens[ctx.n_past:], n_logits=1)  # catch up on what the draft has not seen
         except DecodeError:  # the draft's context is full (a bridged vocabulary takes more tokens)
-            return [], []     # the target goes on alone
+            return []     # the target goes on alone
         # the catch-up after sitting idle is not a per-token cost, but its last token is the one every
         # step evaluates (the first proposal comes from it): only the rest is left out of the draft's time
         self.catch_up_seconds = (time.perf_counter() - t0) * (lag - 1) / lag if lag > self.CATCH_UP else 0.0
         ctx.checkpoint(upcoming=k - 1)  # memory that cannot drop a suffix saves its state first
         guide = guide if guide is not None and guide.fits(ctx.n_vocab) else None
         with guide if guide is not None else contextlib.nullcontext():
-            proposals, draft_probs = self._draft(tokens, k, params, draws, guide)
+            proposals = self._draft(tokens, k, params, draws, guide)
         if len(proposals) < min(self.n_min, k):  # too short to be worth a verification
-            return [], []
-        return proposals, draft_probs
+            return []
+        return proposals
 
-    def _draft(self, tokens, k, params, draws, guide) -> tuple[list[int], list]:
+    def _draft(self, tokens, k, params, draws, guide) -> list[int]:
         """One token at a time from the draft's own (guided) row, until k, or unsure (p_min)."""
-        ctx, proposals, draft_probs = self.context, [], []
+        ctx, proposals = self.context, []
         while True:
             raw = ctx.logits(0)
             if guide is not None:  # the sequence is copied only where the penalties read it
@@ -140,7 +140,6 @@ class ModelDrafter:
                 token = draws.pick(q, len(tokens) + len(proposals))
                 if self.p_min > 0 and q[token] < self.p_min and proposals:
                     break
-                draft_probs.append(q)
             proposals.append(token)
             if len(proposals) == k or ctx.n_past + 1 >= ctx.n_ctx or (guide is not None and not guide.accept(token)):
                 break
@@ -148,7 +147,7 @@ class ModelDrafter:
                 ctx.decode([token], n_logits=1)
             except DecodeError:
                 break
-        return proposals, draft_probs
+        return proposals
 
 
 def _softmax_at(logits: np.ndarray, token: int) -> float:
@@ -468,8 +467,8 @@ class AutoDrafting:
         CPU where a batch of n costs n tokens none does: then no probe, but of a long copy."""
         return self.costs.best_batch_rate(k_max) > alternative
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams, rng,
-                guide: DraftGuide | None = None) -> tuple[list[int], list]:
+    def propose(self, tokens: list[int], k: int, params: SamplingParams, draws: Draws,
+                guide: DraftGuide | None = None) -> list[int]:
         self.catch_up_seconds = 0.0
         k_max = min(k, self.k_max)
         # searched even where no K seems to pay (a long copy is still probed): replayed over an agent's
@@ -483,13 +482,13 @@ class AutoDrafting:
                 proposals = candidate.tokens[:k_ngram]
                 if guide is not None:
                     proposals = proposals[:guide.allowed_prefix(proposals)]
-                return proposals, self.ngram.point_masses(proposals, params)
+                return proposals
         self._source = "model" if self._model_choice > 0 and self._model_may_draft(tokens) else None
         if self._source is None:
-            return [], []
-        proposals, probs = self.model.propose(tokens, min(k, self._model_choice), params, rng, guide)
+            return []
+        proposals = self.model.propose(tokens, min(k, self._model_choice), params, draws, guide)
         self.catch_up_seconds = self.model.catch_up_seconds
-        return proposals, probs
+        return proposals
 
     def _model_may_draft(self, tokens: list[int]) -> bool:
         """The draft model's K stands where it expects to pay; a probe (K > 0 though K = 0 has the

@@ -295,7 +295,7 @@ class MtpDrafter(ModelDrafter):
         super().__init__(context, p_min, n_min)
         self.CATCH_UP = ModelDrafter.CATCH_UP
 
-    def propose(self, tokens, k, params, rng, guide=None):
-        proposals, probs = super().propose(tokens, k, params, rng, guide)
+    def propose(self, tokens, k, params, draws, guide=None):
+        proposals = super().propose(tokens, k, params, draws, guide)
         self.CATCH_UP = max(k, 1) + 1
-        return proposals, probs
+        return proposals

@@ -20,7 +20,6 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-import numpy as np
 
 from .errors import GgufspecError
 
@@ -30,12 +29,6 @@ MAX_MATCH = 64                # how far back a match's agreement is measured
 POOL_ORDERS = (8, 3)          # the pool's n-gram sizes, longest first
 DEFAULT_POOL_SIZE = 1 << 20   # slots: 12 MiB (an 8-byte key and a 4-byte token each)
 EMPTY = -1
-
-
-def _point_mass(token: int, n_vocab: int) -> np.ndarray:
-    q = np.zeros(n_vocab)
-    q[token] = 1.0
-    return q
 
 
 @dataclass(frozen=True)
@@ -194,14 +187,11 @@ class NgramDrafter:
         found = self.candidate(tokens, k)
         return found.tokens if found else []
 
-    def point_masses(self, proposals: list[int], params) -> list:
-        return [] if params.greedy else [_point_mass(t, self.n_vocab) for t in proposals]
-
-    def propose(self, tokens: list[int], k: int, params, rng, guide=None) -> tuple[list[int], list]:
+    def propose(self, tokens: list[int], k: int, params, draws, guide=None) -> list[int]:
         proposals = self.match(tokens, k)
         if guide is not None:  # cut before the first token the request's grammar or bias forbids
             proposals = proposals[:guide.allowed_prefix(proposals)]
-        return proposals, self.point_masses(proposals, params)
+        return proposals
 
 
 class HybridDrafter:
@@ -212,14 +202,14 @@ class HybridDrafter:
         self.context = model.context
         self.catch_up_seconds = 0.0
 
-    def propose(self, tokens, k, params, rng, guide=None):
-        proposals, probs = self.lookup.propose(tokens, k, params, rng, guide)
+    def propose(self, tokens, k, params, draws, guide=None) -> list[int]:
+        proposals = self.lookup.propose(tokens, k, params, draws, guide)
         if proposals:
             self.catch_up_seconds = 0.0
-            return proposals, probs
-        proposals, probs = self.model.propose(tokens, k, params, rng, guide)
+            return proposals
+        proposals = self.model.propose(tokens, k, params, draws, guide)
         self.catch_up_seconds = self.model.catch_up_seconds
-        return proposals, probs
+        return proposals
 
 
 # ---------------------------------------------------------------- how often n-gram proposals are kept

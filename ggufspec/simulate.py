@@ -337,7 +337,7 @@ class _TraceDraft:
         self.n_past = trace.n_prompt - 1  # the prompt (less its last token) is cached: bench reuses it
         self.seconds = self.catch_up_seconds = 0.0  # of the last proposal, catching up included
 
-    def propose(self, tokens, k, params, rng, guide=None):
+    def propose(self, tokens, k, params, draws, guide=None):
         length, i = len(tokens), len(tokens) - self.trace.n_prompt
         lag = length - self.n_past
         catch_up = self.curve.draft_batch(lag)
@@ -350,7 +350,7 @@ class _TraceDraft:
         self.n_past = length + evaluated
         self.seconds = catch_up + evaluated * self.curve.t_draft + n * self.curve.row_seconds
         kept = min(n, run)
-        return self.sequence[length:length + kept] + [-1] * (n - kept), []
+        return self.sequence[length:length + kept] + [-1] * (n - kept)
 
 
 class Process:
@@ -387,7 +387,7 @@ def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy, process:
         k = controller.choose(limit - pos - 1) if drafting else 0  # a step adds up to k + 1 tokens
         length = trace.n_prompt + pos
         draft.seconds = draft.catch_up_seconds = 0.0  # the lookup drafts for free
-        proposals = drafter.propose(sequence[:length], k, params, None)[0] if k > 0 else []
+        proposals = drafter.propose(sequence[:length], k, params, None) if k > 0 else []
         n_accepted = common_prefix_length(proposals, sequence[length:length + len(proposals)])
         verify = curve.target(len(proposals) + 1) + (len(proposals) + 1) * curve.row_seconds
         if proposals:  # both caches are cut back to what was kept

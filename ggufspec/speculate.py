@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
 import llama_cpp
-import numpy as np
 
 from .errors import ContextFullError, GgufspecError
 from .native import Context
@@ -63,7 +62,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             # a step adds up to k + 1 tokens, verified in one batch (logits for every row: within n_batch)
             k = controller.choose(min(room, target.n_batch) - 1) if drafter is not None else 0
             t0 = time.perf_counter()
-            proposals, _ = drafter.propose(tokens, k, judge.params, judge.draws, guide) if k > 0 else ([], [])
+            proposals = drafter.propose(tokens, k, judge.params, judge.draws, guide) if k > 0 else []
             t1 = time.perf_counter()
             n_accepted, own_token, scores = _verify(target, tokens, proposals, judge)
             t2 = time.perf_counter()

@@ -121,8 +121,8 @@ def test_a_cached_mtp_context_drafts_as_a_fresh_one(mtp_model, decoders):
             dec.target.reuse_prefix(sequence[:-1])
             dec.target.decode(sequence[dec.target.n_past:-1], n_logits=0)
             dec.draft.reuse_prefix(sequence[:-1])
-        reused = MtpDrafter(decoder.draft).propose(sequence, 5, params, None)[0]
-        assert reused == MtpDrafter(fresh.draft).propose(sequence, 5, params, None)[0]
+        reused = MtpDrafter(decoder.draft).propose(sequence, 5, params, None)
+        assert reused == MtpDrafter(fresh.draft).propose(sequence, 5, params, None)
     mtp = decoder.draft  # its drafted entries read its own states: kept by no cut, even when accepted
     assert (mtp.n_true, mtp.n_past) == (len(sequence), len(sequence) + 4)
     mtp.keep(len(sequence) + 3)

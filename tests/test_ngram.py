@@ -93,7 +93,7 @@ def test_auto_drafts_long_copies_and_probes_cheaply():
     tokens = COPY_PROMPT + [260, 261, 262, 263]
     auto = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, memory_bound_costs(), k_max=8)
     auto.choose(8)
-    proposals, _ = auto.propose(tokens, 8, GREEDY, None)
+    proposals = auto.propose(tokens, 8, GREEDY, None)
     cycle = [264, 265, 266, 267, 268, 269] + list(range(260, 270))  # up to NGRAM_K_MAX = 16
     assert len(proposals) >= 8 and proposals == cycle[:len(proposals)]
     # where a bucket's proposals are seldom kept, only a one-token probe now and then
@@ -104,7 +104,7 @@ def test_auto_drafts_long_copies_and_probes_cheaply():
     sizes = []
     for _ in range(20):
         stingy.choose(8)
-        sizes.append(len(stingy.propose(tokens, 8, GREEDY, None)[0]))
+        sizes.append(len(stingy.propose(tokens, 8, GREEDY, None)))
         stingy.observe(sizes[-1], 0, 0.0, 1e-3 * (1 + 0.05 * sizes[-1]))
     assert set(sizes) <= {0, 1} and 1 <= sum(sizes) <= 5, sizes
     # where not even a right guess could pay (a batch of n costs n tokens), nothing but, now and then,
@@ -113,14 +113,14 @@ def test_auto_drafts_long_copies_and_probes_cheaply():
     sizes = []
     for _ in range(20):
         hopeless.choose(8)
-        sizes.append(len(hopeless.propose(tokens, 8, GREEDY, None)[0]))
+        sizes.append(len(hopeless.propose(tokens, 8, GREEDY, None)))
         hopeless.observe(0, 0, 0.0, 1e-3)
     assert sum(1 for n in sizes if n) <= 2 and all(n in (0, 8) for n in sizes), sizes  # K = 8 asked
     short_match = [1, 5, 6, 7, 260, 261, 9, 260, 261]  # 260 261 seen once before: a 2-token match
     hopeless = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, compute_bound_costs(), k_max=8)
     for _ in range(20):
         hopeless.choose(8)
-        assert hopeless.propose(short_match, 8, GREEDY, None) == ([], [])
+        assert hopeless.propose(short_match, 8, GREEDY, None) == []
         hopeless.observe(0, 0, 0.0, 1e-3)
 
 
