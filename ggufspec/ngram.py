@@ -20,7 +20,6 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-
 from .errors import GgufspecError
 
 SEQUENCE_ORDERS = (16, 6, 2)  # indexed n-gram sizes, longest first: a long one finds the copied place
