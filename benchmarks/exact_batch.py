@@ -1,107 +1,100 @@
-"""Where a verification batch's logits leave the single-token ones, and what making them equal costs.
+"""What `--exact` costs, and what it buys: batch vs single-token logits, and batch times, per mode.
 
-For each load setting (weight repacking on/off: llama.cpp's --no-repack, i.e. use_extra_bufts; flash
-attention on/off), on one model:
-  - max |logits of N tokens evaluated in one batch - the same N evaluated one at a time|, over several
-    prompts (0.0: a verification batch decides exactly what the target alone decides);
-  - the time of a single-token step (decode speed) and of a batch of 4 (a K=3 verification), as
-    medians over interleaved rounds (the machine is shared: the ratios hold, absolute times don't).
+Modes, each in a process of its own (llama.cpp reads its tiled-matmul switch once per process):
+  default  llama.cpp's CPU kernels (weights repacked, tiled K-quant matmul from 8 rows up)
+  exact    --exact: neither (load.exact_kernels), flash attention on
+  strict   --strict: micro-batches of one token (n_ubatch = 1)
+For each: max |logits of n tokens in one batch - the same n one at a time| (n = 3, 8, 17), and the
+median time of a batch of n tokens after a short prompt, n = 1, 4, 9, 17, 65 (verifications of
+K = 0, 3, 8, 16, 64) and 256 (a prompt). Rounds interleave the modes (the machine is shared: the
+ratios hold, the absolute times don't).
 
-    python benchmarks/exact_batch.py [-m target.gguf] [-t 2] [--rounds 5]   # default: the demo target
+    python benchmarks/exact_batch.py [-m target.gguf] [-t 2] [--rounds 2]   # default: the demo target
 """
 from __future__ import annotations
 
 import argparse
-import itertools
-import platform
+import json
 import statistics
+import subprocess
+import sys
 import time
 
-import numpy as np
-
-from ggufspec.load import LoadParams, open_model, tokenize
-from ggufspec.native import Context
-
-PROMPTS = ["def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[0]\n",
-           "The capital of France is Paris, and the capital of Germany is Berlin. The capital of Italy",
-           "import numpy as np\n\ndef softmax(x):\n    e = np.exp(x - x.max())\n",
-           "Once upon a time, in a small village at the edge of a great forest, there lived"]
-N_BATCH = 6
+SIZES = (1, 4, 9, 17, 65, 256)
+MODES = ("default", "exact", "strict")
+TEXT = ("def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[0]\n"
+        "    left = [x for x in arr if x < pivot]\n    right = [x for x in arr if x > pivot]\n"
+        "    return quicksort(left) + [pivot] + quicksort(right)\n")
 
 
-def demo_target() -> str:
-    from ggufspec import store
-    return str(store.demo_pair_paths(progress=False)[0])
+def measure(path: str, mode: str, threads: int) -> dict:
+    """One mode, in this process: the logit differences and the batch times."""
+    import numpy as np
 
-
-def open_context(path: str, threads: int, repack: bool, flash_attn: str) -> Context:
-    llm = open_model(path, "target", LoadParams(n_ctx=512, n_threads=threads, flash_attn=flash_attn, repack=repack))
-    return Context(llm, "target")
-
-
-def batch_vs_single(ctx: Context, prompt: list[int]) -> float:
-    """max |difference| between the logits of the prompt's last N_BATCH tokens in one batch and one at a time."""
-    head, tail = prompt[:-N_BATCH], prompt[-N_BATCH:]
-    ctx.keep(0)
-    ctx.decode(head, n_logits=0)
-    ctx.decode(tail, n_logits=N_BATCH)
-    batched = np.array([ctx.logits(i) for i in range(N_BATCH)])
-    ctx.keep(len(head))
-    single = []
-    for token in tail:
-        ctx.decode([token], n_logits=1)
-        single.append(ctx.logits(0).copy())  # a view of a buffer the next decode overwrites
-    return float(np.abs(batched - np.array(single)).max())
-
-
-def step_seconds(ctx: Context, prompt: list[int], n: int, repeats: int = 8) -> float:
-    """Median seconds of a batch of n tokens after the prompt (cut back after each)."""
-    ctx.keep(0)
-    ctx.decode(prompt, n_logits=0)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        ctx.decode(prompt[-n:], n_logits=n)
-        times.append(time.perf_counter() - t0)
-        ctx.keep(len(prompt))
-    return statistics.median(times[1:])
+    from ggufspec.load import LoadParams, open_model, tokenize
+    from ggufspec.native import Context
+    llm = open_model(path, "target", LoadParams(n_ctx=1024, n_threads=threads, exact=mode == "exact"),
+                     strict=mode == "strict")
+    ctx = Context(llm, "target")
+    tokens = tokenize(llm, TEXT)
+    worst = {}
+    for n in (3, 8, 17):
+        head, tail = tokens[:-n], tokens[-n:]
+        ctx.keep(0)
+        ctx.decode(head, n_logits=0)
+        ctx.decode(tail, n_logits=n)
+        batched = np.array([ctx.logits(i) for i in range(n)])
+        ctx.keep(len(head))
+        single = []
+        for token in tail:
+            ctx.decode([token], n_logits=1)
+            single.append(ctx.logits(0).copy())
+        worst[n] = float(np.abs(batched - np.array(single)).max())
+    times = {}
+    for n in SIZES:
+        runs = []
+        for _ in range(4):
+            ctx.keep(0)
+            ctx.decode(tokens[:16], n_logits=0)
+            t0 = time.perf_counter()
+            ctx.decode((tokens * 8)[:n], n_logits=1)
+            runs.append(time.perf_counter() - t0)
+        times[n] = statistics.median(runs[1:])
+    return {"diff": worst, "seconds": times}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-m", "--model", default=None)
     parser.add_argument("-t", "--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # a mode in this process
     args = parser.parse_args()
-    path = args.model or demo_target()
-    settings = list(itertools.product([True, False], ["on", "off"]))
-    contexts = {s: open_context(path, args.threads, *s) for s in settings}
-    prompts = [tokenize(next(iter(contexts.values())).llm, p) for p in PROMPTS]
-    diffs = {s: max(batch_vs_single(ctx, p) for p in prompts) for s, ctx in contexts.items()}
-    times = {(s, n): [] for s in settings for n in (1, 4)}
-    for _ in range(args.rounds):  # interleaved: each round times every setting
-        for s, ctx in contexts.items():
-            for n in (1, 4):
-                times[s, n].append(step_seconds(ctx, prompts[0], n))
-    t = {key: statistics.median(values) for key, values in times.items()}
-    print(f"model {path}; {args.threads} threads; CPU {cpu_name()}")
-    print("| repack | flash attn | max abs(batch - single) | T(1) ms | decode speed vs repack on, fa on | T(4)/T(1) |")
-    print("|---|---|---:|---:|---:|---:|")
-    for s in settings:
-        print(f"| {'on' if s[0] else 'off'} | {s[1]} | {diffs[s]:.3g} | {t[s, 1] * 1e3:.1f} | "
-              f"{t[(True, 'on'), 1] / t[s, 1]:.2f}x | {t[s, 4] / t[s, 1]:.2f} |")
+    if args.model is None:
+        from ggufspec import store
+        args.model = str(store.demo_pair_paths(progress=False)[0])
+    if args.one:
+        print(json.dumps(measure(args.model, args.one, args.threads)))
+        return
+    results = {mode: [] for mode in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            done = subprocess.run([sys.executable, __file__, "--one", mode, "-m", args.model, "-t", str(args.threads)],
+                                  capture_output=True, text=True, check=True)
+            results[mode].append(json.loads(done.stdout.splitlines()[-1]))
+    print(f"model {args.model}; {args.threads} threads; CPU {cpu_name()}")
+    print("| mode | max abs(batch - single), n = 3 / 8 / 17 | " + " | ".join(f"T({n}) ms" for n in SIZES) + " |")
+    print("|---|---|" + "---:|" * len(SIZES))
+    for mode, runs in results.items():
+        diff = " / ".join(f"{runs[0]['diff'][str(n)]:.3g}" for n in (3, 8, 17))
+        cells = [statistics.median(r["seconds"][str(n)] for r in runs) * 1e3 for n in SIZES]
+        print(f"| {mode} | {diff} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
 
 
 def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                flags = open("/proc/cpuinfo").read()
-                return f"{name} ({'AVX512' if 'avx512f' in flags else 'AVX2'})"
-    except OSError:
-        pass
-    return platform.processor()
+    text = open("/proc/cpuinfo").read()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    return f"{name} ({'AVX512' if 'avx512f' in text else 'AVX2'})"
 
 
 if __name__ == "__main__":

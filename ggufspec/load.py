@@ -40,11 +40,9 @@ class LoadParams:
     # load the GGUF's MTP (nextn) blocks too, for drafting with them (`mtp`); llama.cpp skips them by
     # default, and an MTP context over a model loaded without them aborts the process
     load_mtp: bool = False
-    # llama.cpp's weight repacking for the CPU's wide kernels (use_extra_bufts; --no-repack turns it
-    # off). Off, with flash attention on, a batch's logits equal the single-token ones on the CPU
-    # (same dot-product kernel per row): verification then decides exactly what the target alone
-    # does. None: `default_repack()`
-    repack: bool | None = None
+    # --exact: a batch computed by the kernels a single token uses, so that on the CPU a verification
+    # batch's logits equal the single-token ones bit for bit (see `exact_kernels`)
+    exact: bool = False
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -104,12 +102,14 @@ def _context_flash_attn(kind: int, n_rs_seq: int = 0):
         _internals.LlamaContext = original
 
 
-def default_repack() -> bool:
-    """--repack's default: llama.cpp's (on), except in an x86 build without AVX-512, where the repacked
-    kernels were measured no faster for a single token (docs/benchmarks.md: AMD EPYC, AVX2), so
-    leaving them out keeps a verification batch exact at no cost; with AVX-512 they are 25% faster."""
-    info = llama_cpp.llama_print_system_info().decode()
-    return "AVX512 = 1" in info or "AVX2 = 1" not in info
+def exact_kernels() -> None:
+    """Make llama.cpp's CPU backend compute a batch with the kernels of a single token, for models
+    loaded from now on. A batch differs from single tokens where it takes other kernels: weights
+    repacked for tiled products (llama_model_params.use_extra_bufts, switched off per model in
+    `_model_params`), and the tiled K-quant matmul taken from 8 rows up (GGML_CPU_TILED_MM=0, read
+    once per process, at its first matrix product: set here, before any). Flash attention must be
+    on: without it the attention's matrix products are batched too. Measured: docs/benchmarks.md."""
+    os.environ["GGML_CPU_TILED_MM"] = "0"
 
 
 def default_threads() -> int:
@@ -130,13 +130,17 @@ def check_gguf_file(path: str | os.PathLike, role: str) -> Path:
 
 def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict: bool = False) -> llama_cpp.Llama:
     path = check_gguf_file(path, role)
+    if params.exact:
+        if params.flash_attn == "off":
+            raise GgufspecError("--exact needs flash attention (-fa on or auto): without it attention is batched too")
+        exact_kernels()
     threads = params.n_threads or default_threads()
     quiet_llama_logs()
     try:
         options = dict(n_ctx=params.n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
                        logits_all=False, verbose=False, swa_full=params.swa_full)
-        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq), _model_params(params.load_mtp, default_repack() if params.repack is None else params.repack):
+        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq), _model_params(params.load_mtp, repack=not params.exact):
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 split = list(params.tensor_split) if params.tensor_split else None
                 return load_on_devices(path, params.devices, tensor_split=split, **options)

@@ -44,7 +44,7 @@ class ModelOptions:
     flash_attn: str = "auto"
     rpc: str | None = None              # HOST:PORT[,...]: the target's layers go to these workers
     strict: bool = False
-    repack: bool | None = None          # --no-repack: batches decide as single tokens do (CPU); None: load.default_repack
+    exact: bool = False                 # --exact: batches computed as single tokens are (CPU), greedy bit-identical
     swa_full: bool = False              # full-size caches for sliding-window layers (default: window-sized)
 
 
@@ -82,7 +82,7 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
                                 options.n_gpu_layers_draft, log)
     ngl, tensor_split = planned_rpc_split(target, options.rpc, ngl, options.n_ctx)
     decoder = open_decoder(target, draft, n_ctx=options.n_ctx, n_threads=options.n_threads, n_gpu_layers=ngl,
-                           n_gpu_layers_draft=ngld, strict=options.strict, repack=options.repack, flash_attn=options.flash_attn,
+                           n_gpu_layers_draft=ngld, strict=options.strict, exact=options.exact, flash_attn=options.flash_attn,
                            rpc=options.rpc, tensor_split=tensor_split, swa_full=options.swa_full)
     decoder.ngram_pool = pool  # n-grams of every request, for the next ones (`ngram`)
     return Session(decoder, pair or Path(target).stem, target, draft, draft_k, choice.as_dict())

@@ -268,7 +268,7 @@ class SpeculativeDecoder:
                  n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
                  check_vocab: bool = True, flash_attn: str = "auto", devices: Sequence | None = None,
                  tensor_split: Sequence[float] | None = None, costs_tag: str = "", swa_full: bool = False,
-                 repack: bool | None = None):
+                 exact: bool = False):
         from .load import LoadParams, check_compatible, check_gguf_file, flash_attn_type
         self._owned: list = []
         self._closed = False
@@ -283,7 +283,7 @@ class SpeculativeDecoder:
         self.n_gpu_layers = n_gpu_layers  # as loaded, for reports (bench passes them to llama.cpp's tools)
         self.n_gpu_layers_draft = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
         target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict,
-                                   flash_attn=flash_attn, devices=devices, swa_full=swa_full, load_mtp=mtp, repack=repack,
+                                   flash_attn=flash_attn, devices=devices, swa_full=swa_full, load_mtp=mtp, exact=exact,
                                    tensor_split=tuple(tensor_split) if tensor_split else None)
         draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full,
                                   n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)

@@ -57,10 +57,9 @@ def model_options(command):
                      help="Put the target's layers on these `ggufspec worker`s; the draft stays local."),
         click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
         click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower."),
-        click.option("--repack/--no-repack", " /-nr", "repack", default=None,
-                     help="Repack weights for the CPU's wide kernels (llama.cpp's default; ggufspec's too, except "
-                          "on x86 without AVX-512). --no-repack: a verification batch decides exactly as single "
-                          "tokens do (with flash attention on)."),
+        click.option("--exact", is_flag=True,
+                     help="On the CPU, compute verification batches with the single-token kernels: greedy text "
+                          "bit-identical to the target alone with the batch kept (prompt processing slower)."),
         click.option("--swa-full", is_flag=True, help="Full-size caches for sliding-window layers (default: "
                      "window-sized, as llama-server; rollback through checkpoints)."),
     )(command)
@@ -102,7 +101,7 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
                            draft_dir=opts.pop("draft_dir"), lookup_pool=opts.pop("lookup_pool"),
                            no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
                            n_gpu_layers=opts.pop("n_gpu_layers"), n_gpu_layers_draft=opts.pop("n_gpu_layers_draft"),
-                           flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"), repack=opts.pop("repack"),
+                           flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"), exact=opts.pop("exact"),
                            swa_full=opts.pop("swa_full"),
                            needs_draft_model=not opts["lookup"])
     if no_draft and not requests_choose_drafting:
