@@ -1,0 +1,62 @@
+"""A draft model whose vocabulary is smaller than the target's, seen through the target's token ids."""
+from __future__ import annotations
+
+import numpy as np
+
+from .native import Context, common_prefix_length
+
+
+class VocabBridge:
+    """The draft's context seen through the target's token ids, for a draft whose vocabulary is
+    smaller than the target's (llama.cpp pairs models whose sizes differ by up to 128).
+
+    Ids the draft has pass through unchanged (the compatibility check made sure their texts agree);
+    an id it lacks is given to it as its own tokenization of that token's text, zero or more draft
+    tokens. `ends[i]` is the draft cache's length after the sequence's first i + 1 tokens, so
+    cutting back (`keep`) and prefix reuse still count in the target's tokens, as for a plain Context.
+    """
+
+    def __init__(self, draft: Context, target: Context):
+        self.inner, self.target = draft, target
+        self.n_ctx, self.name = draft.n_ctx, draft.name
+        self.tokens: list[int] = []
+        self.ends: list[int] = []
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def _draft_ids(self, token: int) -> list[int]:
+        if token < self.inner.n_vocab:
+            return [token]
+        text = self.target.piece(token)
+        return self.inner.llm.tokenize(text, add_bos=False, special=False) if text else []
+
+    def decode(self, tokens, n_logits: int = 1) -> None:
+        ids, ends, end = [], [], len(self.inner.tokens)
+        for token in tokens:
+            ids += self._draft_ids(token)
+            ends.append(end + len(ids))
+        if ids:
+            self.inner.decode(ids, n_logits=min(n_logits, len(ids)))
+        self.tokens.extend(tokens)
+        self.ends.extend(ends)
+
+    def logits(self, row: int) -> np.ndarray:
+        return self.inner.logits(row)
+
+    def keep(self, n_tokens: int) -> None:
+        if n_tokens >= len(self.tokens):
+            return
+        self.inner.keep(self.ends[n_tokens - 1] if n_tokens else 0)
+        del self.tokens[n_tokens:], self.ends[n_tokens:]
+
+    def reuse_prefix(self, tokens) -> int:
+        self.keep(common_prefix_length(self.tokens, tokens))
+        return len(self.tokens)
+
+    def checkpoint(self, upcoming: int = 1, persistent: bool = False, force: bool = False) -> None:
+        self.inner.checkpoint(upcoming, persistent, force)
+
+    def close(self) -> None:
+        self.inner.close()
