@@ -45,7 +45,8 @@ def greedy_answer(server) -> str:
 
 
 def health(server) -> httpx.Response:
-    return httpx.get(server.url + "/health", timeout=10)
+    # 30 s: once in a CI rehearsal the front took over 10 s to answer while the model process reloaded
+    return httpx.get(server.url + "/health", timeout=30)
 
 
 def wait_healthy(server, seconds: float = 40) -> None:
