@@ -43,6 +43,11 @@ class LoadParams:
     # --exact: a batch computed by the kernels a single token uses, so that on the CPU a verification
     # batch's logits equal the single-token ones bit for bit (see `exact_kernels`)
     exact: bool = False
+    # sequences the context holds at once (serve --parallel's slots); above 1 they share one cache of
+    # n_ctx cells (llama.cpp's unified KV cache, llama-server's default): each may grow to n_ctx.
+    # Strict or exact: a cache of n_ctx cells per sequence instead, so that where a sequence's tokens
+    # lie in the cache (the order attention sums them in) does not depend on the other sequences
+    n_seq: int = 1
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -80,7 +85,7 @@ def _model_params(load_mtp: bool, repack: bool):
 
 
 @contextlib.contextmanager
-def _context_flash_attn(kind: int, n_rs_seq: int = 0):
+def _context_flash_attn(kind: int, n_rs_seq: int = 0, n_seq: int = 1, unified: bool = True):
     """Make the next llama context use flash-attention type `kind`.
 
     Llama(flash_attn=...) is a bool (on or off); llama.cpp's own default, auto (on where the
@@ -94,6 +99,8 @@ def _context_flash_attn(kind: int, n_rs_seq: int = 0):
         params.flash_attn_type = kind
         if n_rs_seq and hasattr(params, "n_rs_seq"):
             params.n_rs_seq = n_rs_seq
+        if n_seq > 1:
+            params.n_seq_max, params.kv_unified = n_seq, unified
         return original(*args, params=params, **kwargs)
     _internals.LlamaContext = with_flash_attn
     try:
@@ -137,10 +144,12 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     threads = params.n_threads or default_threads()
     quiet_llama_logs()
     try:
-        options = dict(n_ctx=params.n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
+        unified = not (strict or params.strict or params.exact)
+        n_ctx = params.n_ctx if unified else params.n_ctx * params.n_seq
+        options = dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
                        logits_all=False, verbose=False, swa_full=params.swa_full)
-        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq), _model_params(params.load_mtp, repack=not params.exact):
+        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), _model_params(params.load_mtp, repack=not params.exact):
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 split = list(params.tensor_split) if params.tensor_split else None
                 return load_on_devices(path, params.devices, tensor_split=split, **options)

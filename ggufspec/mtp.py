@@ -242,7 +242,7 @@ class MtpContext(Context):
         if start == self.n_true:
             self.n_true = start + n_target
         self.tokens.extend(tokens)
-        self._logit_rows, self._last_batch = n_logits, n
+        self._first_logit, self._last_batch = -n_logits, n
         self.n_evaluated += n
         self._remember_own_state(n, n_logits)
 

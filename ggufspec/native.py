@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import DecodeError
 
-_SEQ = 0  # one sequence per context
+_SEQ = 0  # a context's sequence id, unless it is one of several slots (`slots`)
 
 
 VERBOSE = os.environ.get("GGUFSPEC_VERBOSE", "") not in ("", "0")
@@ -80,18 +80,20 @@ class _Snapshot:
 
 
 class Context:
-    def __init__(self, llm: llama_cpp.Llama, name: str):
+    def __init__(self, llm: llama_cpp.Llama, name: str, seq: int = _SEQ, lockstep=None):
         self.llm = llm
         self.name = name
+        self.seq = seq            # its sequence id in the llama context (one per slot)
+        self.lockstep = lockstep  # where slots' decodes meet in one batch (`lockstep`); None: decode alone
         self.ctx = llm._ctx.ctx
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx)  # what one sequence may hold (`slots`: several)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
         self.tokens: list[int] = []  # what the KV cache holds, in order
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._logit_rows = 0
+        self._first_logit = 0  # the batch index of the last decode's logits row 0 (negative: from the end)
         self._pieces: dict[int, bytes] = {}
         self._logit_views: dict[int, np.ndarray] = {}
         model = llm._model.model
@@ -123,36 +125,42 @@ class Context:
             self._decode_chunk(chunk, n_logits if is_last else 0)
 
     def _decode_chunk(self, tokens: Sequence[int], n_logits: int) -> None:
-        batch = self._batch
         n = len(tokens)
-        first_logit = n - n_logits
+        start = len(self.tokens)
+        t0 = time.perf_counter()
+        if self.lockstep is not None and self.lockstep.is_member():  # in one batch with the other slots'
+            rc, self._first_logit = self.lockstep.decode(self, tokens, n_logits)
+        else:
+            rc, self._first_logit = self._decode_alone(tokens, n_logits), -n_logits
+            if n <= 8 and self.needs_snapshots:  # only a replay after a restore reads these (see _replay)
+                seconds = time.perf_counter() - t0
+                if seconds < self._least_seconds.get(n, float("inf")):
+                    self._least_seconds[n] = seconds
+        if rc != 0:
+            # 1: no KV slot (context full); 2: aborted; < 0: error. The cache may hold part of
+            # the batch: cut it back so the caller's view stays true.
+            llama_cpp.llama_memory_seq_rm(self.memory, self.seq, start, -1)
+            raise DecodeError(f"llama_decode failed on the {self.name} model (code {rc})")
+        self.tokens.extend(tokens)
+        self.n_evaluated += n
+        self._last_batch = n
+
+    def _decode_alone(self, tokens: Sequence[int], n_logits: int) -> int:
+        batch = self._batch
+        first_logit = len(tokens) - n_logits
         start = len(self.tokens)
         for i, token in enumerate(tokens):
             batch.token[i] = token
             batch.pos[i] = start + i
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = _SEQ
+            batch.seq_id[i][0] = self.seq
             batch.logits[i] = i >= first_logit
-        batch.n_tokens = n
-        t0 = time.perf_counter()
-        rc = llama_cpp.llama_decode(self.ctx, batch)
-        if n <= 8 and self.needs_snapshots:  # only a replay after a restore reads these (see _replay)
-            seconds = time.perf_counter() - t0
-            if seconds < self._least_seconds.get(n, float("inf")):
-                self._least_seconds[n] = seconds
-        if rc != 0:
-            # 1: no KV slot (context full); 2: aborted; < 0: error. The cache may hold part of
-            # the batch: cut it back so the caller's view stays true.
-            llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, start, -1)
-            raise DecodeError(f"llama_decode failed on the {self.name} model (code {rc})")
-        self.tokens.extend(tokens)
-        self._logit_rows = n_logits
-        self.n_evaluated += n
-        self._last_batch = n
+        batch.n_tokens = len(tokens)
+        return llama_cpp.llama_decode(self.ctx, batch)
 
     def logits(self, row: int) -> np.ndarray:
         """Logits of the row-th of the last decode's logit positions (a view, valid until the next decode)."""
-        index = row - self._logit_rows  # llama_get_logits_ith takes negatives from the end
+        index = self._first_logit + row  # llama_get_logits_ith takes negatives from the end
         address = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, index), ctypes.c_void_p).value
         if not address:
             raise DecodeError(f"no logits for row {row} of the {self.name} model")
@@ -203,10 +211,10 @@ class Context:
 
     def _save(self, snap: _Snapshot) -> bool:
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, _SEQ, flags)
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, self.seq, flags)
         if snap.buffer is None or len(snap.buffer) < size:
             snap.buffer = (ctypes.c_uint8 * max(size, 1))()
-        written = llama_cpp.llama_state_seq_get_data_ext(self.ctx, snap.buffer, size, _SEQ, flags) if size else 0
+        written = llama_cpp.llama_state_seq_get_data_ext(self.ctx, snap.buffer, size, self.seq, flags) if size else 0
         snap.pos, snap.size = (len(self.tokens), written) if written else (-1, 0)
         return bool(written)
 
@@ -224,10 +232,10 @@ class Context:
 
     def _restore(self, snap: _Snapshot) -> bool:
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        if not llama_cpp.llama_state_seq_set_data_ext(self.ctx, snap.buffer, snap.size, _SEQ, flags):
+        if not llama_cpp.llama_state_seq_set_data_ext(self.ctx, snap.buffer, snap.size, self.seq, flags):
             return False
         # the full-attention part of a hybrid or sliding-window memory is cut as usual
-        llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, snap.pos, -1)
+        llama_cpp.llama_memory_seq_rm(self.memory, self.seq, snap.pos, -1)
         del self.tokens[snap.pos:]
         self.n_restores += 1
         return True
@@ -236,7 +244,7 @@ class Context:
         """Whether a sliding-window cache cut back to n_tokens still holds the window before it."""
         if not self.n_swa or n_tokens == 0:
             return True
-        pos_min = llama_cpp.llama_memory_seq_pos_min(self.memory, _SEQ)
+        pos_min = llama_cpp.llama_memory_seq_pos_min(self.memory, self.seq)
         return 0 <= pos_min <= max(0, n_tokens - self.n_swa)
 
     def _cuttable(self, n_tokens: int) -> bool:
@@ -255,11 +263,11 @@ class Context:
     def _cut(self, n_tokens: int) -> bool:
         """Drop the suffix without re-evaluating anything, where the memory can."""
         if n_tokens == 0:
-            llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)
+            llama_cpp.llama_memory_seq_rm(self.memory, self.seq, 0, -1)
             return True
         if not self._cuttable(n_tokens):
             return False
-        if not llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, n_tokens, -1):
+        if not llama_cpp.llama_memory_seq_rm(self.memory, self.seq, n_tokens, -1):
             return False
         self._last_batch = 0  # llama.cpp's rollback snapshots are single-use
         return True
@@ -308,7 +316,7 @@ class Context:
         replay = self.tokens[:n_tokens]
         snap = self._best_snapshot(n_tokens)
         if snap is None or not self._restore(snap):
-            llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)  # nothing saved: from the start
+            llama_cpp.llama_memory_seq_rm(self.memory, self.seq, 0, -1)  # nothing saved: from the start
             del self.tokens[:]
         replay = replay[len(self.tokens):]
         self.n_replayed += len(replay)
@@ -338,7 +346,7 @@ class Context:
             else:
                 snap = self._best_snapshot(n)
                 if snap is None or not self._restore(snap):
-                    llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, 0, -1)
+                    llama_cpp.llama_memory_seq_rm(self.memory, self.seq, 0, -1)
                     del self.tokens[:]
         if len(tokens) > len(self.tokens):
             self._keep_branch_point()
@@ -364,7 +372,7 @@ class Context:
         if self.rollback == "cut":
             return True
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        return llama_cpp.llama_state_seq_get_size_ext(self.ctx, _SEQ, flags) > 0
+        return llama_cpp.llama_state_seq_get_size_ext(self.ctx, self.seq, flags) > 0
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))

@@ -28,6 +28,7 @@ from .drafting import (AdaptiveK, AutoDrafting, Costs, FixedK, HybridDrafter, Lo
                        VocabBridge)
 from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams
+from .stepcosts import COSTS_FILE, _costs_key, _load_costs, _save_costs  # noqa: F401  (speculate._costs_key)
 
 
 class Step(NamedTuple):
@@ -204,10 +205,12 @@ def _replay_and_decide(target: Context, draft: Context | None, tokens: list[int]
     t0 = time.perf_counter()
     n_keep = len(tokens) + len(kept) - 1
     target.keep_and_decode(n_keep, kept[-1:], n_logits=1)
+    # decided before the draft rewinds: with other slots (`lockstep`) the draft's re-evaluation waits
+    # for a round, in which their target tokens replace these logits
+    token, score = judge.decide(target.logits(0), tokens + kept, len(tokens) + len(kept))
     t1 = time.perf_counter()
     if draft is not None:
         draft.keep(n_keep)
-    token, score = judge.decide(target.logits(0), tokens + kept, len(tokens) + len(kept))
     return t1 - t0, time.perf_counter() - t1, token, score
 
 
@@ -268,7 +271,7 @@ class SpeculativeDecoder:
                  n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
                  check_vocab: bool = True, flash_attn: str = "auto", devices: Sequence | None = None,
                  tensor_split: Sequence[float] | None = None, costs_tag: str = "", swa_full: bool = False,
-                 exact: bool = False):
+                 exact: bool = False, n_parallel: int = 1):
         from .load import LoadParams, check_compatible, check_gguf_file, flash_attn_type
         self._owned: list = []
         self._closed = False
@@ -277,6 +280,9 @@ class SpeculativeDecoder:
             if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
                 check_gguf_file(model, role)
         flash_attn_type(flash_attn)  # a bad setting fails before loading anything
+        if n_parallel < 1 or (n_parallel > 1 and mtp):
+            raise GgufspecError(f"--parallel must be >= 1, got {n_parallel}" if n_parallel < 1 else
+                                "--parallel: MTP drafting runs one sequence at a time; give -md or --parallel 1")
         self.last_stats: Stats | None = None
         self._said_no_rollback = False  # a memory that cannot roll back is reported once, not every call
         self.placement: dict[str, int] | None = None  # target layers per host, when placed across RPC workers
@@ -284,8 +290,8 @@ class SpeculativeDecoder:
         self.n_gpu_layers_draft = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
         target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict,
                                    flash_attn=flash_attn, devices=devices, swa_full=swa_full, load_mtp=mtp, exact=exact,
-                                   tensor_split=tuple(tensor_split) if tensor_split else None)
-        draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full,
+                                   tensor_split=tuple(tensor_split) if tensor_split else None, n_seq=n_parallel)
+        draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, n_seq=n_parallel,
                                   n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
         try:
             self.target_llm = self._open(target, "target", target_params, strict)
@@ -301,6 +307,8 @@ class SpeculativeDecoder:
                     check_compatible(self.target, self.draft)
                 if self.draft.n_vocab < self.target.n_vocab:  # the text may hold ids the draft lacks
                     self.draft = VocabBridge(self.draft, self.target)
+            from .slots import Slots
+            self.slots = Slots(self, n_parallel)  # sequence 0 is this decoder's own
         except BaseException:
             self.close()
             raise
@@ -391,7 +399,7 @@ class SpeculativeDecoder:
             controller = FixedK(n_draft)
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),
                                 drafter="none" if chosen is None else drafter + ("+auto" if adaptive else ""),
-                                placement=dict(self.placement or {}))
+                                placement=dict(self.placement or {}), id_slot=getattr(self, "id_slot", 0))
         if adaptive and chosen is not None:
             self.last_stats.costs = costs.summary()
         max_tokens = n_predict if n_predict > 0 else self.n_ctx
@@ -439,8 +447,16 @@ class SpeculativeDecoder:
         collected = list(self.stream(prompt, **options))
         return Generation("".join(p.text for p in collected), [p.token for p in collected], self.last_stats)
 
+    def generate_many(self, prompts: Sequence, **options) -> list[Generation]:
+        """Each prompt's Generation, in order, up to n_parallel at a time in one batch (`slots`)."""
+        return self.slots.generate_many(prompts, **options)
+
     def close(self) -> None:
+        if getattr(self, "is_slot", False):
+            return  # a slot's view (`slots`): its decoder closes what it shares
         self._closed = True
+        if getattr(self, "slots", None) is not None:
+            self.slots.close()
         if getattr(self, "_costs", None):
             _save_costs(self._costs_key, self._costs)
             self._costs = {}
@@ -456,41 +472,3 @@ class SpeculativeDecoder:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# ---------------------------------------------------------------- step costs remembered between runs
-# The adaptive controller learns what a draft token and a target batch cost on this machine. That
-# takes a few probing steps, which on a CPU where drafting cannot pay are pure loss; remembering the
-# figures (per pair, threads and offload) lets the next run start from what is known.
-
-def _costs_key(target, draft, n_threads, ngl, ngld, tag: str = "") -> str | None:
-    import os
-    paths = [m for m in (target, draft) if isinstance(m, (str, bytes)) or hasattr(m, "__fspath__")]
-    if len(paths) != sum(m is not None for m in (target, draft)):
-        return None  # Llama objects given: no stable identity to remember them by
-    ident = [f"{os.path.abspath(os.fspath(p))}:{os.path.getsize(p)}" for p in paths]
-    return "|".join(ident + [f"t{n_threads}", f"ngl{ngl}", f"ngld{ngld}"] + ([tag] if tag else []))
-
-
-COSTS_FILE = "costs.json"  # in ggufspec's home
-
-
-def _load_costs(key: str | None) -> dict[str, Costs]:
-    from .home import read_json
-    if key is None:
-        return {}
-    try:
-        entry = read_json(COSTS_FILE).get(key, {})
-        return {drafter: Costs.from_dict(data) for drafter, data in entry.items()}
-    except (ValueError, TypeError, AttributeError):
-        return {}  # a damaged entry only costs the remembered figures
-
-
-def _save_costs(key: str | None, costs: dict[str, Costs]) -> None:
-    learned = {drafter: c.to_dict() for drafter, c in costs.items() if c.batch_times}
-    if key is None or not learned:
-        return
-    from .home import read_json, write_json
-    data = read_json(COSTS_FILE)
-    data[key] = learned
-    write_json(COSTS_FILE, data)

@@ -23,6 +23,7 @@ class Stats:
     drafter: str = ""           # model | lookup | hybrid, "+auto" when K is chosen per step; none
     placement: dict = field(default_factory=dict)  # target blocks per host ("CPU", "host:port"), with --rpc
     costs: dict = field(default_factory=dict)      # --draft auto: measured step costs (Costs.summary)
+    id_slot: int = 0            # the slot (sequence) it ran in (`slots`; 0 without --parallel)
 
     def add_step(self, n_drafted: int, n_accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.n_steps += 1

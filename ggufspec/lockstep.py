@@ -1,0 +1,158 @@
+"""Several sequences decoded together: one llama_decode per model per round, holding every slot's tokens.
+
+Each slot runs its generation (`speculate`'s loop, unchanged) in a thread of its own, over Contexts
+with a sequence id of their own. A Context that has a `Lockstep` does not call llama_decode itself:
+it hands its tokens here and waits. A round runs when every slot that is generating waits on a
+decode; then each model (target, draft) decodes one batch that holds all its waiting sequences'
+tokens, each with its slot's sequence id (llama-server's continuous batching), and every slot goes on
+with its own rows of logits. So N slots verifying their drafts cost one target batch per step, and
+their draft models' proposals one draft batch per drafted position.
+
+Slots take turns: one baton, and only its holder runs engine code; the others wait for it or for a
+round. llama.cpp, which is not thread-safe, is thus called by one thread at a time (cuts, state
+saves and logits reads included) without a lock around each call, and the turns follow the order of
+the batch, so the same arrivals give the same batches. The turns cost no parallelism: the per-token
+Python work holds the GIL anyway, and the models run in llama.cpp's own threads during the round.
+
+A thread that is not a member (the main thread timing step costs, a decoder used alone) decodes
+directly, as without a Lockstep.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable
+
+import llama_cpp
+
+
+class _Request:
+    __slots__ = ("ctx", "tokens", "n_logits", "thread", "rc", "first_logit", "done")
+
+    def __init__(self, ctx, tokens, n_logits: int, thread: int):
+        self.ctx, self.tokens, self.n_logits, self.thread = ctx, list(tokens), n_logits, thread
+        self.rc, self.first_logit, self.done = 0, 0, False
+
+
+class Lockstep:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._members: set[int] = set()   # threads of the slots generating
+        self._turns: deque[int] = deque()  # members waiting for the baton, in order
+        self._holder: int | None = None    # the member running engine code
+        self._waiting: list[_Request] = []  # decodes waiting for a round, oldest first
+        self._batches: dict[int, object] = {}  # a llama_batch per model (per llama context)
+        # called with the Context whose batch found no room in the cache: frees the cached sequences
+        # of idle slots (their conversations) and says whether it freed any
+        self.make_room: Callable[[object], bool] | None = None
+        self.rounds = 0
+        self.last_round: dict[str, int] = {}  # tokens per model (by context name) in the latest round
+
+    @property
+    def members(self) -> int:
+        return len(self._members)
+
+    def join(self) -> None:
+        """The calling thread starts generating: it runs when its turn comes."""
+        me = threading.get_ident()
+        with self._cond:
+            self._members.add(me)
+            self._turns.append(me)
+            self._take_turn(me)
+
+    def leave(self) -> None:
+        """The calling thread is done: the others no longer wait for it."""
+        me = threading.get_ident()
+        with self._cond:
+            self._members.discard(me)
+            if me in self._turns:
+                self._turns.remove(me)
+            if self._holder == me:
+                self._holder = None
+            self._round_if_all_wait()
+            self._cond.notify_all()
+
+    def is_member(self) -> bool:
+        return threading.get_ident() in self._members
+
+    def decode(self, ctx, tokens, n_logits: int) -> tuple[int, int]:
+        """Decode `tokens` after what ctx's sequence holds, in the next round; returns llama_decode's
+        code and the batch index of the first of the last `n_logits` tokens (its logits row 0)."""
+        me = threading.get_ident()
+        request = _Request(ctx, tokens, n_logits, me)
+        with self._cond:
+            self._waiting.append(request)
+            self._holder = None
+            self._round_if_all_wait()
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: request.done)
+            self._take_turn(me)
+        return request.rc, request.first_logit
+
+    def _take_turn(self, me: int) -> None:
+        self._cond.wait_for(lambda: self._holder is None and self._turns and self._turns[0] == me)
+        self._turns.popleft()
+        self._holder = me
+
+    def _round_if_all_wait(self) -> None:
+        """Under the lock: a round, when every member waits on a decode (nobody holds the baton)."""
+        # a member holds the baton, waits for it, or waits here: with no holder and no turn to give,
+        # every member waits on a decode
+        if self._holder is not None or self._turns or not self._waiting:
+            return
+        groups: dict[int, list[_Request]] = {}
+        room: dict[int, int] = {}
+        for request in self._waiting:  # oldest first; what does not fit this round goes first in the next
+            key = id(request.ctx.llm)
+            if room.setdefault(key, request.ctx.n_batch) >= len(request.tokens):
+                room[key] -= len(request.tokens)
+                groups.setdefault(key, []).append(request)
+        self.rounds += 1
+        self.last_round = {}
+        for key, group in groups.items():
+            self._decode_group(key, group)
+            self.last_round[group[0].ctx.name] = sum(len(r.tokens) for r in group)
+            for request in group:
+                request.done = True
+                self._waiting.remove(request)
+                self._turns.append(request.thread)
+
+    def _decode_group(self, key: int, group: list[_Request]) -> None:
+        rc = self._decode_batch(key, group)
+        if rc == 1 and self.make_room is not None and self.make_room(group[0].ctx):
+            rc = self._decode_batch(key, group)  # idle slots' cached conversations made room
+        if rc == 1 and len(group) > 1:  # still no room: each on its own, so that only what cannot fit fails
+            for request in group:
+                request.rc = self._decode_batch(key, [request])
+            return
+        for request in group:
+            request.rc = rc
+
+    def _decode_batch(self, key: int, group: list[_Request]) -> int:
+        ctx0 = group[0].ctx
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = llama_cpp.llama_batch_init(ctx0.n_batch, 0, 1)
+        j = 0
+        for request in group:
+            ctx, n = request.ctx, len(request.tokens)
+            start, first_logit = len(ctx.tokens), n - request.n_logits
+            request.first_logit = j + first_logit
+            for i, token in enumerate(request.tokens):
+                batch.token[j] = token
+                batch.pos[j] = start + i
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = ctx.seq
+                batch.logits[j] = i >= first_logit
+                j += 1
+        batch.n_tokens = j
+        rc = llama_cpp.llama_decode(ctx0.ctx, batch)
+        if rc != 0:  # the cache may hold part of the batch: each sequence is cut back to what it held
+            for request in group:
+                llama_cpp.llama_memory_seq_rm(request.ctx.memory, request.ctx.seq, len(request.ctx.tokens), -1)
+        return rc
+
+    def close(self) -> None:
+        for batch in self._batches.values():
+            llama_cpp.llama_batch_free(batch)
+        self._batches = {}

@@ -1,0 +1,145 @@
+"""One decoder, several sequences at once: `serve --parallel N` (llama.cpp's -np) and `generate_many`.
+
+Slot i is the decoder seen over sequence i of its llama contexts: Contexts of its own (`native`), so
+its own cached tokens and checkpoints, with everything else shared (the models, the step costs
+learned, the n-gram pool). Each generation runs in a slot from a thread of its own, through the
+same `speculative_steps` as a decoder used alone; their decodes meet in one batch per model and per
+round (`lockstep`). The llama contexts hold N sequences in one unified cache of n_ctx cells, as
+llama-server's default: a sequence may grow to n_ctx; when the cells run out, the conversations
+cached by idle slots are dropped first.
+
+A prompt goes to the free slot whose cache shares the longest prefix with it, so a conversation's next
+turn finds its previous turns cached even with other clients in between; else to the slot used least
+recently (whose cache is the least likely to be asked for again).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, Sequence
+
+from .bridge import VocabBridge
+from .lockstep import Lockstep
+from .native import Context, common_prefix_length
+
+
+class Slot:
+    """A sequence id, its contexts, and whether a generation runs in it."""
+
+    def __init__(self, index: int, target, draft):
+        self.index, self.target, self.draft = index, target, draft
+        self.busy = False
+        self.last_used = 0.0
+        self.last_stats = None  # of its latest generation (`/slots`)
+
+    def contexts(self) -> list:
+        return [c for c in (self.target, self.draft) if c is not None]
+
+
+class Slots:
+    def __init__(self, decoder, n: int):
+        self.decoder = decoder
+        self.lockstep = Lockstep() if n > 1 else None
+        self.slots = [Slot(0, decoder.target, decoder.draft)]
+        for seq in range(1, n):
+            target = Context(decoder.target_llm, "target", seq=seq)
+            self.slots.append(Slot(seq, target, _draft_context(decoder.draft, seq, target)))
+        if self.lockstep is not None:
+            for slot in self.slots:
+                for ctx in slot.contexts():
+                    getattr(ctx, "inner", ctx).lockstep = self.lockstep
+            self.lockstep.make_room = self._make_room
+        self._free = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def n_busy(self) -> int:
+        return sum(slot.busy for slot in self.slots)
+
+    @contextlib.contextmanager
+    def use(self, tokens: Sequence[int]) -> Iterator:
+        """A slot for a prompt of `tokens` (waiting for one to be free): the decoder over its sequence,
+        generating in turn with the other slots'. Close its generators before leaving."""
+        slot = self._take(tokens)
+        view = self._view(slot)
+        if self.lockstep is not None:
+            self.lockstep.join()
+        try:
+            yield view
+        finally:
+            if self.lockstep is not None:
+                self.lockstep.leave()
+            slot.last_stats = view.last_stats
+            with self._free:
+                slot.busy, slot.last_used = False, time.monotonic()
+                self._free.notify()
+
+    def _take(self, tokens: Sequence[int]) -> Slot:
+        with self._free:
+            self._free.wait_for(lambda: any(not slot.busy for slot in self.slots))
+            free = [slot for slot in self.slots if not slot.busy]
+            slot = max(free, key=lambda s: (common_prefix_length(s.target.tokens, tokens), -s.last_used))
+            slot.busy = True
+            return slot
+
+    def _view(self, slot: Slot):
+        """The decoder with the slot's contexts (a shallow copy: the rest is shared), made when used,
+        so that it sees what was set on the decoder since (its n-gram pool, its learned costs)."""
+        decoder = self.decoder
+        if slot.index == 0 and len(self.slots) == 1:
+            return decoder
+        view = copy.copy(decoder)
+        view.target, view.draft, view.last_stats = slot.target, slot.draft, None
+        view.is_slot, view.id_slot, view._owned = True, slot.index, []
+        return view
+
+    def generate_many(self, prompts: Sequence, **options) -> list:
+        """Every prompt's Generation, in order: up to N at a time, each in a slot, batched together."""
+        chat, system = options.pop("chat", False), options.pop("system", None)
+        decoder = self.decoder
+
+        def one(prompt):
+            tokens = decoder.tokenize(prompt, chat=chat, system=system)
+            with self.use(tokens) as view:
+                return view.generate(tokens, **options)
+        with ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot") as pool:
+            return list(pool.map(one, prompts))
+
+    def _make_room(self, ctx) -> bool:
+        """The unified cache is full: drop what idle slots hold in this model's cache (during a round:
+        no slot is running). Whether that freed anything."""
+        freed = False
+        for slot in self.slots:
+            for cached in slot.contexts():
+                if not slot.busy and getattr(cached, "inner", cached).llm is ctx.llm and cached.n_past:
+                    cached.keep(0)
+                    freed = True
+        return freed
+
+    def describe(self) -> list[dict]:
+        """Each slot as llama-server's /slots shows it (the fields ggufspec has)."""
+        return [{"id": slot.index, "is_processing": slot.busy, "n_ctx": slot.target.n_ctx,
+                 "n_cached": slot.target.n_past,
+                 "last": slot.last_stats.to_dict() if slot.last_stats is not None else None}
+                for slot in self.slots]
+
+    def close(self) -> None:
+        for slot in self.slots[1:]:
+            for ctx in slot.contexts():
+                getattr(ctx, "inner", ctx).close()
+        if self.lockstep is not None:
+            self.lockstep.close()
+
+
+def _draft_context(draft, seq: int, target: Context):
+    """The draft model's context for sequence `seq`, bridged as the decoder's own is."""
+    if draft is None:
+        return None
+    inner = getattr(draft, "inner", draft)
+    ctx = Context(inner.llm, inner.name, seq=seq)
+    return VocabBridge(ctx, target) if isinstance(draft, VocabBridge) else ctx
