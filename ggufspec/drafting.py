@@ -139,12 +139,15 @@ class Costs:
         costs.ngram = NgramTallies(data.get("ngram") if isinstance(data.get("ngram"), dict) else None)
         return costs
 
-    def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, k: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
+        """None: not timed (a step in a batch with other slots' tokens, whose time is not this k's)."""
         self.add_batch(k + 1, verify_seconds)
-        if k > 0:
+        if k > 0 and draft_seconds is not None:
             self.draft_times.append(draft_seconds / k)
 
-    def add_batch(self, n: int, seconds: float) -> None:
+    def add_batch(self, n: int, seconds: float | None) -> None:
+        if seconds is None:
+            return
         times = self.batch_times.get(n)
         if times is None:
             times = self.batch_times[n] = deque(maxlen=8)
@@ -182,6 +185,18 @@ class Costs:
         """Enough measurements (beyond each size's cold first run) to judge."""
         return (len(self.batch_times.get(1, ())) >= 2
                 and sum(len(t) for n, t in self.batch_times.items() if n > 1) >= 3)
+
+    def most_worth_drafting(self, k_max: int, others: int, others_yield: int) -> int:
+        """The most tokens worth drafting in a batch that already holds `others` tokens of other slots,
+        which yield `others_yield`: the largest k whose step, every draft kept, beats drafting none in
+        the whole batch's tokens per second, (k + 1 + Y) / T(B + k + 1) > 1.05 (1 + Y) / T(B + 1).
+        Where a batch of n costs about n single tokens (the AMD CPUs here), a full batch leaves none."""
+        if others <= 0 or not self.warm:
+            return k_max
+        batch = self.batch_model()
+        alone = 1.05 * (1 + others_yield) / batch(others + 1)
+        return max((k for k in range(1, k_max + 1) if (k + 1 + others_yield) / batch(others + k + 1) > alone),
+                   default=0)
 
     def could_pay(self, max_k: int) -> bool:
         """Whether some K beats the target alone by 5% even with every draft token accepted. On a

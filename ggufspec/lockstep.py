@@ -46,7 +46,9 @@ class Lockstep:
         # of idle slots (their conversations) and says whether it freed any
         self.make_room: Callable[[object], bool] | None = None
         self.rounds = 0
-        self.last_round: dict[str, int] = {}  # tokens per model (by context name) in the latest round
+        self.n_requests = self.n_batches = 0  # decodes asked for by slots, llama_decode calls made for them
+        # the latest round of each model (by context name): tokens per member thread
+        self.last_round: dict[str, dict[int, int]] = {}
 
     @property
     def members(self) -> int:
@@ -71,6 +73,12 @@ class Lockstep:
                 self._holder = None
             self._round_if_all_wait()
             self._cond.notify_all()
+
+    def others(self, name: str) -> tuple[int, int]:
+        """(tokens, members) of the other slots in the latest round of model `name`."""
+        me = threading.get_ident()
+        latest = {thread: n for thread, n in self.last_round.get(name, {}).items() if thread != me}
+        return sum(latest.values()), len(latest)
 
     def is_member(self) -> bool:
         return threading.get_ident() in self._members
@@ -108,10 +116,10 @@ class Lockstep:
                 room[key] -= len(request.tokens)
                 groups.setdefault(key, []).append(request)
         self.rounds += 1
-        self.last_round = {}
         for key, group in groups.items():
+            self.n_requests += len(group)
             self._decode_group(key, group)
-            self.last_round[group[0].ctx.name] = sum(len(r.tokens) for r in group)
+            self.last_round[group[0].ctx.name] = {r.thread: len(r.tokens) for r in group}
             for request in group:
                 request.done = True
                 self._waiting.remove(request)
@@ -146,6 +154,7 @@ class Lockstep:
                 batch.logits[j] = i >= first_logit
                 j += 1
         batch.n_tokens = j
+        self.n_batches += 1
         rc = llama_cpp.llama_decode(ctx0.ctx, batch)
         if rc != 0:  # the cache may hold part of the batch: each sequence is cut back to what it held
             for request in group:

@@ -46,6 +46,7 @@ class ModelOptions:
     strict: bool = False
     exact: bool = False                 # --exact: batches computed as single tokens are (CPU), greedy bit-identical
     swa_full: bool = False              # full-size caches for sliding-window layers (default: window-sized)
+    n_parallel: int = 1                 # -np/--parallel: sequences decoded at once (serve's slots)
 
 
 @dataclass
@@ -81,9 +82,13 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
     ngl, ngld = planned_offload(target, None if draft == MTP else draft, options.n_ctx, draft_k or 3, options.n_gpu_layers,
                                 options.n_gpu_layers_draft, log)
     ngl, tensor_split = planned_rpc_split(target, options.rpc, ngl, options.n_ctx)
+    n_parallel = options.n_parallel
+    if draft == MTP and n_parallel > 1:
+        log(f"ggufspec: MTP drafting runs one sequence at a time: 1 slot instead of --parallel {n_parallel}")
+        n_parallel = 1
     decoder = open_decoder(target, draft, n_ctx=options.n_ctx, n_threads=options.n_threads, n_gpu_layers=ngl,
                            n_gpu_layers_draft=ngld, strict=options.strict, exact=options.exact, flash_attn=options.flash_attn,
-                           rpc=options.rpc, tensor_split=tensor_split, swa_full=options.swa_full)
+                           rpc=options.rpc, tensor_split=tensor_split, swa_full=options.swa_full, n_parallel=n_parallel)
     decoder.ngram_pool = pool  # n-grams of every request, for the next ones (`ngram`)
     return Session(decoder, pair or Path(target).stem, target, draft, draft_k, choice.as_dict())
 

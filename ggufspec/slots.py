@@ -8,9 +8,9 @@ round (`lockstep`). The llama contexts hold N sequences in one unified cache of 
 llama-server's default: a sequence may grow to n_ctx; when the cells run out, the conversations
 cached by idle slots are dropped first.
 
-A prompt goes to the free slot whose cache shares the longest prefix with it, so a conversation's next
-turn finds its previous turns cached even with other clients in between; else to the slot used least
-recently (whose cache is the least likely to be asked for again).
+A prompt goes to the free slot whose conversation it goes on with, so that a next turn finds its
+previous turns cached even with other clients in between; else to an empty slot, else to the one
+sharing the longest prefix with it, else to the one used least recently (`_fit`).
 """
 from __future__ import annotations
 
@@ -82,8 +82,7 @@ class Slots:
     def _take(self, tokens: Sequence[int]) -> Slot:
         with self._free:
             self._free.wait_for(lambda: any(not slot.busy for slot in self.slots))
-            free = [slot for slot in self.slots if not slot.busy]
-            slot = max(free, key=lambda s: (common_prefix_length(s.target.tokens, tokens), -s.last_used))
+            slot = max((slot for slot in self.slots if not slot.busy), key=lambda s: _fit(s, tokens))
             slot.busy = True
             return slot
 
@@ -136,6 +135,18 @@ class Slots:
             self.lockstep.close()
 
 
+def _fit(slot: Slot, tokens: Sequence[int]) -> tuple:
+    """How well a free slot suits a prompt (the greatest is taken): first a slot whose conversation the
+    prompt goes on with (it shares nearly all the slot caches: a next turn may leave the previous answer
+    a few tokens before its end), the longest such; else an empty slot; else the longest shared prefix
+    (a system prompt), else the slot used least recently. A prompt that shares only its first token
+    with a cached conversation does not take that conversation's slot while another is empty."""
+    cached = len(slot.target.tokens)
+    shared = common_prefix_length(slot.target.tokens, tokens)
+    goes_on = cached > 0 and shared >= 0.9 * cached
+    return goes_on, shared if goes_on else 0, cached == 0, shared, -slot.last_used
+
+
 def _draft_context(draft, seq: int, target: Context):
     """The draft model's context for sequence `seq`, bridged as the decoder's own is."""
     if draft is None:
@@ -143,3 +154,25 @@ def _draft_context(draft, seq: int, target: Context):
     inner = getattr(draft, "inner", draft)
     ctx = Context(inner.llm, inner.name, seq=seq)
     return VocabBridge(ctx, target) if isinstance(draft, VocabBridge) else ctx
+
+
+class BatchGate:
+    """`--draft auto` in a slot: K bounded by what can pay in a batch shared with the other slots
+    (`Costs.most_worth_drafting`, from their tokens in the latest round), and the step's times
+    not learned from while others share it (they are the whole batch's, not this K's)."""
+
+    def __init__(self, controller, lockstep: Lockstep, costs):
+        self.controller, self.lockstep, self.costs = controller, lockstep, costs
+        self.shared = False
+
+    def choose(self, max_k: int) -> int:
+        others, n_others = self.lockstep.others("target")
+        self.shared = self.lockstep.members > 1
+        if self.shared:
+            max_k = min(max_k, self.costs.most_worth_drafting(max_k, max(others, n_others), n_others))
+        return self.controller.choose(max_k)
+
+    def observe(self, k, n_accepted, draft_seconds, verify_seconds) -> None:
+        if self.shared:
+            draft_seconds = verify_seconds = None
+        self.controller.observe(k, n_accepted, draft_seconds, verify_seconds)

@@ -395,6 +395,9 @@ class SpeculativeDecoder:
                 chosen = controller = AutoDrafting.over(chosen, self._drafter("lookup", 0.0), costs, draft_max)
             else:
                 controller = AdaptiveK(draft_max, costs=costs)
+            if self.target.lockstep is not None:  # a slot: K knowing the other slots' tokens in the batch
+                from .slots import BatchGate
+                controller = BatchGate(controller, self.target.lockstep, costs)
         else:
             controller = FixedK(n_draft)
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),

@@ -170,8 +170,11 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
                    "a reverse proxy's name. On loopback others get 403; elsewhere Host is checked only with this.")
 @click.option("--max-body", default="4MiB", metavar="SIZE",
               help="Largest request body (bytes, or 512K, 8M...): larger ones get 413 before they are read.")
+@click.option("-np", "--parallel", default=4, type=click.IntRange(1, 64),
+              help="Slots: requests generated at once, their tokens (drafts included) in one batch per step; "
+                   "they share the -c context's cache (an idle slot's cached conversation goes first when full).")
 @click.option("--max-queue", default=16, type=click.IntRange(0),
-              help="Requests that may wait while one generates; beyond that, 429 with Retry-After.")
+              help="Requests that may wait while every slot generates; beyond that, 429 with Retry-After.")
 @click.option("--rpc-timeout", default=60.0, type=click.FloatRange(0, min_open=True),
               help="With --rpc: a generation with no new token for this many seconds means a hung worker (503, "
                    "then the model reloads when the workers answer).")

@@ -102,7 +102,7 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
                            no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
                            n_gpu_layers=opts.pop("n_gpu_layers"), n_gpu_layers_draft=opts.pop("n_gpu_layers_draft"),
                            flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"), exact=opts.pop("exact"),
-                           swa_full=opts.pop("swa_full"),
+                           swa_full=opts.pop("swa_full"), n_parallel=opts.pop("parallel", 1),
                            needs_draft_model=not opts["lookup"])
     if no_draft and not requests_choose_drafting:
         opts["n_draft"] = "0"

@@ -66,11 +66,18 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     @app.get("/health")
     async def health():
         last = engine.last and {"n_predict": engine.last.n_predict, "stop_reason": engine.last.stop_reason}
+        n_busy = engine.slots.n_busy
         return {"status": "ok", "model": model_name, "busy": engine.busy, "waiting": engine.waiting, "last": last,
-                "stalled_s": round(engine.stalled_seconds, 3)}
+                "stalled_s": round(engine.stalled_seconds, 3), "slots_idle": len(engine.slots) - n_busy,
+                "slots_processing": n_busy}
+
+    @app.get("/slots")
+    async def slots():
+        """Each slot, as llama-server's /slots: whether it generates, what its cache holds, its last answer."""
+        return engine.slots.describe()
 
     props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
-             **chat_props(template, tool_format, session, decoder)}
+             **chat_props(template, tool_format, session, decoder), "total_slots": len(engine.slots)}
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

@@ -1,6 +1,7 @@
-"""One generation at a time: the `Engine` owns the decoder and the one worker thread where every
-llama.cpp call runs (the decoder is not thread-safe); a `Job` is one request's generation, handing
-its pieces to the event loop through an asyncio queue. Beyond --max-queue waiting requests: 429."""
+"""Generations at once, one per slot: the `Engine` owns the decoder and a worker thread per slot
+(`--parallel`), where every llama.cpp call runs; the slots take turns and their decodes meet in one
+batch per step (`ggufspec.slots`). A `Job` is one request's generation, handing its pieces to the
+event loop through an asyncio queue. Beyond --max-queue requests waiting for a slot: 429."""
 from __future__ import annotations
 
 import asyncio
@@ -81,22 +82,23 @@ class Job:
 
 
 class Engine:
-    """The decoder and its single worker thread. Jobs run in arrival order (the executor's queue)."""
+    """The decoder's slots and a worker thread each. Jobs start in arrival order as slots free up."""
 
     def __init__(self, decoder, max_queue: int):
         self.decoder = decoder
+        self.slots = decoder.slots
         self.max_queue = max_queue
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufspec-engine")
+        self._executor = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot")
         self._lock = threading.Lock()
-        self._pending = 0              # submitted and not finished, the running one included
+        self._pending = 0              # submitted and not finished, the running ones included
         self._mean_seconds = 5.0       # a generation's duration, for Retry-After
-        self._current: Job | None = None
+        self._current: set[Job] = set()
         self.last: Stats | None = None   # the last finished generation's statistics (/health shows them)
         self._stopping = False
 
     @property
     def waiting(self) -> int:
-        return max(self._pending - 1, 0)
+        return max(self._pending - len(self.slots), 0)
 
     @property
     def busy(self) -> bool:
@@ -104,20 +106,20 @@ class Engine:
 
     @property
     def stalled_seconds(self) -> float:
-        """How long the running generation has gone without a token (0 when none runs): what `serve
+        """How long a running generation has gone without a token (0 when none runs): what `serve
         --rpc`'s supervisor compares with --rpc-timeout to find a hung worker."""
-        current = self._current
-        return time.monotonic() - current.progressed_at if current is not None else 0.0
+        now = time.monotonic()
+        return max((now - job.progressed_at for job in list(self._current)), default=0.0)
 
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._stopping:
                 raise shutting_down()
-            if self._pending > self.max_queue:  # one running and max_queue already waiting
-                retry = max(1, math.ceil(self._mean_seconds * self._pending))
-                raise APIError(429, f"the server is busy: {self.waiting} requests are waiting (--max-queue "
-                               f"{self.max_queue}); retry later", "rate_limit_error", "queue_full",
-                               headers={"Retry-After": str(retry)})
+            if self._pending >= len(self.slots) + self.max_queue:  # every slot busy, max_queue waiting
+                retry = max(1, math.ceil(self._mean_seconds * (self.waiting + 1) / len(self.slots)))
+                raise APIError(429, f"the server is busy: {self.waiting} requests are waiting for one of "
+                               f"{len(self.slots)} slots (--max-queue {self.max_queue}); retry later",
+                               "rate_limit_error", "queue_full", headers={"Retry-After": str(retry)})
             self._pending += 1
         self._executor.submit(self._run, job)
 
@@ -128,14 +130,14 @@ class Engine:
                 job.emit("error", shutting_down())
             elif not job.cancelled.is_set():  # a client that left while waiting costs nothing
                 job.progressed_at = time.monotonic()
-                self._current = job
+                self._current.add(job)
                 self._generate(job)
         except Exception as exc:  # GgufspecError: the client's mistake; anything else: ours, logged
             if not isinstance(exc, GgufspecError):
                 log.exception("generation failed")
             job.emit("error", exc)
         finally:
-            self._current = None
+            self._current.discard(job)
             with self._lock:
                 self._pending -= 1
                 self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.perf_counter() - started)
@@ -149,20 +151,21 @@ class Engine:
             options["constraints"] = constraints
         if job.shape.logprobs is not None:
             options["logprobs"] = job.shape.logprobs
-        pieces = PieceMaker(self.decoder, job, self._marker_texts(job.shape))
         total = None
-        for index in range(job.n):
-            if index and job.options.get("seed") is not None:  # each choice its own seed
-                options["seed"] = job.options["seed"] + index
-            result = self._choice(job, tokens, options, index, pieces)
-            total = result if total is None else combined(total, result)
-            if job.cancelled.is_set():
-                break
+        with self.slots.use(tokens) as decoder:  # the slot caching most of the prompt, its turns begun
+            pieces = PieceMaker(decoder, job, self._marker_texts(job.shape))
+            for index in range(job.n):
+                if index and job.options.get("seed") is not None:  # each choice its own seed
+                    options["seed"] = job.options["seed"] + index
+                result = self._choice(decoder, job, tokens, options, index, pieces)
+                total = result if total is None else combined(total, result)
+                if job.cancelled.is_set():
+                    break
+            estimate = time_estimate(decoder, job.options.get("drafter", "model"), total)
         self.last = total
-        job.emit("done", (total, time_estimate(self.decoder, job.options.get("drafter", "model"), total)))
+        job.emit("done", (total, estimate))
 
-    def _choice(self, job: Job, tokens: list[int], options: dict, index: int, pieces: "PieceMaker") -> Stats:
-        decoder = self.decoder
+    def _choice(self, decoder, job: Job, tokens: list[int], options: dict, index: int, pieces: "PieceMaker") -> Stats:
         stream = decoder.stream(tokens, **options)  # checks the options before anything runs
         stats = decoder.last_stats
         if index == 0:
@@ -174,7 +177,7 @@ class Engine:
         result = dataclasses.replace(stats)
         if stopped:
             result.stop_reason = "stop"
-        # on the worker thread, the only one that changes the decoder's measured costs
+        # in the slot's turn, the only one that changes the decoder's measured costs
         estimate = time_estimate(decoder, options.get("drafter", "model"), result)
         job.emit("choice", (index, result, FINISH_REASONS.get(result.stop_reason, "stop"), estimate))
         return result
@@ -215,12 +218,11 @@ class Engine:
                 if not self.decoder.target.piece(token)}
 
     def stop(self) -> None:
-        """Shutting down: the running generation ends at its next token (its client gets what was
+        """Shutting down: the running generations end at their next token (their clients get what was
         generated), waiting ones get 503. Safe to call from a signal handler."""
         self._stopping = True
-        current = self._current
-        if current is not None:
-            current.cancel()
+        for job in list(self._current):
+            job.cancel()
 
     def close(self) -> None:
         self.stop()

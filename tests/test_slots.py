@@ -1,0 +1,106 @@
+"""Slots (issue 30): several prompts at once, their tokens in one batch per model and round, each answer
+the one it gets alone.
+
+The decoders here verify with micro-batches of one token (`strict`), which also gives every sequence a
+cache of its own (where its tokens lie cannot depend on the others'), so the identity is exact, greedy
+and sampled, for a KV cache, a recurrent (Mamba) and a sliding-window target.
+"""
+import threading
+
+import pytest
+
+from ggufspec import SpeculativeDecoder
+from ggufspec.drafting import Costs
+from ggufspec.tinymodels import make_gemma2_pair, make_mamba_pair
+from reference import prompts
+
+PROMPTS = prompts(7, seed=5)
+
+
+def alone_and_together(pair, n_parallel, **options):
+    with SpeculativeDecoder(*pair, n_ctx=512, n_threads=1, strict=True) as alone:
+        expected = [alone.generate(p, **options) for p in PROMPTS]
+    with SpeculativeDecoder(*pair, n_ctx=512, n_threads=1, strict=True, n_parallel=n_parallel) as decoder:
+        together = decoder.generate_many(PROMPTS, **options)
+        again = decoder.generate_many(PROMPTS, **options)  # each finds a slot caching some of it
+        lockstep = decoder.slots.lockstep
+    return expected, together, again, (lockstep.n_batches, lockstep.n_requests)
+
+
+@pytest.mark.parametrize("options", [
+    {"n_draft": 3}, {"n_draft": "auto"}, {"n_draft": 0}, {"n_draft": 3, "drafter": "lookup"},
+    {"n_draft": 2, "temperature": 0.8, "seed": 11}, {"n_draft": "auto", "temperature": 1.2, "seed": 3},
+], ids=["k3", "auto", "alone", "lookup", "sampled-k2", "sampled-auto"])
+def test_every_answer_is_the_one_it_gets_alone(tiny_pair, options):
+    expected, together, again, (n_batches, n_requests) = alone_and_together(tiny_pair, 4, n_predict=40, **options)
+    for want, got, got_again in zip(expected, together, again):
+        assert got.tokens == want.tokens and got_again.tokens == want.tokens
+    assert {g.stats.id_slot for g in together} == {0, 1, 2, 3}
+    assert n_batches < 0.6 * n_requests  # batched: most llama_decode calls held several sequences
+
+
+@pytest.mark.parametrize("maker", [make_mamba_pair, make_gemma2_pair], ids=["mamba", "gemma2-swa"])
+def test_recurrent_and_sliding_window_slots_roll_back_independently(maker, tmp_path):
+    pair = maker(tmp_path, seed=0)
+    expected, together, again, _ = alone_and_together(pair, 3, n_predict=48, n_draft=3)
+    assert [g.tokens for g in together] == [e.tokens for e in expected]
+    assert [g.tokens for g in again] == [e.tokens for e in expected]
+    assert sum(g.stats.n_drafted - g.stats.n_accept for g in together) > 0  # rejections were rolled back
+
+
+def test_a_prompt_goes_to_the_slot_caching_most_of_it(tiny_pair):
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1, n_parallel=3) as decoder:
+        first = decoder.generate_many(PROMPTS[:3], n_predict=16, n_draft=0)
+        turn2 = [p + g.tokens + [260, 261] for p, g in zip(PROMPTS[:3], first)]
+        second = decoder.generate_many(turn2[::-1], n_predict=8, n_draft=0)  # in another order
+        for before, after, prompt in zip(first[::-1], second, turn2[::-1]):
+            assert after.stats.id_slot == before.stats.id_slot
+            assert after.stats.n_prompt_cached >= len(prompt) - 3
+
+
+def test_a_full_unified_cache_drops_idle_slots_conversations_first(tiny_pair):
+    """Two slots share one cache (llama.cpp pads 128 cells to 256): a second long prompt fits once the
+    first slot's cached conversation goes."""
+    with SpeculativeDecoder(*tiny_pair, n_ctx=128, n_threads=1, n_parallel=2) as decoder:
+        n = int(decoder.n_ctx * 0.7)
+        a = decoder.generate_many([[1] + [260] * n], n_predict=8, n_draft=0)[0]
+        cached = {s["id"]: s["n_cached"] for s in decoder.slots.describe()}
+        assert cached[a.stats.id_slot] > n
+        b = decoder.generate_many([[1] + [270] * n], n_predict=8, n_draft=0)[0]
+        assert b.stats.id_slot != a.stats.id_slot and b.stats.n_predict > 0
+        assert {s["id"]: s["n_cached"] for s in decoder.slots.describe()}[a.stats.id_slot] == 0
+
+
+def test_a_slot_left_mid_answer_leaves_the_others_exact(tiny_pair):
+    """One generation stops after 3 tokens (a client gone) while the others decode: theirs are unchanged."""
+    options = {"n_predict": 40, "n_draft": 3}
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1, strict=True) as alone:
+        expected = [alone.generate(p, **options).tokens for p in PROMPTS[:3]]
+    results = {}
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1, strict=True, n_parallel=3) as decoder:
+        def run(i):
+            with decoder.slots.use(PROMPTS[i]) as view:
+                stream = view.stream(PROMPTS[i], **options)
+                try:
+                    results[i] = [piece.token for _, piece in zip(range(3 if i == 0 else 10**6), stream)]
+                finally:
+                    stream.close()
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert decoder.slots.n_busy == 0
+        assert decoder.generate_many(PROMPTS[:1], **options)[0].tokens == expected[0]
+    assert results[0] == expected[0][:3] and results[1] == expected[1] and results[2] == expected[2]
+
+
+def test_drafts_stop_where_the_batch_is_full_enough():
+    """Costs.most_worth_drafting: where a batch of n costs n single tokens, drafting pays alone (a
+    cheap verification) but not in a batch already holding other slots' tokens."""
+    costs = Costs()
+    linear = {1: 1.0, 2: 1.1, 4: 1.6, 8: 3.0, 16: 6.0, 32: 12.0, 64: 24.0}  # flat up to 2, then ~n/2.7
+    for n, seconds in linear.items():
+        for _ in range(3):
+            costs.add_batch(n, seconds)
+    assert costs.most_worth_drafting(8, 0, 0) == 8       # alone: K unbounded here (the controller decides)
+    assert costs.most_worth_drafting(8, 1, 1) >= 1        # one other token: the batch is still cheap
+    assert costs.most_worth_drafting(8, 15, 15) == 0      # 15 other slots' tokens: no draft pays
