@@ -42,7 +42,7 @@ def slow_target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def busy_server(slow_target, tmp_path_factory):
     running = start_server(tmp_path_factory.mktemp("busy"), "-m", str(slow_target), "--no-draft", "-c", "2048",
-                           "--max-queue", "0", "--api-key", API_KEY)
+                           "--parallel", "1", "--max-queue", "0", "--api-key", API_KEY)
     yield running
     stop_server(running)
 

@@ -1,0 +1,128 @@
+"""`serve --parallel N` (issue 30) against the real process: clients served at once, each getting the
+answer it gets alone; a client gone mid-answer frees its slot and leaves the others exact; a
+conversation goes back to the slot caching it; beyond the slots and the queue, 429.
+
+The target is slow enough (a few milliseconds per token, no end of sequence) for the requests to
+overlap; --strict makes every answer bit-identical to the target alone's, whatever the batch.
+"""
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from ggufspec import SpeculativeDecoder
+from ggufspec.tinymodels import Shape, make_weights, write_model
+from serverproc import serving
+
+PROMPTS = ["the cat", "a dog sat", "the mat the", "a cat a dog"]
+N_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def slow_target(tmp_path_factory):
+    shape = Shape(n_layer=16, n_embd=256, n_ff=768)
+    weights = make_weights(shape, seed=2)
+    weights["output.weight"][2] = 0  # no EOS
+    return write_model(tmp_path_factory.mktemp("slow") / "slow.gguf", shape, weights)
+
+
+@pytest.fixture(scope="module")
+def server(slow_target, tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("parallel"), "-m", str(slow_target), "--lookup", "--strict", "-c", "1024",
+                 "--parallel", "3", "--max-queue", "1") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def alone(slow_target):
+    """What each prompt gets alone, in this process."""
+    with SpeculativeDecoder(slow_target, n_ctx=1024, n_threads=1, strict=True) as decoder:
+        yield {p: decoder.generate(p, n_predict=N_TOKENS, n_draft="auto", drafter="lookup").text for p in PROMPTS}
+
+
+class Stream:
+    """One streamed completion read in a thread: its text, when its first and last tokens came."""
+
+    def __init__(self, url: str, prompt: str, max_tokens: int = N_TOKENS, stop_after: int | None = None):
+        self.url, self.prompt, self.max_tokens, self.stop_after = url, prompt, max_tokens, stop_after
+        self.text, self.first, self.last, self.status, self.tokens = "", None, None, None, []
+        self.thread = threading.Thread(target=self._read)
+
+    def _read(self):
+        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0, "stream": True}
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as response:
+            self.status = response.status_code
+            if response.status_code != 200:
+                response.read()
+                return
+            n = 0
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                self.text += chunk["choices"][0]["text"]
+                self.tokens += [piece["token"] for piece in chunk.get("ggufspec", {}).get("pieces", [])]
+                n += 1
+                self.first = self.first or time.monotonic()
+                self.last = time.monotonic()
+                if self.stop_after is not None and n >= self.stop_after:
+                    return  # the connection closes: the client is gone
+
+
+def run_together(streams):
+    for s in streams:
+        s.thread.start()
+    for s in streams:
+        s.thread.join()
+    return streams
+
+
+def wait_idle(server, seconds=20):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        health = server.health()
+        if not health["busy"]:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"still busy: {health}")
+
+
+def test_three_clients_are_served_at_once_each_with_its_answer_alone(server, alone):
+    streams = run_together([Stream(server.url, p) for p in PROMPTS[:3]])
+    assert [s.text for s in streams] == [alone[p] for p in PROMPTS[:3]]
+    # at once: every client had its first token before any had its last
+    assert max(s.first for s in streams) < min(s.last for s in streams)
+    slots = httpx.get(server.url + "/slots", timeout=10).json()
+    assert len(slots) == 3 and sorted(s["last"]["id_slot"] for s in slots) == [0, 1, 2]
+    assert httpx.get(server.url + "/props", timeout=10).json()["total_slots"] == 3
+
+
+def test_a_client_gone_mid_answer_frees_its_slot_and_the_others_stay_exact(server, alone):
+    streams = [Stream(server.url, PROMPTS[0], stop_after=5), Stream(server.url, PROMPTS[1]),
+               Stream(server.url, PROMPTS[2])]
+    run_together(streams)
+    assert streams[1].text == alone[PROMPTS[1]] and streams[2].text == alone[PROMPTS[2]]
+    health = wait_idle(server)
+    assert health["slots_idle"] == 3
+    # the slot that was left serves the next request, exactly
+    assert run_together([Stream(server.url, PROMPTS[3])])[0].text == alone[PROMPTS[3]]
+
+
+def test_a_conversation_goes_back_to_the_slot_caching_it(server):
+    turn1 = [1] + [275, 276, 277] * 6  # token ids: the answer's tokens come back exactly
+    answer = run_together([Stream(server.url, turn1, max_tokens=8)])[0].tokens
+    run_together([Stream(server.url, [1, 260 + i], max_tokens=16) for i in range(2)])  # the other two slots meanwhile
+    response = httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"prompt": turn1 + answer + [266, 267], "max_tokens": 8, "temperature": 0})
+    timings = response.json()["timings"]  # the first turn was cached: only the new tokens are evaluated
+    assert timings["cache_n"] >= len(turn1) + len(answer) - 1 and timings["prompt_n"] <= 3, timings
+
+
+def test_beyond_the_slots_and_the_queue_429(server):
+    streams = [Stream(server.url, p, max_tokens=400) for p in PROMPTS] + [Stream(server.url, "a", max_tokens=4)]
+    run_together(streams)
+    statuses = sorted(s.status for s in streams)
+    assert statuses == [200, 200, 200, 200, 429]  # 3 slots + 1 waiting; the fifth is refused
+    wait_idle(server)
