@@ -348,7 +348,7 @@ class NativeSettings:
         return args + (["-ngld", str(self.n_gpu_layers_draft)] if draft else [])
 
 
-def _prompt_text(decoder, item: dict) -> str:
+def prompt_text(decoder, item: dict) -> str:
     return chat_prompt(decoder.target_llm, item["prompt"], item.get("system")) if item.get("kind") == "chat" \
         else item["prompt"]
 
@@ -364,7 +364,7 @@ def _run_tool(cmd: list[str], what: str, expect: str) -> str:
 
 def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int, n_predict: int,
                   native: NativeSettings) -> Run:
-    cmd = [binary, "-m", decoder.target_llm.model_path, "-md", decoder.draft_llm.model_path, "-p", _prompt_text(decoder, item),
+    cmd = [binary, "-m", decoder.target_llm.model_path, "-md", decoder.draft_llm.model_path, "-p", prompt_text(decoder, item),
            "-n", str(n_predict), "--spec-type", "draft-simple", "--spec-draft-n-max", str(config.llamacpp_k),
            "--spec-draft-n-min", "0", "-c", str(decoder.n_ctx), "--temp", "0", *native.args(draft=True)]
     log = _run_tool(cmd, "llama-speculative-simple", "decoded")
@@ -406,7 +406,7 @@ def _run_llamacpp_alone(binary: str, decoder, item: dict, config: Config, repeat
             raise GgufspecError(f"llama-bench failed ({proc.returncode}): {last}") from None
         return Run(item["id"], config.name, repeat, 0, n_gen, 0.0, tps, n_gen / tps if tps else 0.0, 0.0, 1.0, 0, 0)
     # -no-cnv: a model with a chat template would start a conversation; chat prompts come templated already
-    cmd = [str(tool), "-m", model, "-p", _prompt_text(decoder, item), "-n", str(n_predict), "-c", str(decoder.n_ctx),
+    cmd = [str(tool), "-m", model, "-p", prompt_text(decoder, item), "-n", str(n_predict), "-c", str(decoder.n_ctx),
            "--temp", "0", "-no-cnv", *native.args(draft=False)]
     log = _run_tool(cmd, "llama-completion", "eval time")
     prompt = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log)

@@ -8,9 +8,9 @@ round (`lockstep`). The llama contexts hold N sequences in one unified cache of 
 llama-server's default: a sequence may grow to n_ctx; when the cells run out, the conversations
 cached by idle slots are dropped first.
 
-A prompt goes to the free slot whose conversation it goes on with, so that a next turn finds its
-previous turns cached even with other clients in between; else to an empty slot, else to the one
-sharing the longest prefix with it, else to the one used least recently (`_fit`).
+A prompt goes to the free slot sharing the longest prefix with it, so that a conversation's next turn
+finds its previous turns cached even with other clients in between; else to an empty slot, else to
+the one used least recently (`_fit`).
 """
 from __future__ import annotations
 
@@ -135,16 +135,18 @@ class Slots:
             self.lockstep.close()
 
 
+SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity
+
+
 def _fit(slot: Slot, tokens: Sequence[int]) -> tuple:
-    """How well a free slot suits a prompt (the greatest is taken): first a slot whose conversation the
-    prompt goes on with (it shares nearly all the slot caches: a next turn may leave the previous answer
-    a few tokens before its end), the longest such; else an empty slot; else the longest shared prefix
-    (a system prompt), else the slot used least recently. A prompt that shares only its first token
-    with a cached conversation does not take that conversation's slot while another is empty."""
-    cached = len(slot.target.tokens)
+    """How well a free slot suits a prompt (the greatest is taken), as llama-server chooses: the slot
+    sharing the longest prefix with it, where that is more than a tenth of the prompt (a conversation's
+    next turn, the same prompt again, a shared system prompt); else an empty slot, else the one used
+    least recently. A first token alone (BOS) is not a shared prefix: a short new prompt does not take
+    a cached conversation's slot while another is empty."""
     shared = common_prefix_length(slot.target.tokens, tokens)
-    goes_on = cached > 0 and shared >= 0.9 * cached
-    return goes_on, shared if goes_on else 0, cached == 0, shared, -slot.last_used
+    similar = shared >= 2 and shared > SLOT_PROMPT_SIMILARITY * len(tokens)
+    return similar, shared if similar else 0, slot.target.n_past == 0, -slot.last_used
 
 
 def _draft_context(draft, seq: int, target: Context):

@@ -114,7 +114,7 @@ def test_page_props_and_the_streams_extra_fields(server, slow_chat_pair):
     assert (props["target"]["n_layer"], props["draft"]["n_layer"]) == (8, 1)
     assert 0 <= props["target"]["n_gpu_layers"] <= 9  # the offload plan: 8 blocks and the output layer at most
     assert props["defaults"]["n_draft"] == "auto" and props["defaults"]["temperature"] == 0
-    assert props["default_generation_settings"]["n_ctx"] == MAX_CTX and props["total_slots"] == 1
+    assert props["default_generation_settings"]["n_ctx"] == MAX_CTX and props["total_slots"] == 4  # serve's default --parallel
 
     body = {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 12, "stream": True}
     chunks = []

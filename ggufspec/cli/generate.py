@@ -90,6 +90,9 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("--limit", type=int, default=None, help="Only the first N prompts.")
 @click.option("--against-llamacpp", "llamacpp", default=None,
               help="Path to llama-speculative-simple: race it, and llama.cpp's own target alone (llama-completion beside it).")
+@click.option("--streams", default=None, metavar="LIST",
+              help="Instead: prompts generated N at once in N slots (e.g. 1,2,4,8), the target alone and auto, "
+                   "aggregate tokens/s against one stream.")
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
 @click.option("--plot", "plot_file", default=None, help="Write a PNG of speedup and acceptance against K.")
 @click.option("--record-trace", "record_trace", default=None, metavar="FILE",
@@ -99,7 +102,7 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @friendly_errors
 def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
           temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, rpc, limit, llamacpp,
-          as_json, plot_file, record_trace, trace_file):
+          streams, as_json, plot_file, record_trace, trace_file):
     """Measure the target alone against speculative configurations, interleaved, per prompt.
 
     The predicted column replays an acceptance trace (`--trace`, `--record-trace`, or one known for
@@ -114,9 +117,12 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
     prompts = B.load_prompts(prompts_file)[:limit]
     trace = simulate.read_trace(trace_file) if trace_file else None  # a bad trace fails before the models load
+    counts = _stream_counts(streams)
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
-                           rpc=rpc)
+                           rpc=rpc, n_parallel=max(counts or [1]))
+    if counts:
+        return _bench_streams(options, prompts, counts, n_predict, as_json)
     with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
         decoder = session.decoder
         identity = simulate.pair_identity(session.target_path, session.draft_path) if session.draft_path else None
@@ -153,6 +159,35 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
+
+
+def _stream_counts(streams: str | None) -> list[int]:
+    if streams is None:
+        return []
+    try:
+        counts = [int(n) for n in streams.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise GgufspecError(f"--streams takes stream counts >= 1 separated by commas (1,2,4,8), got {streams!r}")
+    return counts
+
+
+def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: int, as_json: bool) -> None:
+    """bench --streams: the prompts N at once (`bench_parallel`), results to stdout."""
+    from tqdm.auto import tqdm
+
+    from .. import bench as B
+    from .. import bench_parallel as P
+    from ..session import open_session
+    with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
+        texts = [B.prompt_text(session.decoder, item) for item in prompts]
+        with tqdm(total=2 * len(counts), desc="bench --streams", file=sys.stderr, disable=as_json) as progress:
+            runs = P.run_streams(session.decoder, texts, counts, n_predict=n_predict, chat=False, progress=progress)
+    if as_json:
+        click.echo(json.dumps([{**vars(r), "aggregate_tps": r.aggregate_tps} for r in runs], indent=2))
+    else:
+        click.echo(P.markdown(runs))
 
 
 @main.command(context_settings={"show_default": True})

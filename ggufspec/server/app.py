@@ -77,7 +77,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         return engine.slots.describe()
 
     props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
-             **chat_props(template, tool_format, session, decoder), "total_slots": len(engine.slots)}
+             **chat_props(template, tool_format, session, decoder)}
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

@@ -53,7 +53,7 @@ def pair_props(decoder, model_name: str, defaults: dict) -> dict:
             "placement": decoder.placement,
             "defaults": defaults,
             "default_generation_settings": {"n_ctx": decoder.n_ctx, "params": params},
-            "total_slots": 1, "model_path": str(decoder.target_llm.model_path), "build_info": f"ggufspec {__version__}"}
+            "total_slots": len(decoder.slots), "model_path": str(decoder.target_llm.model_path), "build_info": f"ggufspec {__version__}"}
 
 
 def chat_props(template, tool_format, session, decoder) -> dict:

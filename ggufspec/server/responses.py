@@ -25,7 +25,7 @@ def timings(stats: Stats) -> dict:
             "predicted_n": stats.n_predict, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / stats.n_predict if stats.n_predict else 0.0,
             "predicted_per_second": stats.decode_tps,
-            "draft_n": stats.n_drafted, "draft_n_accepted": stats.n_accept}
+            "draft_n": stats.n_drafted, "draft_n_accepted": stats.n_accept, "id_slot": stats.id_slot}
 
 
 def usage(stats: Stats) -> dict:
