@@ -20,9 +20,12 @@ target alone, then the median over rounds. ggufspec servers get a new, empty GGU
 first user on a new machine: nothing remembered, the step costs timed at startup, which is reported
 as the startup time and not counted in the sessions).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_bench.py [--rounds 3] [--threads 2] [--json OUT]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_bench.py [--rounds 3] [--threads 2] [--protocol messages] [--json OUT]
 
-The client is one function (`chat`): /v1/chat/completions now; another protocol needs another one.
+The client is one function per protocol (--protocol): `chat`, /v1/chat/completions (the default), or
+`messages`, Anthropic's /v1/messages (what Claude Code speaks), the same conversation translated to its
+shape. llama-server's /v1/messages answers carry no `timings`: its decode tok/s is then output_tokens
+over the wall time (prompt included) and its drafts are not counted; the table marks such numbers.
 """
 from __future__ import annotations
 
@@ -68,6 +71,46 @@ def chat(url: str, messages: list[dict], tools: list[dict], max_tokens: int) -> 
             "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
 
 
+def anthropic_messages(url: str, messages: list[dict], tools: list[dict], max_tokens: int) -> dict:
+    """The same request through Anthropic's /v1/messages: the system message as `system`, tool calls as
+    `tool_use` blocks, tool messages as a user message of `tool_result` blocks. ggufspec's answer carries
+    `timings`; llama-server's does not: then the wall time and usage.output_tokens (`timed` False)."""
+    turns: list[dict] = []
+    for m in messages[1:]:
+        if m["role"] == "tool":
+            result = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
+            if turns and turns[-1]["role"] == "user" and isinstance(turns[-1]["content"], list):
+                turns[-1]["content"].append(result)
+            else:
+                turns.append({"role": "user", "content": [result]})
+        elif m.get("tool_calls"):
+            uses = [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                     "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]
+            text = [{"type": "text", "text": m["content"]}] if m["content"] else []
+            turns.append({"role": "assistant", "content": text + uses})
+        else:
+            turns.append({"role": m["role"], "content": m["content"]})
+    body = {"system": messages[0]["content"], "messages": turns, "max_tokens": max_tokens, "temperature": 0,
+            "stream": False, "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
+                                        "input_schema": t["function"]["parameters"]} for t in tools]}
+    sent = time.perf_counter()
+    response = httpx.post(url + "/v1/messages", json=body, timeout=900)
+    wall = time.perf_counter() - sent
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+    data = response.json()
+    timings = data.get("timings") or {}
+    n_tokens = (data.get("usage") or {}).get("output_tokens") or timings.get("predicted_n", 0)
+    return {"text": "".join(b["text"] for b in data["content"] if b["type"] == "text"), "wall_s": wall,
+            "n_tokens": n_tokens, "decode_s": timings.get("predicted_ms", wall * 1000) / 1000,
+            "prompt_s": timings.get("prompt_ms", 0.0) / 1000, "drafted": timings.get("draft_n", 0),
+            "accepted": timings.get("draft_n_accepted", 0), "timed": bool(timings)}
+
+
+CLIENTS = {"chat": chat, "messages": anthropic_messages}
+PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+
+
 # ---------------------------------------------------------------- a session
 
 def opening(script: dict, session: dict) -> list[dict]:
@@ -81,18 +124,18 @@ def opening(script: dict, session: dict) -> list[dict]:
             {"role": "tool", "tool_call_id": "call_0", "content": content}]
 
 
-def run_session(url: str, script: dict, session: dict) -> dict:
+def run_session(url: str, script: dict, session: dict, client=chat) -> dict:
     messages = opening(script, session)
     answers = []
     for number, turn in enumerate(session["turns"]):
         if number > 0:
             messages.append({"role": "user", "content": turn["user"]})
-        answer = chat(url, messages, script["tools"], turn["max_tokens"])
+        answer = client(url, messages, script["tools"], turn["max_tokens"])
         messages.append({"role": "assistant", "content": answer["text"]})
         answers.append(answer)
     total = {key: sum(a[key] for a in answers) for key in ("wall_s", "n_tokens", "decode_s", "drafted", "accepted")}
     return {"session": session["id"], **total, "decode_tps": total["n_tokens"] / total["decode_s"] if total["decode_s"] else None,
-            "turns": answers}
+            "timed": all(a.get("timed", True) for a in answers), "turns": answers}
 
 
 # ---------------------------------------------------------------- the servers
@@ -115,14 +158,14 @@ def command(variant: str, target: Path, draft: Path, threads: int, n_ctx: int, p
 def run_variant(variant: str, args, target: Path, draft: Path, script: dict, round_index: int) -> dict:
     port = free_port()
     cmd = command(variant, target, draft, args.threads, args.ctx, port)
-    record = {"variant": variant, "round": round_index, "loadavg_before": loadavg()}
+    record = {"variant": variant, "round": round_index, "protocol": args.protocol, "loadavg_before": loadavg()}
     home = tempfile.mkdtemp(prefix="agent-bench-home-")
     env = {**os.environ, "GGUFSPEC_HOME": home, "PYTHONPATH": str(ROOT)}
     print(f"[round {round_index}] {variant}: {' '.join(cmd)}", file=sys.stderr)
     try:
         with ServerWithEnv(variant, cmd, port, LOG_DIR / f"{variant}.{round_index}.log", env) as server:
             record["startup_s"] = server.startup_seconds
-            record["sessions"] = [run_session(server.url, script, s) for s in script["sessions"]]
+            record["sessions"] = [run_session(server.url, script, s, CLIENTS[args.protocol]) for s in script["sessions"]]
     except Exception as exc:  # one variant failing must not lose the others' numbers
         record["error"] = f"{type(exc).__name__}: {exc}"
         print(f"[{variant}] FAILED: {record['error']}", file=sys.stderr)
@@ -181,9 +224,14 @@ def markdown(records: list[dict], variants: list[str], sessions: list[str]) -> s
             drafted, accepted = sum(s["drafted"] for s in runs), sum(s["accepted"] for s in runs)
             ups = speedups.get(variant, [])
             shown = (f"{statistics.median(ups):.2f}x ({', '.join(f'{u:.2f}' for u in ups)})" if ups else "–")
-            kept = f"{accepted}/{drafted}" if drafted else "–"
-            lines.append(f"| {session} | {variant} | {statistics.median(walls):.1f} | {shown} | {tps:.1f} | {kept} | "
+            timed = all(s.get("timed", True) for s in runs)
+            kept = f"{accepted}/{drafted}" if drafted else "–" if timed else "n/a*"
+            lines.append(f"| {session} | {variant} | {statistics.median(walls):.1f} | {shown} | "
+                         f"{tps:.1f}{'' if timed else '*'} | {kept} | "
                          f"{'/'.join(str(s['n_tokens']) for s in runs)} |")
+    if any(not s.get("timed", True) for r in records for s in r.get("sessions", [])):
+        lines.append("\n\\* the answers carried no `timings`: tok/s is usage.output_tokens over the wall time "
+                     "(prompt included), drafts not reported")
     return "\n".join(lines)
 
 
@@ -222,6 +270,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--sessions", default=None, help="Comma-separated session ids (default: all).")
+    parser.add_argument("--protocol", choices=sorted(CLIENTS), default="chat",
+                        help="chat: /v1/chat/completions (default); messages: Anthropic's /v1/messages.")
     parser.add_argument("--json", default=None, help="Write every record here.")
     args = parser.parse_args()
     variants = args.variants.split(",")
@@ -240,12 +290,14 @@ def main() -> None:
         order = variants if round_index % 2 == 0 else variants[::-1]
         records += [run_variant(v, args, target, draft, script, round_index) for v in order]
     session_ids = [s["id"] for s in script["sessions"]]
-    print(f"\nCPU: {cpu_name()}, {args.threads} threads; target {target.name}, draft {draft.name}\n")
+    print(f"\nCPU: {cpu_name()}, {args.threads} threads; target {target.name}, draft {draft.name}; "
+          f"protocol {args.protocol} ({PATHS[args.protocol]})\n")
     print(markdown(records, variants, session_ids))
     print("\n" + versus_best_llama(records, session_ids))
     print("\nstartup s: " + ", ".join(f"{r['variant']} {r['startup_s']:.1f}" for r in records if "startup_s" in r))
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "threads": args.threads, "records": records}, indent=1))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "threads": args.threads, "protocol": args.protocol,
+                                               "records": records}, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 from .bridge import VocabBridge
+from .drafting import Costs
 from .lockstep import Lockstep
 from .native import Context, common_prefix_length
 
@@ -158,23 +160,69 @@ def _draft_context(draft, seq: int, target: Context):
     return VocabBridge(ctx, target) if isinstance(draft, VocabBridge) else ctx
 
 
-class BatchGate:
-    """`--draft auto` in a slot: K bounded by what can pay in a batch shared with the other slots
-    (`Costs.most_worth_drafting`, from their tokens in the latest round), and the step's times
-    not learned from while others share it (they are the whole batch's, not this K's)."""
+class BatchCosts(Costs):
+    """The step costs as a slot sees them in a batch it shares with other slots (`--draft auto`).
 
-    def __init__(self, controller, lockstep: Lockstep, costs):
-        self.controller, self.lockstep, self.costs = controller, lockstep, costs
-        self.shared = False
+    The other slots put B tokens in the latest round and yield Y (one each, at least). A step of this
+    slot with k drafts makes the round cost T(B + k + 1), and the round yields E(k) + Y tokens; it beats
+    drafting none when (E(k) + Y) / T(B + k + 1) > (1 + Y) / T(B + 1). With t0 = T(B + 1) / (1 + Y),
+    that is E(k) / T'(k + 1) > 1 / T'(1) for T'(n) = T(B + n) - Y t0: the controllers' own rule, under
+    T'. So a slot's controllers price drafts with T' (B = 0: T itself), and where a batch of n costs
+    about n single tokens, the more the others put in, the less any draft pays.
+
+    The measurements are the shared ones; a step shared with others is not added to them (its time is
+    the whole batch's, not this k's)."""
+
+    def __init__(self, base: Costs, lockstep: Lockstep):
+        self.base, self.lockstep = base, lockstep
+        self.draft_times, self.batch_times, self.ngram = base.draft_times, base.batch_times, base.ngram
+        self._model, self._best_rates, self._made_for = None, {}, None
+
+    @property
+    def shared(self) -> bool:
+        return self.lockstep.members > 1
+
+    def others(self) -> tuple[int, int]:
+        """(B, Y): the other slots' tokens in the latest target round, and their number."""
+        tokens, n_others = self.lockstep.others("target") if self.shared else (0, 0)
+        return max(tokens, n_others), n_others
+
+    def batch_model(self):
+        base, (others, n_others) = self.base.batch_model(), self.others()
+        if self._made_for != (base, others, n_others):
+            self._made_for, self._best_rates = (base, others, n_others), {}
+            if others == 0:
+                self._model = base
+            else:
+                t0 = base(others + 1) / (1 + n_others)
+                self._model = functools.lru_cache(maxsize=None)(lambda n: base(others + n) - n_others * t0)
+        return self._model
+
+    def add_batch(self, n: int, seconds: float | None) -> None:
+        if not self.shared:
+            self.base.add_batch(n, seconds)
+
+    def could_pay(self, max_k: int) -> bool:
+        # shared: `worth_drafting` bounds K for this step only (no long idling because the batch was full)
+        return True if self.shared else self.base.could_pay(max_k)
+
+    def worth_drafting(self, max_k: int) -> int:
+        return self.base.most_worth_drafting(max_k, *self.others()) if self.shared else max_k
+
+
+class BatchGate:
+    """`--draft auto` in a slot: no more drafts than can pay in the shared batch this step
+    (`Costs.most_worth_drafting`), and the step's times learned only when no other slot shared it."""
+
+    def __init__(self, controller, costs: BatchCosts):
+        self.controller, self.costs = controller, costs
+        self.timed = True
 
     def choose(self, max_k: int) -> int:
-        others, n_others = self.lockstep.others("target")
-        self.shared = self.lockstep.members > 1
-        if self.shared:
-            max_k = min(max_k, self.costs.most_worth_drafting(max_k, max(others, n_others), n_others))
-        return self.controller.choose(max_k)
+        self.timed = not self.costs.shared
+        return self.controller.choose(min(max_k, self.costs.worth_drafting(max_k)))
 
     def observe(self, k, n_accepted, draft_seconds, verify_seconds) -> None:
-        if self.shared:
+        if not self.timed:
             draft_seconds = verify_seconds = None
         self.controller.observe(k, n_accepted, draft_seconds, verify_seconds)

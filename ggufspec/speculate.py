@@ -391,13 +391,15 @@ class SpeculativeDecoder:
             costs = self._costs.setdefault(drafter, Costs())
             if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
                 measure_step_costs(self.target, chosen.context, costs, sizes=(1, 2, 4, 8, 16), token=tokens[0])
+            if self.target.lockstep is not None:  # a slot: drafts priced in the batch it shares (`slots`)
+                from .slots import BatchCosts, BatchGate
+                costs = BatchCosts(costs, self.target.lockstep)
             if chosen is not None:  # n-gram proposals where they pay, the draft model's (if any) otherwise
                 chosen = controller = AutoDrafting.over(chosen, self._drafter("lookup", 0.0), costs, draft_max)
             else:
                 controller = AdaptiveK(draft_max, costs=costs)
-            if self.target.lockstep is not None:  # a slot: K knowing the other slots' tokens in the batch
-                from .slots import BatchGate
-                controller = BatchGate(controller, self.target.lockstep, costs)
+            if self.target.lockstep is not None:
+                controller = BatchGate(controller, costs)
         else:
             controller = FixedK(n_draft)
         self.last_stats = Stats(n_draft=0 if chosen is None else (draft_max if adaptive else n_draft),

@@ -64,6 +64,21 @@ with SpeculativeDecoder(sys.argv[1], sys.argv[2], n_ctx=1024, n_threads=2, exact
 print(json.dumps(differ))
 """
 
+SLOTS = """
+import json, sys
+from ggufspec import SpeculativeDecoder
+prompts = [json.loads(line)["prompt"] for line in open(sys.argv[3]) if line.strip()][:3]
+with SpeculativeDecoder(sys.argv[1], sys.argv[2], n_ctx=1024, n_threads=2, exact=True, n_parallel=3) as decoder:
+    prompts = [decoder.render_chat([{"role": "user", "content": text}]) for text in prompts]
+    alone = [decoder.generate(prompt, n_predict=40, n_draft=0).tokens for prompt in prompts]
+    differ = []
+    for k in (0, 3, "auto"):
+        together = decoder.generate_many(prompts, n_predict=40, n_draft=k)
+        differ += [[str(k), i] for i, got in enumerate(together) if got.tokens != alone[i]]
+    print(json.dumps({"differ": differ, "batches": decoder.slots.lockstep.n_batches,
+                      "requests": decoder.slots.lockstep.n_requests}))
+"""
+
 
 def run_script(code: str, *args) -> object:
     done = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=900)
@@ -82,6 +97,14 @@ def test_a_batch_gives_the_single_token_logits_only_with_exact_kernels():
 def test_greedy_text_is_the_target_alones_bit_for_bit():
     target, draft = demo_pair_paths()
     assert run_script(GREEDY, target, draft, HELD_OUT) == []
+
+
+def test_slots_decoding_together_give_each_the_target_alones_text_bit_for_bit():
+    """Three prompts in three slots, their tokens in one batch per step (issue 30), with the exact
+    kernels and a cache per sequence: each text is the one the target gives it alone."""
+    target, draft = demo_pair_paths()
+    result = run_script(SLOTS, target, draft, HELD_OUT)
+    assert result["differ"] == [] and result["batches"] < result["requests"]
 
 
 def test_a_repeated_server_request_gets_the_same_answer(tmp_path):

@@ -104,3 +104,27 @@ def test_drafts_stop_where_the_batch_is_full_enough():
     assert costs.most_worth_drafting(8, 0, 0) == 8       # alone: K unbounded here (the controller decides)
     assert costs.most_worth_drafting(8, 1, 1) >= 1        # one other token: the batch is still cheap
     assert costs.most_worth_drafting(8, 15, 15) == 0      # 15 other slots' tokens: no draft pays
+
+
+def test_a_slot_prices_drafts_with_the_batch_it_shares():
+    """BatchCosts: T'(n) = T(B + n) - Y T(B + 1) / (1 + Y), so the controllers' own rule, E(k) / T'(k + 1)
+    against 1 / T'(1), is the whole batch's: (E(k) + Y) / T(B + k + 1) against (1 + Y) / T(B + 1)."""
+    from ggufspec.slots import BatchCosts
+
+    class Round:  # three other slots put 6 tokens in the latest round
+        members = 4
+
+        def others(self, name):
+            return 6, 3
+    costs = Costs()
+    for n, seconds in {1: 1.0, 2: 1.1, 4: 1.6, 8: 3.0, 16: 6.0}.items():
+        for _ in range(3):
+            costs.add_batch(n, seconds)
+    seen = BatchCosts(costs, Round())
+    T, shifted = costs.batch_model(), seen.batch_model()
+    t0 = T(7) / 4
+    assert abs(shifted(1) - t0) < 1e-12 and abs(shifted(5) - (T(11) - 3 * t0)) < 1e-12
+    for k, expected in ((2, 2.5), (4, 3.2)):  # E(k) for some acceptance: the two rules agree
+        assert (expected / shifted(k + 1) > 1 / shifted(1)) == ((expected + 3) / T(7 + k) > 4 / T(7))
+    seen.add_batch(1, 0.01)  # a shared step is not learned from
+    assert min(costs.batch_times[1]) == 1.0
