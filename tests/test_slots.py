@@ -11,6 +11,7 @@ import pytest
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.drafting import Costs
+from ggufspec.processing import Constraints
 from ggufspec.tinymodels import make_gemma2_pair, make_mamba_pair
 from reference import prompts
 
@@ -128,3 +129,34 @@ def test_a_slot_prices_drafts_with_the_batch_it_shares():
         assert (expected / shifted(k + 1) > 1 / shifted(1)) == ((expected + 3) / T(7 + k) > 4 / T(7))
     seen.add_batch(1, 0.01)  # a shared step is not learned from
     assert min(costs.batch_times[1]) == 1.0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(tiny_pair):
+    """A 1,600-token prompt arrives while another slot decodes: it is evaluated n_batch tokens a round,
+    and the decoding slot gets a token in each of those rounds instead of waiting for all of it."""
+    events = []
+    with SpeculativeDecoder(*tiny_pair, n_ctx=2048, n_threads=1, n_parallel=2) as decoder:
+        started = threading.Event()
+
+        def decoding():
+            with decoder.slots.use(PROMPTS[0]) as view:
+                no_end = Constraints(logit_bias={2: -100.0})  # it goes on decoding whatever the CPU's rounding
+                for i, _ in enumerate(view.stream(PROMPTS[0], n_predict=300, n_draft=0, constraints=no_end)):
+                    events.append("token")
+                    if i == 5:
+                        started.set()
+
+        def long_prompt():
+            started.wait()
+            prompt = [1] + [260 + i % 20 for i in range(1600)]
+            with decoder.slots.use(prompt) as view:
+                events.append("long prompt starts")
+                stream = view.stream(prompt, n_predict=2, n_draft=0)
+                next(stream)
+                events.append("its first token")
+                stream.close()
+        threads = [threading.Thread(target=decoding), threading.Thread(target=long_prompt)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    between = events[events.index("long prompt starts"):events.index("its first token")]
+    assert between.count("token") >= 3  # one per 512-token chunk (n_batch)
