@@ -170,8 +170,10 @@ class BatchCosts(Costs):
     T'. So a slot's controllers price drafts with T' (B = 0: T itself), and where a batch of n costs
     about n single tokens, the more the others put in, the less any draft pays.
 
-    The measurements are the shared ones; a step shared with others is not added to them (its time is
-    the whole batch's, not this k's)."""
+    `could_pay` judges under T' too: where no draft can pay in the shared batch, the slot's controller
+    stops probing for the rest of its generation (a draft model's probe makes every slot wait for
+    its k draft decodes: measured, probes alone made 4 slots 2.3x slower). The measurements are the
+    shared ones; a step shared with others is not added to them (its time is the whole batch's)."""
 
     def __init__(self, base: Costs, lockstep: Lockstep):
         self.base, self.lockstep = base, lockstep
@@ -201,10 +203,6 @@ class BatchCosts(Costs):
     def add_batch(self, n: int, seconds: float | None) -> None:
         if not self.shared:
             self.base.add_batch(n, seconds)
-
-    def could_pay(self, max_k: int) -> bool:
-        # shared: `worth_drafting` bounds K for this step only (no long idling because the batch was full)
-        return True if self.shared else self.base.could_pay(max_k)
 
     def worth_drafting(self, max_k: int) -> int:
         return self.base.most_worth_drafting(max_k, *self.others()) if self.shared else max_k
