@@ -33,7 +33,7 @@ def run_streams(decoder, prompts: list[str], counts: list[int], *, n_predict: in
                 chat: bool = True, progress=None) -> list[StreamsRun]:
     """Every configuration at every stream count, interleaved (a shared machine drifts)."""
     runs = []
-    for config in configs:
+    for config in configs:  # (the slots' views are made per generation: they see the fresh pool)
         options = {"n_predict": n_predict, "temperature": 0.0, "chat": chat, **CONFIGS[config]}
         decoder.generate_many(prompts[:max(counts)], **{**options, "n_predict": 4})  # warm-up: graphs, costs
         for n in counts:
@@ -59,9 +59,12 @@ def _one(decoder, prompts: list[str], n: int, config: str, options: dict) -> Str
 
 
 def _clear(decoder) -> None:
+    """Empty caches and an empty n-gram pool: no round copies what an earlier one generated."""
+    from .bench import _fresh_pool
     for slot in decoder.slots.slots:
         for ctx in slot.contexts():
             ctx.keep(0)
+    _fresh_pool(decoder)
 
 
 def markdown(runs: list[StreamsRun]) -> str:

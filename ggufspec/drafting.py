@@ -454,6 +454,8 @@ class AutoDrafting:
         the first probe of a generation evaluated a 163-token prompt: 11 target tokens' time)."""
         if len(tokens) - self.context.n_past <= self.PROBE_MAX_LAG:
             return True
+        if getattr(self.costs, "shared", False):  # a slot (`slots`): every slot would wait for the catch-up
+            return False
         return self.model_k.rates(self._model_choice)[self._model_choice] > 1.0 / self.costs.batch_model()(1)
 
     def observe(self, k, n_accepted, draft_seconds, verify_seconds) -> None:

@@ -20,6 +20,7 @@ directly, as without a Lockstep.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -47,6 +48,8 @@ class Lockstep:
         self.make_room: Callable[[object], bool] | None = None
         self.rounds = 0
         self.n_requests = self.n_batches = 0  # decodes asked for by slots, llama_decode calls made for them
+        self.seconds: dict[str, float] = {}     # in llama_decode, per model (by context name)
+        self.tokens: dict[str, int] = {}        # decoded, per model
         # the latest round of each model (by context name): tokens per member thread
         self.last_round: dict[str, dict[int, int]] = {}
 
@@ -155,7 +158,10 @@ class Lockstep:
                 j += 1
         batch.n_tokens = j
         self.n_batches += 1
+        started = time.perf_counter()
         rc = llama_cpp.llama_decode(ctx0.ctx, batch)
+        self.seconds[ctx0.name] = self.seconds.get(ctx0.name, 0.0) + time.perf_counter() - started
+        self.tokens[ctx0.name] = self.tokens.get(ctx0.name, 0) + j
         if rc != 0:  # the cache may hold part of the batch: each sequence is cut back to what it held
             for request in group:
                 llama_cpp.llama_memory_seq_rm(request.ctx.memory, request.ctx.seq, len(request.ctx.tokens), -1)
