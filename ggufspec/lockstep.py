@@ -47,6 +47,8 @@ class Lockstep:
         # of idle slots (their conversations) and says whether it freed any
         self.make_room: Callable[[object], bool] | None = None
         self.rounds = 0
+        self._round_due, self._closing = False, False
+        self._round_thread: threading.Thread | None = None  # where every round runs (`_run_rounds`)
         self.n_requests = self.n_batches = 0  # decodes asked for by slots, llama_decode calls made for them
         self.seconds: dict[str, float] = {}     # in llama_decode, per model (by context name)
         self.tokens: dict[str, int] = {}        # decoded, per model
@@ -106,11 +108,32 @@ class Lockstep:
         self._holder = me
 
     def _round_if_all_wait(self) -> None:
-        """Under the lock: a round, when every member waits on a decode (nobody holds the baton)."""
+        """Under the lock: a round is due when every member waits on a decode (nobody holds the baton)."""
         # a member holds the baton, waits for it, or waits here: with no holder and no turn to give,
         # every member waits on a decode
         if self._holder is not None or self._turns or not self._waiting:
             return
+        self._round_due = True
+        if self._round_thread is None:
+            self._round_thread = threading.Thread(target=self._run_rounds, name="ggufspec-rounds", daemon=True)
+            self._round_thread.start()
+
+    def _run_rounds(self) -> None:
+        """Every round's llama_decode from this one thread: llama.cpp's OpenMP build keeps a team of
+        worker threads per calling thread, and rounds called from whichever slot waited last woke a
+        different, cold team each time."""
+        with self._cond:
+            while True:
+                self._cond.wait_for(lambda: self._round_due or self._closing)
+                if self._closing:
+                    return
+                self._round_due = False
+                # still due? a slot that joined meanwhile took the baton: its next decode makes it due again
+                if self._holder is None and not self._turns and self._waiting:
+                    self._round()
+                    self._cond.notify_all()
+
+    def _round(self) -> None:
         groups: dict[int, list[_Request]] = {}
         room: dict[int, int] = {}
         for request in self._waiting:  # oldest first; what does not fit this round goes first in the next
@@ -168,6 +191,11 @@ class Lockstep:
         return rc
 
     def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._round_thread is not None:
+            self._round_thread.join()
         for batch in self._batches.values():
             llama_cpp.llama_batch_free(batch)
         self._batches = {}
