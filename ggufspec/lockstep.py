@@ -119,9 +119,10 @@ class Lockstep:
             self._round_thread.start()
 
     def _run_rounds(self) -> None:
-        """Every round's llama_decode from this one thread: llama.cpp's OpenMP build keeps a team of
-        worker threads per calling thread, and rounds called from whichever slot waited last woke a
-        different, cold team each time."""
+        """Every round's llama_decode from this one thread, not from whichever slot waited last:
+        llama.cpp's OpenMP build keeps a team of worker threads per calling thread, so one team
+        serves every round. (Measured at 4 clients on the AMD CPU: no difference, 12.9 against 12.9
+        tok/s; kept for the simpler picture of who calls llama.cpp.)"""
         with self._cond:
             while True:
                 self._cond.wait_for(lambda: self._round_due or self._closing)
