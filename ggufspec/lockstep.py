@@ -145,7 +145,11 @@ class Lockstep:
         self.rounds += 1
         for key, group in groups.items():
             self.n_requests += len(group)
-            self._decode_group(key, group)
+            try:
+                self._decode_group(key, group)
+            except Exception:  # never leave every slot waiting: each raises DecodeError in its own thread
+                for request in group:
+                    request.rc = -1
             self.last_round[group[0].ctx.name] = {r.thread: len(r.tokens) for r in group}
             for request in group:
                 request.done = True
