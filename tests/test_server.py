@@ -277,6 +277,8 @@ def test_api_key(busy_server):
     assert httpx.get(busy_server.url + "/v1/models", timeout=10).status_code == 401
     assert httpx.get(busy_server.url + "/props", timeout=10).status_code == 401  # it names the files
     assert httpx.get(busy_server.url + "/props", headers=auth(), timeout=10).json()["model"] == "slow"
+    assert httpx.get(busy_server.url + "/slots", timeout=10).status_code == 401  # what each slot holds
+    assert len(httpx.get(busy_server.url + "/slots", headers=auth(), timeout=10).json()) == 1
     assert httpx.get(busy_server.url + "/", timeout=10).status_code == 200  # the chat page asks for the key itself
     with pytest.raises(openai.AuthenticationError):
         busy_server.client(api_key="wrong").models.list()

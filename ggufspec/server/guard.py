@@ -7,7 +7,7 @@ through untouched).
 - Origins: browsers get CORS headers only for loopback origins (any port), the server's own page and
   --cors-origins; a POST from any other origin is refused (403), so that a page cannot run the model
   with a "simple" request that needs no preflight either.
-- The key (--api-key) on /v1/*, /props, /tokenize, /detokenize: `Authorization: Bearer KEY` or
+- The key (--api-key) on /v1/*, /props, /slots, /tokenize, /detokenize: `Authorization: Bearer KEY` or
   `x-api-key: KEY`, compared in constant time.
 - Bodies: at most --max-body bytes, refused from Content-Length before anything is read, and while
   reading a body sent without one (chunked): 413. Below the cap, `OffLoopRoute` parses and validates
@@ -39,7 +39,7 @@ from .errors import error_body
 MIB = 1 << 20
 # A context of 128k tokens as JSON (its text escaped, or its ids) fits with room to spare.
 DEFAULT_MAX_BODY = 4 * MIB
-KEYED_PATHS = ("/props", "/tokenize", "/detokenize")
+KEYED_PATHS = ("/props", "/slots", "/tokenize", "/detokenize")
 WITH_BODY = ("POST", "PUT", "PATCH", "DELETE")  # methods that change things (and may carry a body)
 # http(s)://localhost, *.localhost, 127.0.0.0/8 and [::1], any port: pages served from this machine
 LOOPBACK_ORIGIN = r"https?://(localhost|[a-z0-9.-]+\.localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?"
