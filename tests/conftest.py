@@ -78,3 +78,14 @@ def chat_pair(tmp_path_factory):
     """A tiny target and draft with a chat template (serverproc.make_chat_pair), shared by the server tests."""
     from serverproc import make_chat_pair
     return make_chat_pair(tmp_path_factory.mktemp("chat-pair"))
+
+
+@pytest.fixture(scope="session")
+def slow_target(tmp_path_factory):
+    """A target a few milliseconds per token that never ends on its own (the server tests' queue,
+    disconnects and parallel slots)."""
+    from ggufspec.tinymodels import Shape, make_weights, write_model
+    shape = Shape(n_layer=16, n_embd=256, n_ff=768)
+    weights = make_weights(shape, seed=2)
+    weights["output.weight"][2] = 0  # no EOS
+    return write_model(tmp_path_factory.mktemp("slow") / "slow.gguf", shape, weights)

@@ -18,7 +18,6 @@ import pytest
 
 from ggufspec import SpeculativeDecoder
 from serverproc import serving, start_server, stop_server
-from ggufspec.tinymodels import Shape, make_weights, write_model
 
 API_KEY = "sesame"
 
@@ -28,15 +27,6 @@ def server(chat_pair, tmp_path_factory):
     target, draft = chat_pair
     with serving(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", "512") as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def slow_target(tmp_path_factory):
-    """A target a few milliseconds per token that never ends on its own."""
-    shape = Shape(n_layer=16, n_embd=256, n_ff=768)
-    weights = make_weights(shape, seed=2)
-    weights["output.weight"][2] = 0  # no EOS
-    return write_model(tmp_path_factory.mktemp("slow") / "slow.gguf", shape, weights)
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,10 @@ import httpx
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from ggufspec.tinymodels import Shape, make_weights, write_model
 from serverproc import serving
 
 PROMPTS = ["the cat", "a dog sat", "the mat the", "a cat a dog"]
 N_TOKENS = 120
-
-
-@pytest.fixture(scope="module")
-def slow_target(tmp_path_factory):
-    shape = Shape(n_layer=16, n_embd=256, n_ff=768)
-    weights = make_weights(shape, seed=2)
-    weights["output.weight"][2] = 0  # no EOS
-    return write_model(tmp_path_factory.mktemp("slow") / "slow.gguf", shape, weights)
 
 
 @pytest.fixture(scope="module")

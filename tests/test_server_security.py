@@ -22,7 +22,6 @@ import pytest
 
 from browser import chromium
 from serverproc import serving, start_server
-from ggufspec.tinymodels import Shape, make_weights, write_model
 
 KEY = "sesame"
 MIB = 1 << 20
@@ -48,15 +47,6 @@ def keyed(chat_pair, tmp_path_factory):
     with serving(tmp_path_factory.mktemp("keyed"), "-m", str(target), "-md", str(draft), "-c", "512",
                  "--api-key", KEY, "--cors-origins", ALLOWED_ORIGIN, "--allowed-hosts", PROXY_NAME) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def slow_target(tmp_path_factory):
-    """A target a few milliseconds per token that never ends on its own."""
-    shape = Shape(n_layer=16, n_embd=256, n_ff=768)
-    weights = make_weights(shape, seed=2)
-    weights["output.weight"][2] = 0  # no EOS
-    return write_model(tmp_path_factory.mktemp("slow") / "slow.gguf", shape, weights)
 
 
 def address(server) -> tuple[str, int]:
