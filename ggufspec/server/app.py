@@ -1,5 +1,6 @@
-"""The app: HTTP to jobs, jobs to OpenAI's JSON. The routes only parse, submit and hand over; `guard.Guard`
-in front of them decides who may use them."""
+"""The app: the server's own routes (health, slots, props, models, tokenize, the chat page) and each
+API's (`protocols`: HTTP to jobs, jobs to the API's JSON). The routes only parse, submit and hand over;
+`guard.Guard` in front of them decides who may use them."""
 from __future__ import annotations
 
 import asyncio
@@ -7,23 +8,18 @@ import sys
 import time
 from importlib import resources
 
-from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
-from sse_starlette.sse import EventSourceResponse
 
 from .. import load
 from .. import tools as toolkit
 from . import protocols
-from .constraints import shaping
-from .errors import APIError, add_error_handlers, engine_error
+from .errors import add_error_handlers
 from .guard import Exposure, Guard, OffLoopRoute
-from .jobs import ClientGone, Engine, Job
+from .jobs import Engine
 from .props import chat_props, pair_props
-from .responses import Reply, stream_events, whole_answer
 from .tokens import DetokenizeBody, TokenizeBody, detokenize_tokens, tokenize_text
-from .schemas import (ChatBody, CompletionBody, GenerationBody, message_dicts, request_options, single_prompt,
-                      stop_strings)
 
 
 def chat_page() -> str:
@@ -58,10 +54,9 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     app.router.route_class = OffLoopRoute  # request bodies parsed and validated off the event loop
     add_error_handlers(app)
 
-    # Anthropic's Messages and OpenAI's Responses: translations of the same requests to the same engine
+    # OpenAI's chat and completions, Anthropic's Messages, OpenAI's Responses: the same requests to the same engine
     serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models)
     protocols.add_routes(app, serving)
-    check_model = serving.check_model
 
     @app.get("/health")
     async def health():
@@ -99,15 +94,6 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                                                 model_name, created)}],
                 "has_more": False, "first_id": model_name, "last_id": model_name}
 
-    async def answer(request: Request, body: GenerationBody, job_args: dict, chat: bool):
-        check_model(body.model)
-        shape = shaping(body, tool_format, decoder.target.n_vocab)
-        job = Job(options=request_options(body, defaults), stops=stop_strings(body.stop), shape=shape, n=body.n,
-                  **job_args)
-        reply = Reply(model_name, chat, shape, body.n)
-        engine.submit(job)
-        return await respond(job, reply, request, body)
-
     @app.post("/tokenize")
     async def tokenize_endpoint(body: TokenizeBody):
         return await asyncio.to_thread(tokenize_text, decoder, body)
@@ -116,34 +102,4 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     async def detokenize_endpoint(body: DetokenizeBody):
         return await asyncio.to_thread(detokenize_tokens, decoder, body)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionBody):
-        return await answer(request, body, {"prompt": single_prompt(body.prompt)}, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatBody):
-        messages = await asyncio.to_thread(message_dicts, body.messages)  # thousands of them take a while
-        return await answer(request, body, {"messages": messages}, chat=True)
-
     return app
-
-
-async def respond(job: Job, reply: Reply, request: Request, body: GenerationBody):
-    """The submitted job's answer: whole, or a stream once the job has started (its errors until
-    then are the HTTP status); a client gone before the answer cancels it."""
-    streaming = False
-    try:
-        kind, value = await job.next_event(request)  # waits its turn, then the prompt is checked
-        if kind == "error":
-            raise engine_error(value)
-        if not body.stream:
-            return await whole_answer(job, reply, request)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        response = EventSourceResponse(stream_events(job, reply, include_usage), sep="\n")
-        streaming = True
-        return response
-    except ClientGone:
-        return JSONResponse({}, status_code=499)  # nginx's "client closed request"; nobody reads it
-    finally:
-        if not streaming:  # from here on the stream's own `finally` cancels it
-            job.cancel()

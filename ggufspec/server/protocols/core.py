@@ -187,8 +187,7 @@ def joined_text(parts: list[str]) -> str:
 async def respond(job: Job, request: Request, stream: bool, new_state, new_splitter=lambda: None):
     """The submitted job's answer, rendered by a protocol's state (`new_state(n_prompt)`: its
     `start()` and `on(event)` give stream events, `whole()` the answer, `error(APIError)` a stream's
-    error event): whole, or streamed once the job has started, so that its errors until then are
-    HTTP statuses. A client gone before the answer cancels it."""
+    error event), whole or streamed (`answer_or_stream`)."""
     async def whole(n_prompt: int) -> dict:
         state = new_state(n_prompt)
         async for event in answer_events(job, request, new_splitter()):
@@ -208,6 +207,14 @@ async def respond(job: Job, request: Request, stream: bool, new_state, new_split
         finally:  # a client that leaves closes the stream: the worker stops at the next token
             job.cancel()
 
+    return await answer_or_stream(job, request, stream, whole, events)
+
+
+async def answer_or_stream(job: Job, request: Request, stream: bool, whole, events):
+    """Every protocol's answer: `whole(n_prompt)` (a coroutine: the answer's JSON object) or
+    `events(n_prompt)` (an async generator of SSE events that cancels the job when it ends), once
+    the job has started, so that its errors until then are HTTP statuses. A client gone before the
+    answer cancels it."""
     streaming = False
     try:
         n_prompt = await started(job, request)
