@@ -29,7 +29,7 @@ cmake -S "$dest" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -D
 # the targets this llama.cpp version defines (llama-completion is newer than llama-cli's split, etc.)
 available="$(cmake --build "$dest/build" --target help 2>/dev/null || true)"
 targets=()
-for t in llama-server llama-speculative-simple llama-bench llama-completion llama-cli ggml-rpc-server rpc-server; do
+for t in llama-server llama-speculative-simple llama-bench llama-batched-bench llama-completion llama-cli ggml-rpc-server rpc-server; do
   grep -qE "(^|[ :.])$t(:|$| )" <<<"$available" && targets+=("$t")
 done
 cmake --build "$dest/build" -j "$(nproc)" --target "${targets[@]}" >&2
