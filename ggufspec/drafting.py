@@ -363,6 +363,7 @@ class AutoDrafting:
         self.tallies = costs.ngram
         self.catch_up_seconds = 0.0
         self._model_choice = 0
+        self._alone_steps = 0     # steps the target made alone since the draft last caught up
         self._source = None       # of the current step: a bucket name, "model" or None
         self._probe_wait: dict[str, list[int]] = {}  # bucket -> [candidates since its last probe, interval]
 
@@ -442,7 +443,10 @@ class AutoDrafting:
                 return proposals
         self._source = "model" if self._model_choice > 0 and self._model_may_draft(tokens) else None
         if self._source is None:
+            self._alone_steps += 1
             return []
+        if len(tokens) - self.context.n_past > self.PROBE_MAX_LAG:
+            self._alone_steps = 0  # caught up: the rent starts again
         proposals = self.model.propose(tokens, min(k, self._model_choice), params, draws, guide)
         self.catch_up_seconds = self.model.catch_up_seconds
         return proposals
@@ -451,12 +455,27 @@ class AutoDrafting:
         """The draft model's K stands where it expects to pay; a probe (K > 0 though K = 0 has the
         best expected rate) only while the draft is nearly caught up: after the n-gram source or
         the target alone made the text, the draft would first evaluate all it skipped (on a CPU,
-        the first probe of a generation evaluated a 163-token prompt: 11 target tokens' time)."""
-        if len(tokens) - self.context.n_past <= self.PROBE_MAX_LAG:
+        the first probe of a generation evaluated a 163-token prompt: 11 target tokens' time).
+
+        A catch-up is bought as skis are (rent until the rent paid equals the price, then buy: never
+        more than twice the best choice in hindsight): the draft catches up once the steps the target
+        made alone, each `saving` slower than with the draft, have cost as much as the catch-up would.
+        The answer's length is not known: an agent's one-line reply after three whole-file rewrites
+        that n-gram copies drafted (1,500 tokens the draft had not seen) took 25 s instead of 2.6."""
+        lag = len(tokens) - self.context.n_past
+        if lag <= self.PROBE_MAX_LAG:
             return True
         if getattr(self.costs, "shared", False):  # a slot (`slots`): every slot would wait for the catch-up
             return False
-        return self.model_k.rates(self._model_choice)[self._model_choice] > 1.0 / self.costs.batch_model()(1)
+        t_alone = self.costs.batch_model()(1)
+        saving = t_alone - 1.0 / self.model_k.rates(self._model_choice)[self._model_choice]
+        return saving > 0 and self._alone_steps * saving >= self.catch_up_estimate(lag)
+
+    def catch_up_estimate(self, lag: int) -> float:
+        """Seconds for the draft to evaluate `lag` tokens in one batch: a draft token's time, scaled as
+        the target's batches scale (T(n) / T(1))."""
+        batch, n = self.costs.batch_model(), min(lag, 512)
+        return self.costs.t_draft * batch(n) / batch(1) * lag / n
 
     def observe(self, k, n_accepted, draft_seconds, verify_seconds) -> None:
         source = self._source if k > 0 else None

@@ -194,3 +194,48 @@ def test_sampling_keeps_the_target_distribution(tiny_pair, source):
     assert drafted >= DRAWS  # every draw was drafted
     assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) > 1e-3
     assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
+
+
+class FakeDraftModel:
+    """A draft model's surface as AutoDrafting sees it: its context's n_past, and proposals."""
+
+    def __init__(self, n_past: int):
+        self.context = type("Ctx", (), {"n_past": n_past})()
+        self.catch_up_seconds, self.calls = 0.0, 0
+
+    def propose(self, tokens, k, params, draws, guide=None):
+        self.calls += 1
+        self.context.n_past = len(tokens)  # caught up
+        return [7] * k
+
+
+def test_a_draft_model_far_behind_catches_up_only_once_the_target_alone_has_cost_as_much():
+    """Ski rental: after n-gram copies (or the target alone) made 1,500 tokens the draft has not seen,
+    its catch-up costs more than a short answer gains from it; it is bought once the steps made
+    without it have cost as much, and a draft nearly caught up drafts at once."""
+    costs = memory_bound_costs()  # T(1) = 1 ms, T(n) = 1 + 0.05 (n - 1) ms: the draft model pays
+    for _ in range(3):
+        costs.draft_times.append(0.2e-3)
+    prompt = [1] + list(range(300, 1800))  # no n-gram candidate: each step is the model's or none
+    model = FakeDraftModel(n_past=10)
+    auto = AutoDrafting(NgramDrafter(4000, NgramPool(1 << 10)), model, costs, k_max=4)
+    catch_up = auto.catch_up_estimate(len(prompt) - 10)
+    assert catch_up > 10 * 1e-3  # dearer than ten of the target's tokens
+    steps_alone = 0
+    while model.calls == 0:
+        assert auto.choose(4) > 0
+        lag = len(prompt) - model.context.n_past
+        if auto.propose(prompt, 4, GREEDY, None) == []:
+            steps_alone += 1
+            prompt = prompt + [prompt[-1] + 1]
+        assert steps_alone < 400
+    saving = costs.batch_model()(1) - 1.0 / auto.model_k.rates(auto._model_choice)[auto._model_choice]
+    # bought at the first step where the rent paid reached the price (the lag grew a token a step)
+    assert steps_alone * saving >= auto.catch_up_estimate(lag) > (steps_alone - 1) * saving
+    # caught up: the next steps draft at once
+    auto.choose(4)
+    assert auto.propose(prompt, 4, GREEDY, None) and model.calls == 2
+    nearly = FakeDraftModel(n_past=len(prompt) - AutoDrafting.PROBE_MAX_LAG)
+    fresh = AutoDrafting(NgramDrafter(4000, NgramPool(1 << 10)), nearly, costs, k_max=4)
+    fresh.choose(4)
+    assert fresh.propose(prompt, 4, GREEDY, None) and nearly.calls == 1
