@@ -10,7 +10,8 @@ from fastapi import FastAPI, Request
 
 from ..jobs import Job
 from ..responses import Reply, stream_events, whole_answer
-from ..schemas import ChatBody, CompletionBody, GenerationBody, message_dicts, request_options, single_prompt, stop_strings
+from ..schemas import (ChatBody, CompletionBody, GenerationBody, message_dicts, request_options, single_prompt,
+                       stop_strings)
 from .core import Serving, answer_or_stream
 
 
