@@ -443,7 +443,9 @@ class AutoDrafting:
                 return proposals
         self._source = "model" if self._model_choice > 0 and self._model_may_draft(tokens) else None
         if self._source is None:
-            self._alone_steps += 1
+            # rent is paid only where the draft model was expected to pay (its K > 0): a step where
+            # the target alone was the best choice anyway costs nothing the catch-up would save
+            self._alone_steps += self._model_choice > 0
             return []
         if len(tokens) - self.context.n_past > self.PROBE_MAX_LAG:
             self._alone_steps = 0  # caught up: the rent starts again

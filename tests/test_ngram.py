@@ -239,3 +239,21 @@ def test_a_draft_model_far_behind_catches_up_only_once_the_target_alone_has_cost
     fresh = AutoDrafting(NgramDrafter(4000, NgramPool(1 << 10)), nearly, costs, k_max=4)
     fresh.choose(4)
     assert fresh.propose(prompt, 4, GREEDY, None) and nearly.calls == 1
+
+
+def test_steps_where_the_draft_model_was_not_expected_to_pay_pay_no_rent():
+    """The catch-up's rent counts only the steps where the draft model's K was above 0: where the
+    target alone was the better choice anyway, drafting would have saved nothing."""
+    costs = memory_bound_costs()
+    for _ in range(3):
+        costs.draft_times.append(0.2e-3)
+    prompt = [1] + list(range(300, 1800))
+    auto = AutoDrafting(NgramDrafter(4000, NgramPool(1 << 10)), FakeDraftModel(n_past=10), costs, k_max=4)
+    for _ in range(50):  # the draft model's controller chose K = 0: the target alone, for free
+        auto._model_choice = 0
+        assert auto.propose(prompt, 4, GREEDY, None) == []
+        prompt = prompt + [prompt[-1] + 1]
+    assert auto._alone_steps == 0
+    auto.choose(4)
+    assert auto._model_choice > 0 and auto.propose(prompt, 4, GREEDY, None) == []
+    assert auto._alone_steps == 1

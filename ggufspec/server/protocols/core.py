@@ -28,7 +28,7 @@ from ..constraints import Shaping, shaping
 from ..errors import APIError, engine_error
 from ..guard import validated_data
 from ..jobs import ClientGone, Engine, Job, chat_prompt
-from ..schemas import ChatBody, message_dicts, request_options, stop_strings
+from ..schemas import ChatBody, GenerationBody, message_dicts, request_options, stop_strings
 
 # Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "repeat_penalty", "repeat_last_n",
@@ -92,16 +92,20 @@ class Serving:
     def shape(self, body: ChatBody) -> Shaping:
         return shaping(body, self.tool_format, self.decoder.target.n_vocab)
 
-    async def submit(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> Job:
-        """The request as a job on the engine (one choice); a bad value raises APIError 400, the
-        fields it names renamed by `names` (chat's to the protocol's). Its max_tokens is lowered to
-        what the context has room for (agents ask for more than it holds). `prefill`: the answer's
-        start, written after the template's assistant turn, which it continues."""
+    async def submit(self, body: GenerationBody, prefill: str = "", names: dict | None = None, *,
+                     prompt: str | list[int] | None = None, n: int = 1, fit_to_context: bool = True) -> Job:
+        """The request as a job on the engine; a bad value raises APIError 400, the fields it names
+        renamed by `names` (chat's to the protocol's). The job renders `body.messages` through the chat
+        template, or takes `prompt` as it is (/v1/completions); `n` choices one after another (OpenAI's
+        `n`). With `fit_to_context` its max_tokens is lowered to what the context has room for (agents
+        ask for more than it holds; OpenAI's chat API refuses such a request instead, as it always did).
+        `prefill`: the answer's start, written after the template's assistant turn, which it continues."""
         def prepared() -> dict:  # off the event loop: thousands of messages take a while
+            source = {"prompt": prompt} if prompt is not None else {"messages": message_dicts(body.messages)}
             return {"options": request_options(body, self.defaults), "stops": stop_strings(body.stop),
-                    "shape": self.shape(body), "messages": message_dicts(body.messages)}
+                    "shape": self.shape(body), **source}
         try:
-            job = Job(**await asyncio.to_thread(prepared), fit_to_context=True, prefill=prefill)
+            job = Job(**await asyncio.to_thread(prepared), n=n, fit_to_context=fit_to_context, prefill=prefill)
         except APIError as exc:
             for chat_name, name in (names or {}).items():
                 exc.message = exc.message.replace(chat_name, name)

@@ -4,36 +4,29 @@ it is (schemas.py reads it); responses.py renders its answer, with several choic
 llama.cpp's `timings`."""
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import FastAPI, Request
 
-from ..jobs import Job
 from ..responses import Reply, stream_events, whole_answer
-from ..schemas import (ChatBody, CompletionBody, GenerationBody, message_dicts, request_options, single_prompt,
-                       stop_strings)
+from ..schemas import ChatBody, CompletionBody, GenerationBody, single_prompt
 from .core import Serving, answer_or_stream
 
 
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):
-        return await answer(serving, request, body, {"prompt": single_prompt(body.prompt)}, chat=False)
+        return await answer(serving, request, body, chat=False, prompt=single_prompt(body.prompt))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatBody):
-        messages = await asyncio.to_thread(message_dicts, body.messages)  # thousands of them take a while
-        return await answer(serving, request, body, {"messages": messages}, chat=True)
+        return await answer(serving, request, body, chat=True)
 
 
-async def answer(serving: Serving, request: Request, body: GenerationBody, job_args: dict, chat: bool):
-    """The body as a job on the engine, answered whole or as OpenAI's chunks."""
+async def answer(serving: Serving, request: Request, body: GenerationBody, chat: bool, prompt=None):
+    """The body as a job on the engine (its messages, or /v1/completions' prompt), answered whole or as
+    OpenAI's chunks. A max_tokens beyond the context is refused, as OpenAI's API does, not lowered."""
     serving.check_model(body.model)
-    shape = serving.shape(body)
-    job = Job(options=request_options(body, serving.defaults), stops=stop_strings(body.stop), shape=shape, n=body.n,
-              **job_args)
-    reply = Reply(serving.model_name, chat, shape, body.n)
-    serving.engine.submit(job)
+    job = await serving.submit(body, prompt=prompt, n=body.n, fit_to_context=False)
+    reply = Reply(serving.model_name, chat, job.shape, body.n)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await answer_or_stream(job, request, body.stream, lambda n_prompt: whole_answer(job, reply, request),
                                   lambda n_prompt: stream_events(job, reply, include_usage))
