@@ -42,16 +42,17 @@ class Step(NamedTuple):
 
 
 def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, controller, judge: TargetJudge,
-                      max_tokens: int, stats: Stats) -> Iterator[Step]:
+                      max_tokens: int, stats: Stats, reuse_cache: bool = True) -> Iterator[Step]:
     """Yield a `Step` for each generated token, the target's choice every time.
 
     `drafter` proposes (see `drafting`; None: the target alone), `controller` says how many, `judge`
-    turns the target's logits into its decisions (sampling, constraints, logprobs).
+    turns the target's logits into its decisions (sampling, constraints, logprobs). `reuse_cache`
+    False: the prompt is evaluated whole, whatever the caches hold (llama-server's cache_prompt).
     """
     tokens = list(prompt)
     draft_ctx = drafter.context if drafter is not None else None
     guide = judge.draft_guide()  # the request's constraints over the proposals too (more of them kept)
-    _prefill(target, draft_ctx, tokens, stats)
+    _prefill(target, draft_ctx, tokens, stats, reuse_cache)
     started = time.perf_counter()
     n_generated = 0
     try:
@@ -97,21 +98,23 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
         judge.close()
 
 
-def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats) -> None:
-    """Evaluate all but the prompt's last token on the target, reusing what its cache already holds.
+def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats, reuse: bool = True) -> None:
+    """Evaluate all but the prompt's last token on the target, reusing what its cache already holds
+    (with `reuse` False, nothing: the caches are emptied first).
 
     The last token is evaluated by the first verification, so there are always fresh logits. The
     draft only drops what no longer matches: it catches up when it next drafts, so a run where
     `--draft auto` drafts nothing never spends time on it.
     """
+    kept = tokens[:-1] if reuse else []
     stats.n_prompt = len(tokens)
-    stats.n_prompt_cached = target.reuse_prefix(tokens[:-1])
+    stats.n_prompt_cached = target.reuse_prefix(kept)
     t0 = time.perf_counter()
     target.decode(tokens[stats.n_prompt_cached:-1], n_logits=0)
     target.checkpoint(upcoming=0, persistent=True)  # where the next turn of a conversation starts from
     stats.prompt_seconds = time.perf_counter() - t0
     if draft is not None:
-        draft.reuse_prefix(tokens[:-1])
+        draft.reuse_prefix(kept)
 
 
 def measure_step_costs(target: Context, draft: Context | None, costs: Costs, sizes=(1, 2, 4, 8), token: int = 0,
@@ -364,7 +367,7 @@ class SpeculativeDecoder:
               seed: int | None = None, chat: bool = False, system: str | None = None,
               drafter: str = "model", draft_p_min: float = 0.0,
               draft_max: int = 8, draft_min: int = 0, constraints: Constraints | None = None,
-              logprobs: int | None = None) -> Iterator[Step]:
+              logprobs: int | None = None, cache_prompt: bool = True) -> Iterator[Step]:
         """The step generator: a `Step` per token (id, from_draft, logprobs). Statistics land in `last_stats`.
 
         n_draft: K (0: the target alone), or "auto" (K chosen at every step, up to draft_max, 0 included).
@@ -374,6 +377,8 @@ class SpeculativeDecoder:
         when unsure of its next token, and a draft shorter than draft_min is not verified.
         constraints: logit bias, penalties and a grammar over the target's logits (`processing`).
         logprobs: None (none), 0 (the chosen token's) or n <= 20 (and the n most likely).
+        cache_prompt: False evaluates the whole prompt again instead of reusing what the caches hold
+        (llama-server's field: the same batches, so the same rounding, whatever came before).
         """
         if self._closed:  # its llama.cpp contexts are freed: using them would crash the process
             raise GgufspecError("this SpeculativeDecoder is closed")
@@ -410,7 +415,7 @@ class SpeculativeDecoder:
         max_tokens = n_predict if n_predict > 0 else self.n_ctx
         judge = TargetJudge(self.target, params, constraints, logprobs)
         return speculative_steps(self.target, chosen, tokens, controller=controller, judge=judge,
-                                 max_tokens=max_tokens, stats=self.last_stats)
+                                 max_tokens=max_tokens, stats=self.last_stats, reuse_cache=cache_prompt)
 
     def _can_roll_back(self, drafter) -> bool:
         contexts = [self.target] + ([drafter.context] if getattr(drafter, "context", None) is not None else [])

@@ -34,6 +34,16 @@ def test_a_growing_conversation_evaluates_only_what_is_new(tiny_pair):
         assert again.tokens == out3.tokens
 
 
+def test_cache_prompt_false_evaluates_the_prompt_whole_and_answers_the_same(tiny_pair):
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1, strict=True) as decoder:
+        prompt = prompts(1, seed=4)[0]
+        first = decoder.generate(prompt, n_predict=20, n_draft=3)
+        fresh = decoder.generate(prompt, n_predict=20, n_draft=3, cache_prompt=False)
+        assert fresh.stats.n_prompt_cached == 0 and fresh.tokens == first.tokens
+        assert decoder.generate(prompt, n_predict=20, n_draft=3).stats.n_prompt_cached == len(prompt) - 1
+
+
 def test_a_stream_closed_early_leaves_the_cache_consistent(tiny_pair):
     target, draft = tiny_pair
     with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as decoder:

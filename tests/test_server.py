@@ -142,6 +142,24 @@ def test_usage_and_timings_and_the_cache(server):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == two.usage.prompt_tokens - 1  # the same prompt
 
 
+def test_cache_prompt_false_evaluates_the_whole_prompt_again(server):
+    """llama-server's `cache_prompt`: false evaluates the prompt whole, whatever the cache holds, and
+    the answer is the same; the next request reuses the cache again."""
+    client = server.client()
+    messages = [{"role": "user", "content": "tell me about cats and dogs"}]
+    first = client.chat.completions.create(model="target", messages=messages, max_tokens=12)
+    again = client.chat.completions.create(model="target", messages=messages, max_tokens=12,
+                                           extra_body={"cache_prompt": False})
+    assert again.timings["cache_n"] == 0 and again.timings["prompt_n"] == again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = client.chat.completions.create(model="target", messages=messages, max_tokens=12)
+    assert cached.timings["cache_n"] == cached.usage.prompt_tokens - 1
+    # passed through by the other protocols too, as their other llama.cpp fields
+    body = {"model": "target", "max_tokens": 12, "messages": messages, "cache_prompt": False}
+    answer = httpx.post(server.url + "/v1/messages", json=body, timeout=60).json()
+    assert answer["timings"]["cache_n"] == 0 and answer["content"][0]["text"] == first.choices[0].message.content
+
+
 def test_stop_strings(server, reference):
     expected = reference.generate("the cat", n_predict=40).text
     stop = next(expected[i:i + 2] for i in range(8, len(expected) - 2) if expected.find(expected[i:i + 2]) == i
@@ -218,6 +236,7 @@ def post(server, path, body, **kwargs):
     ("/v1/completions", {"prompt": "the cat", "draft": -1}, 400, "draft"),
     ("/v1/completions", {"prompt": "the cat", "speculative": {"p_min": 2}}, 400, "speculative.p_min"),
     ("/v1/completions", {"prompt": "the cat", "lookup": True, "hybrid": True}, 400, "lookup"),
+    ("/v1/completions", {"prompt": "the cat", "cache_prompt": "perhaps"}, 400, "cache_prompt"),
     ("/v1/completions", {"prompt": [5, 99999999]}, 400, "token ids"),
     ("/v1/completions", {"prompt": []}, 400, "empty"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),

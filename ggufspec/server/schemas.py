@@ -54,6 +54,7 @@ class GenerationBody(Strict):
     draft: Literal["auto"] | int | None = None  # ggufspec's own: K, 0 = the target alone, or "auto"
     lookup: bool | None = None
     hybrid: bool | None = None
+    cache_prompt: bool | None = None  # llama.cpp's: False evaluates the whole prompt again (default: reuse)
     # what changes the distribution: OpenAI's, then llama.cpp's
     logit_bias: dict[str, float | bool] | list[list[Any]] | None = None
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -106,6 +107,8 @@ def request_options(body: GenerationBody, defaults: dict) -> dict:
         options["seed"] = None if body.seed == -1 else body.seed
     if body.draft is not None:
         options["n_draft"] = body.draft
+    if body.cache_prompt is not None:
+        options["cache_prompt"] = body.cache_prompt
     if body.lookup and body.hybrid:
         raise APIError(400, "choose one of lookup and hybrid", code="invalid_value")
     if body.lookup is not None or body.hybrid is not None:

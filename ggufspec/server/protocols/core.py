@@ -31,8 +31,8 @@ from ..jobs import ClientGone, Engine, Job, chat_prompt
 from ..schemas import ChatBody, GenerationBody, message_dicts, request_options, stop_strings
 
 # Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
-ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "repeat_penalty", "repeat_last_n",
-                 "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema")
+ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
+                 "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema")
 
 
 @dataclass(frozen=True)
