@@ -3,8 +3,8 @@ ggufspec lose the first answer in its prompt?).
 
 Each variant (agent_bench's names) is a fresh server on a loopback port; it gets the first request of
 the session (system prompt, tool, request, the tool call and the file it read) through
-/v1/chat/completions with max_tokens 1, twice. The second time a server may answer from its prompt
-cache (ggufspec always reuses; llama-server honours `cache_prompt: false` and evaluates it again).
+/v1/chat/completions with max_tokens 1 and `cache_prompt: false`, twice: both servers evaluate the
+whole prompt each time (a ggufspec from before that field reuses its cache the second time).
 Rounds alternate the order. ggufspec servers share one GGUFSPEC_HOME, so only the first times its
 step costs.
 

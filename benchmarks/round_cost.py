@@ -30,9 +30,13 @@ from server_bench import ROOT, cpu_name  # noqa: E402
 class Rounds:
     """One llama context holding `npl` sequences, fed batches of (token, position, sequence, logits)."""
 
-    def __init__(self, model: str, npl: int, ctx: int, threads: int):
-        from ggufspec.load import LoadParams, open_model
-        self.llm = open_model(model, "target", LoadParams(n_ctx=ctx, n_threads=threads, n_seq=npl))
+    def __init__(self, model: str, npl: int, ctx: int, threads: int, separate_caches: bool = False):
+        from ggufspec import load
+        if separate_caches:  # kv_unified=false without --strict's token-by-token batches: for this measurement only
+            unified_context = load._context_flash_attn
+            load._context_flash_attn = lambda kind, n_rs_seq=0, n_seq=1, unified=True: unified_context(
+                kind, n_rs_seq, n_seq, False)
+        self.llm = load.open_model(model, "target", load.LoadParams(n_ctx=ctx, n_threads=threads, n_seq=npl))
         self.ctx, self.npl = self.llm._ctx.ctx, npl
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(512, 0, npl)
@@ -69,6 +73,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--per-seq", action="store_true", help="Also time rounds of m tokens per sequence.")
     parser.add_argument("--batched-bench", action="store_true", help="Then llama.cpp's llama-batched-bench.")
+    parser.add_argument("--separate-caches", action="store_true",
+                        help="A KV cache per sequence (llama.cpp's kv_unified=false) instead of the unified one.")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -76,7 +82,7 @@ def main() -> None:
         model = str(store.demo_pair_paths(progress=False)[0])
     print(f"CPU: {cpu_name()}, {args.threads} threads; {Path(model).name}; {args.npl} sequences, "
           f"prompts {args.pp}, {args.tg} rounds")
-    rounds = Rounds(model, args.npl, args.ctx, args.threads)
+    rounds = Rounds(model, args.npl, args.ctx, args.threads, args.separate_caches)
     prompt_s = rounds.prompts(args.pp)
     times = [rounds.round(args.pp + r) for r in range(args.tg)]
     print(f"llama-cpp-python: prompts {prompt_s:.2f} s; a round of {args.npl} tokens: median "
