@@ -170,3 +170,13 @@ def test_constraints_and_logprobs_through_the_replay(decoder):
             stats = decoder.last_stats
             drafted, accepted, generated = drafted + stats.n_drafted, accepted + stats.n_accept, generated + len(got)
     assert generated >= 40 and drafted > accepted  # rejections were replayed
+
+
+def test_cache_prompt_false_empties_the_state_and_answers_as_the_target_alone(mamba_pair, decoder):
+    """cache_prompt=False on recurrent memory: the state and its checkpoints are dropped, the prompt
+    is evaluated whole, and the answer is the target alone's (as with a warm cache)."""
+    prompt = prompts(1, seed=8)[0] * 2
+    warm = decoder.generate(prompt, n_predict=24, n_draft=3)
+    fresh = decoder.generate(prompt, n_predict=24, n_draft=3, cache_prompt=False)
+    assert fresh.stats.n_prompt_cached == 0 and fresh.tokens == warm.tokens
+    assert check_identity(mamba_pair[0], prompt, fresh)

@@ -106,3 +106,14 @@ def test_the_planner_counts_the_window_cache_as_llamacpp_allocates_it(gemma_pair
     assert shape.kv_bytes(n_ctx, n_ubatch=512, swa_full=swa_full) == pytest.approx(actual, rel=0.02, abs=20_000)  # the log rounds to 0.01 MiB
     if n_ctx == 4096 and not swa_full:  # what the default saves here: half the layers at 768 cells of 4096
         assert shape.kv_bytes(n_ctx) < 0.6 * shape.kv_bytes(n_ctx, swa_full=True)
+
+
+def test_cache_prompt_false_past_the_window_answers_as_the_target_alone(gemma_pair, strict_decoder):
+    """cache_prompt=False on a sliding-window cache that has moved past its window: emptied, the
+    prompt evaluated whole, the answer bit for bit the target alone's."""
+    prompt = prompts(1, seed=6)[0]
+    expected, margins, _ = target_alone(gemma_pair[0], prompt, 60, N_CTX, "on")
+    strict_decoder.generate(prompt + expected[:40], n_predict=200, n_draft=3)  # the cache far past the window
+    fresh = strict_decoder.generate(prompt, n_predict=60, n_draft=3, cache_prompt=False)
+    assert fresh.stats.n_prompt_cached == 0
+    assert same_as_target_alone(fresh, expected, margins, "cache_prompt=False")
