@@ -31,12 +31,9 @@ class Rounds:
     """One llama context holding `npl` sequences, fed batches of (token, position, sequence, logits)."""
 
     def __init__(self, model: str, npl: int, ctx: int, threads: int, separate_caches: bool = False):
-        from ggufspec import load
-        if separate_caches:  # kv_unified=false without --strict's token-by-token batches: for this measurement only
-            unified_context = load._context_flash_attn
-            load._context_flash_attn = lambda kind, n_rs_seq=0, n_seq=1, unified=True: unified_context(
-                kind, n_rs_seq, n_seq, False)
-        self.llm = load.open_model(model, "target", load.LoadParams(n_ctx=ctx, n_threads=threads, n_seq=npl))
+        from ggufspec.load import LoadParams, open_model
+        params = LoadParams(n_ctx=ctx, n_threads=threads, n_seq=npl, kv_unified=not separate_caches)
+        self.llm = open_model(model, "target", params)
         self.ctx, self.npl = self.llm._ctx.ctx, npl
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(512, 0, npl)

@@ -48,6 +48,9 @@ class LoadParams:
     # Strict or exact: a cache of n_ctx cells per sequence instead, so that where a sequence's tokens
     # lie in the cache (the order attention sums them in) does not depend on the other sequences
     n_seq: int = 1
+    # False: a cache per sequence even without strict/exact (llama.cpp's kv_unified=false; measured
+    # no faster on a CPU: docs/benchmarks.md, "Many at once")
+    kv_unified: bool = True
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -144,7 +147,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     threads = params.n_threads or default_threads()
     quiet_llama_logs()
     try:
-        unified = not (strict or params.strict or params.exact)
+        unified = params.kv_unified and not (strict or params.strict or params.exact)
         n_ctx = params.n_ctx if unified else params.n_ctx * params.n_seq
         options = dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
