@@ -112,6 +112,12 @@ def _context_flash_attn(kind: int, n_rs_seq: int = 0, n_seq: int = 1, unified: b
         _internals.LlamaContext = original
 
 
+# --exact: at most this many tokens a llama_decode step (ubatch). From 64 query rows of a sequence
+# (GGML_FA_TILE_Q) llama.cpp's CPU flash attention takes a tiled kernel that rounds otherwise, so a
+# prompt's longer batch (and the cache it leaves) would differ from the same tokens in shorter ones.
+EXACT_UBATCH = 32
+
+
 def exact_kernels() -> None:
     """Make llama.cpp's CPU backend compute a batch with the kernels of a single token, for models
     loaded from now on. A batch differs from single tokens where it takes other kernels: weights
@@ -149,7 +155,8 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     try:
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         n_ctx = params.n_ctx if unified else params.n_ctx * params.n_seq
-        options = dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=1 if strict else params.n_batch,
+        n_ubatch = 1 if strict else min(params.n_batch, EXACT_UBATCH) if params.exact else params.n_batch
+        options = dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=n_ubatch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
                        logits_all=False, verbose=False, swa_full=params.swa_full)
         with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), _model_params(params.load_mtp, repack=not params.exact):
