@@ -380,7 +380,8 @@ def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy, process:
         ngram = LookupDrafter(1 << 31, process.pool if process.pool is not None else NgramPool())
         drafter = controller = AutoDrafting(ngram, draft, process.costs, policy.k_max)
     params, out = SamplingParams(temperature=0.0), Replay()
-    pos, end = 0, len(trace.runs)
+    # the prompt's own batch decides the first token (speculate._prefill): the steps start after it
+    pos, end = min(1, len(trace.runs)), len(trace.runs)
     limit = max(trace.n_predict, end)  # the generation could have gone on to n_predict but for the end marker
     drafting = policy.k > 0 or policy.auto
     while pos < end:

@@ -1,7 +1,8 @@
 """The speculative decoding loop: prefill, draft, verify, rewind.
 
 Invariant between steps: `tokens` is the whole sequence; its last token has not been evaluated by
-the target yet, everything before it has (target.n_past == len(tokens) - 1). The draft may lag
+the target yet, everything before it has (target.n_past == len(tokens) - 1). The prefill evaluates
+the whole prompt and its last row decides the first token, which sets the invariant up. The draft may lag
 behind; it evaluates `tokens[draft.n_past:]` before proposing, so it never re-evaluates a token.
 
 Cache reuse lives in `_prefill`, and only there: each context keeps the longest prefix its KV cache
@@ -56,30 +57,11 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     started = time.perf_counter()
     n_generated = 0
     try:
+        # the prompt's last row decides the first token (as llama-server samples it from the prompt's
+        # batch): it comes without waiting for a verification, which with other slots is one more round
+        first, score = judge.decide(target.logits(0), tokens, len(tokens))
+        kept, scores, n_accepted = [first], [score], 0
         while True:
-            room = min(target.n_ctx - len(tokens), max_tokens - n_generated)
-            if room <= 0:
-                stats.stop_reason = "n_predict" if n_generated >= max_tokens else "context"
-                return
-            # a step adds up to k + 1 tokens, verified in one batch (logits for every row: within n_batch)
-            k = controller.choose(min(room, target.n_batch) - 1) if drafter is not None else 0
-            t0 = time.perf_counter()
-            proposals = drafter.propose(tokens, k, judge.params, judge.draws, guide) if k > 0 else []
-            t1 = time.perf_counter()
-            n_accepted, own_token, scores = _verify(target, tokens, proposals, judge)
-            t2 = time.perf_counter()
-            kept = proposals[:n_accepted] + [own_token]
-            target_rewind = draft_rewind = 0.0
-            if proposals and _replay_decides_one_more(target, tokens, kept, len(proposals), room):
-                target_rewind, draft_rewind, token, score = _replay_and_decide(target, draft_ctx, tokens, kept, judge)
-                kept, scores = kept + [token], scores + [score]
-            elif proposals:
-                target_rewind, draft_rewind = _rewind(target, draft_ctx, len(tokens) + n_accepted)
-            if drafter is not None:  # a catch-up after the draft sat idle is not a per-token cost
-                # restoring a state and re-evaluating the kept tokens is part of what a step costs
-                controller.observe(len(proposals), n_accepted, t1 - t0 - drafter.catch_up_seconds + draft_rewind,
-                                   t2 - t1 + target_rewind)
-            stats.add_step(len(proposals), n_accepted, t1 - t0, t2 - t1)
             for i, token in enumerate(kept):
                 stats.decode_seconds = time.perf_counter() - started
                 if target.is_end_of_generation(token):  # the end marker itself is not output
@@ -91,6 +73,11 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
                 n_generated += 1
                 stats.n_predict = n_generated
                 yield Step(token, i < n_accepted, *scores[i])
+            room = min(target.n_ctx - len(tokens), max_tokens - n_generated)
+            if room <= 0:
+                stats.stop_reason = "n_predict" if n_generated >= max_tokens else "context"
+                return
+            kept, scores, n_accepted = _step(target, drafter, tokens, room, controller, judge, guide, stats)
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "interrupted"
         raise
@@ -98,11 +85,38 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
         judge.close()
 
 
-def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats, reuse: bool = True) -> None:
-    """Evaluate all but the prompt's last token on the target, reusing what its cache already holds
-    (with `reuse` False, nothing: the caches are emptied first).
+def _step(target: Context, drafter, tokens: list[int], room: int, controller, judge: TargetJudge, guide,
+          stats: Stats) -> tuple[list[int], list[tuple], int]:
+    """Draft, verify, rewind: returns the tokens the step keeps (the accepted proposals, the target's
+    own token, and one more where a replay decides it), their scores, and how many were proposals."""
+    draft_ctx = drafter.context if drafter is not None else None
+    # a step adds up to k + 1 tokens, verified in one batch (logits for every row: within n_batch)
+    k = controller.choose(min(room, target.n_batch) - 1) if drafter is not None else 0
+    t0 = time.perf_counter()
+    proposals = drafter.propose(tokens, k, judge.params, judge.draws, guide) if k > 0 else []
+    t1 = time.perf_counter()
+    n_accepted, own_token, scores = _verify(target, tokens, proposals, judge)
+    t2 = time.perf_counter()
+    kept = proposals[:n_accepted] + [own_token]
+    target_rewind = draft_rewind = 0.0
+    if proposals and _replay_decides_one_more(target, tokens, kept, len(proposals), room):
+        target_rewind, draft_rewind, token, score = _replay_and_decide(target, draft_ctx, tokens, kept, judge)
+        kept, scores = kept + [token], scores + [score]
+    elif proposals:
+        target_rewind, draft_rewind = _rewind(target, draft_ctx, len(tokens) + n_accepted)
+    if drafter is not None:  # a catch-up after the draft sat idle is not a per-token cost
+        # restoring a state and re-evaluating the kept tokens is part of what a step costs
+        controller.observe(len(proposals), n_accepted, t1 - t0 - drafter.catch_up_seconds + draft_rewind,
+                           t2 - t1 + target_rewind)
+    stats.add_step(len(proposals), n_accepted, t1 - t0, t2 - t1)
+    return kept, scores, n_accepted
 
-    The last token is evaluated by the first verification, so there are always fresh logits. The
+
+def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats, reuse: bool = True) -> None:
+    """Evaluate the prompt on the target, reusing what its cache already holds (with `reuse` False,
+    nothing: the caches are emptied first), with the logits of its last token.
+
+    The last token is evaluated even where the cache holds it, so there are always fresh logits. The
     draft only drops what no longer matches: it catches up when it next drafts, so a run where
     `--draft auto` drafts nothing never spends time on it.
     """
@@ -110,7 +124,7 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
     stats.n_prompt = len(tokens)
     stats.n_prompt_cached = target.reuse_prefix(kept)
     t0 = time.perf_counter()
-    target.decode(tokens[stats.n_prompt_cached:-1], n_logits=0)
+    target.decode(tokens[stats.n_prompt_cached:], n_logits=1)
     target.checkpoint(upcoming=0, persistent=True)  # where the next turn of a conversation starts from
     stats.prompt_seconds = time.perf_counter() - t0
     if draft is not None:

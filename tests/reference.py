@@ -88,12 +88,31 @@ def exact_first_and_second(path, prompt: list[int], params) -> tuple[np.ndarray,
     return p1, joint
 
 
-def draw_two_tokens(decoder, prompt, params, k, draws):
-    """Counts of the first token and of (first, second) over `draws` seeded generations of two tokens."""
+def exact_first_and_next_two(path, prompt: list[int], params) -> tuple[np.ndarray, int, dict]:
+    """p(first token); the likeliest first token x; and p(second, third) after the prompt and x.
+
+    The prompt's own batch decides the first token (speculate._prefill), so drafts first meet the
+    target after it: a step's rows 0 and 1 are the second and third tokens, tested given x."""
+    p1, _ = exact_first_and_second(path, prompt, params)
+    x = int(np.argmax(p1))
+    _, joint = exact_first_and_second(path, list(prompt) + [x], params)
+    return p1, x, joint
+
+
+def draw_samples(decoder, prompt, params, k, draws, **options) -> list[tuple]:
+    """`draws` seeded generations, each long enough for a step of k drafts after the first token."""
+    return [tuple(decoder.generate(prompt, n_predict=k + 3, n_draft=k, temperature=params.temperature,
+                                   top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed,
+                                   **options).tokens) for seed in range(draws)]
+
+
+def sampling_pvalues(samples: list[tuple], p1: np.ndarray, x: int, joint: dict) -> tuple[float, float]:
+    """Chi-square p-values of the first tokens against p1, and of (second, third) where the first is x."""
     first, pairs = {}, {}
-    for seed in range(draws):
-        tokens = decoder.generate(prompt, n_predict=2, n_draft=k, temperature=params.temperature,
-                                  top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed).tokens
+    for tokens in samples:
         first[tokens[0]] = first.get(tokens[0], 0) + 1
-        pairs[tuple(tokens)] = pairs.get(tuple(tokens), 0) + 1
-    return first, pairs
+        if tokens[0] == x:
+            pairs[tokens[1:3]] = pairs.get(tokens[1:3], 0) + 1
+    expected_first = {int(t): float(p1[t]) for t in np.flatnonzero(p1)}
+    return (chi_square_pvalue(first, expected_first, len(samples)),
+            chi_square_pvalue(pairs, joint, sum(pairs.values())))

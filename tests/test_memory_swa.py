@@ -86,7 +86,7 @@ def test_a_conversation_reuses_its_prefix_past_the_window(gemma_pair, decoder):
     third = first + [270, 271]
     before = decoder.target.n_evaluated
     out3 = decoder.generate(third, n_predict=20, n_draft=3)
-    assert out3.stats.n_prompt_cached == len(first) - 1
+    assert out3.stats.n_prompt_cached == len(first)
     assert decoder.target.n_evaluated - before < 3 + 5 * 20
     expected, margins, _ = target_alone(gemma_pair[0], third, 20, N_CTX, "on")
     diff = first_difference(out3.tokens, expected)

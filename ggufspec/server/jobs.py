@@ -252,11 +252,11 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> bool:
     a stop string ended it."""
     stop_filter, steps = StopFilter(job.stops), StepTracker(stats)
     make = make or (lambda piece, tracker: tracker.annotate(piece))
-    for piece in stream:
+    for n_pieces, piece in enumerate(stream):
         job.progressed_at = time.monotonic()  # a token, whether or not a stop string holds it back
         if job.cancelled.is_set():
             break
-        if steps.step == 0 and index == 0:  # the first token: the prompt has been evaluated
+        if n_pieces == 0 and index == 0:  # the first token: the prompt has been evaluated
             job.emit("prompt", prompt_info(stats))
         released = stop_filter.push(make(piece, steps))
         if released:

@@ -10,7 +10,8 @@ from ..stats import Stats
 
 
 class StepTracker:
-    """Which verification step each piece came from, and how many tokens that step drafted."""
+    """Which verification step each piece came from (0: the prompt's own batch, which decides the
+    first token), and how many tokens that step drafted."""
 
     def __init__(self, stats: Stats):
         self.stats, self.step, self.drafted, self._drafted_before = stats, 0, 0, 0
