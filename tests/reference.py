@@ -99,11 +99,11 @@ def exact_first_and_next_two(path, prompt: list[int], params) -> tuple[np.ndarra
     return p1, x, joint
 
 
-def draw_samples(decoder, prompt, params, k, draws, **options) -> list[tuple]:
+def draw_samples(decoder, prompt, params, k, draws) -> list[tuple]:
     """`draws` seeded generations, each long enough for a step of k drafts after the first token."""
     return [tuple(decoder.generate(prompt, n_predict=k + 3, n_draft=k, temperature=params.temperature,
-                                   top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed,
-                                   **options).tokens) for seed in range(draws)]
+                                   top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed).tokens)
+            for seed in range(draws)]
 
 
 def sampling_pvalues(samples: list[tuple], p1: np.ndarray, x: int, joint: dict) -> tuple[float, float]:
