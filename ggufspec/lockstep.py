@@ -102,6 +102,22 @@ class Lockstep:
             self._take_turn(me)
         return request.rc, request.first_logit
 
+    def pending(self, ctx) -> _Request | None:
+        """The decode `ctx`'s sequence waits on, if any (its tokens follow what ctx.tokens holds)."""
+        return next((request for request in self._waiting if request.ctx is ctx), None)
+
+    def sit_out(self, request: _Request) -> None:
+        """The caller, holding the baton, gives it up until another slot's `request` has been decoded
+        (to take the cells it fills: `Context.reuse_prefix`), then waits for its turn again."""
+        me = threading.get_ident()
+        with self._cond:
+            self._holder = None
+            self._round_if_all_wait()
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: request.done or self._closing)
+            self._turns.append(me)
+            self._take_turn(me)
+
     def _take_turn(self, me: int) -> None:
         self._cond.wait_for(lambda: self._holder is None and self._turns and self._turns[0] == me)
         self._turns.popleft()

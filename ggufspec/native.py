@@ -68,6 +68,9 @@ CHECKPOINT_EVERY = 256           # tokens between automatic conversation checkpo
 STEP_STATES = 4
 STEP_STATE_BYTES = 128 << 20     # their bytes together (one is always kept: rollback needs it)
 STEP_STATE_EVERY = 8
+# A prompt sits out a round for another slot's prompt to fill its cells when they share this many more
+# tokens than any cache holds: on a CPU evaluating 32 tokens costs several decode rounds.
+WAIT_FOR_SHARED = 32
 
 
 class _Snapshot:
@@ -113,6 +116,10 @@ class Context:
         self._least_seconds: dict[int, float] = {}  # least time seen for a batch of n <= 8 tokens
         self._steps: list[_Snapshot] = []  # before the latest steps, by position (invalid ones first)
         self._kept: list[_Snapshot] = []  # along the conversation
+        # slots: the other sequences' Contexts over the same unified cache, whose prefixes a prompt may
+        # take without evaluating them (`reuse_prefix`); None: this sequence reuses only its own
+        self.prefix_donors: list[Context] | None = None
+        self.n_shared = 0  # prompt tokens taken from another sequence's cells, in total
 
     def decode(self, tokens: Sequence[int], n_logits: int = 1) -> None:
         """Append `tokens` to the cache; keep logits for the last `n_logits` of them.
@@ -337,8 +344,13 @@ class Context:
         """Keep the longest prefix the cache shares with `tokens` that can be kept without
         re-evaluating anything (up to a checkpoint, for memory that cannot cut); returns its length.
         Where `tokens` go on past it, the state there is kept along the conversation: for a next
-        turn, the end of the previous answer."""
+        turn, the end of the previous answer. Where another slot's sequence shares more of `tokens`
+        (`prefix_donors`), its cells are taken instead."""
+        self._wait_for_donors(tokens)
         n = common_prefix_length(self.tokens, tokens)
+        donor, n_donor = self._best_donor(tokens)
+        if n_donor > n:
+            return self._take_prefix(donor, n_donor)
         if n < len(self.tokens):
             self._forget_after(n)
             if self._cut(n):
@@ -350,6 +362,50 @@ class Context:
                     del self.tokens[:]
         if len(tokens) > len(self.tokens):
             self._keep_branch_point()
+        return len(self.tokens)
+
+    @property
+    def can_share_prefixes(self) -> bool:
+        """Whether this sequence's cells can also be another sequence's: a KV cache holding every
+        position (no recurrent state, no sliding window dropping cells) unified across sequences."""
+        unified = bool(getattr(self.llm.context_params, "kv_unified", False))
+        return unified and llama_cpp.llama_n_seq_max(self.ctx) > 1 and not self.needs_snapshots
+
+    def _best_donor(self, tokens: Sequence[int]) -> tuple[Context | None, int]:
+        """The other sequence sharing the longest prefix with `tokens`, and its length."""
+        shared = [(common_prefix_length(c.tokens, tokens), c) for c in self.prefix_donors or ()]
+        n, donor = max(shared, key=lambda pair: pair[0], default=(0, None))
+        return donor, n
+
+    def _wait_for_donors(self, tokens: Sequence[int]) -> None:
+        """Where another slot's prompt, waiting for the next round, shares WAIT_FOR_SHARED or more
+        tokens of `tokens` that no cache holds yet (prompts arriving together with one system prompt),
+        sit that round out and take them after it: evaluating them twice would cost more on a CPU."""
+        if not self.prefix_donors or self.lockstep is None or not self.lockstep.is_member():
+            return
+        while True:
+            held = max(common_prefix_length(c.tokens, tokens) for c in (self, *self.prefix_donors))
+            waits = [(self.lockstep.pending(c), c) for c in self.prefix_donors]
+            coming = [(common_prefix_length(c.tokens + r.tokens, tokens), r) for r, c in waits if r is not None]
+            n_coming, request = max(coming, key=lambda pair: pair[0], default=(0, None))
+            if n_coming < held + WAIT_FOR_SHARED:
+                return
+            self.lockstep.sit_out(request)
+
+    def _take_prefix(self, donor: Context, n_tokens: int) -> int:
+        """This sequence becomes the donor's first n_tokens: in a unified cache llama_memory_seq_cp
+        only marks the donor's cells as this sequence's as well (no data moves, nothing is evaluated),
+        as vLLM and SGLang share cached prefix blocks between requests. A shared system prompt, or a
+        conversation another slot cached, is then evaluated once for every slot. The donor's later
+        cuts remove only its own sequence id from the cells."""
+        llama_cpp.llama_memory_seq_rm(self.memory, self.seq, 0, -1)
+        llama_cpp.llama_memory_seq_cp(self.memory, donor.seq, self.seq, 0, n_tokens)
+        self.tokens[:] = donor.tokens[:n_tokens]
+        self._last_batch = 0
+        if llama_cpp.llama_memory_seq_pos_max(self.memory, self.seq) != n_tokens - 1:  # the memory did not share
+            llama_cpp.llama_memory_seq_rm(self.memory, self.seq, 0, -1)
+            del self.tokens[:]
+        self.n_shared += len(self.tokens)
         return len(self.tokens)
 
     def _keep_branch_point(self) -> None:

@@ -10,7 +10,8 @@ cached by idle slots are dropped first.
 
 A prompt goes to the free slot sharing the longest prefix with it, so that a conversation's next turn
 finds its previous turns cached even with other clients in between; else to an empty slot, else to
-the one used least recently (`_fit`).
+the one used least recently (`_fit`). Whichever slot it gets, it takes the longest prefix that any
+slot's sequence holds without evaluating it, where the cells can be shared (`_share_prefixes`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class Slots:
                 for ctx in slot.contexts():
                     getattr(ctx, "inner", ctx).lockstep = self.lockstep
             self.lockstep.make_room = self._make_room
+            self._share_prefixes()
         self._free = threading.Condition()
 
     def __len__(self) -> int:
@@ -87,6 +89,16 @@ class Slots:
             slot = max((slot for slot in self.slots if not slot.busy), key=lambda s: _fit(s, tokens))
             slot.busy = True
             return slot
+
+    def _share_prefixes(self) -> None:
+        """In a unified cache a prompt takes the longest prefix any slot's sequence holds, for each
+        model (`Context.reuse_prefix`): four agents with one system prompt evaluate it once. Plain
+        Contexts only (a bridged or MTP draft keeps its own), and only where cells can be shared."""
+        for model in (lambda slot: slot.target, lambda slot: slot.draft):
+            contexts = [model(slot) for slot in self.slots]
+            if all(type(ctx) is Context and ctx.can_share_prefixes for ctx in contexts):
+                for ctx in contexts:
+                    ctx.prefix_donors = [other for other in contexts if other is not ctx]
 
     def _view(self, slot: Slot):
         """The decoder with the slot's contexts (a shallow copy: the rest is shared), made when used,

@@ -7,13 +7,14 @@ and sampled, for a KV cache, a recurrent (Mamba) and a sliding-window target.
 """
 import threading
 
+import numpy as np
 import pytest
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.drafting import Costs
 from ggufspec.processing import Constraints
 from ggufspec.tinymodels import make_gemma2_pair, make_mamba_pair
-from reference import prompts
+from reference import prompts, same_as_target_alone, target_alone
 
 PROMPTS = prompts(7, seed=5)
 
@@ -160,3 +161,51 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(tiny
         [t.join() for t in threads]
     between = events[events.index("long prompt starts"):events.index("its first token")]
     assert between.count("token") >= 3  # one per 512-token chunk (n_batch)
+
+
+_words = np.random.default_rng(2).integers(259, 281, size=(5, 100))
+SYSTEM = [1] + [int(t) for t in _words[0]]  # a system prompt four agents share
+SHARING = [SYSTEM + [int(t) for t in words[:8]] for words in _words[1:]]
+
+
+@pytest.mark.parametrize("options", [{"n_draft": 3}, {"n_draft": 0}, {"n_draft": "auto"}],
+                         ids=["k3", "alone", "auto"])
+def test_prompts_arriving_together_with_one_system_prompt_evaluate_it_once(tiny_pair, options):
+    """In the unified cache a slot takes another slot's cells for the prefix they share
+    (llama_memory_seq_cp), waiting a round for them where they are being evaluated: four prompts with
+    one 101-token prefix cost one prefix on the target (and on the draft), and each answer is still the
+    target alone's greedy one (batch rounding aside: near-ties are counted, a real difference fails),
+    though the slot that filled the cells cuts its own drafts back from them meanwhile."""
+    with SpeculativeDecoder(*tiny_pair, n_ctx=1024, n_threads=1, n_parallel=4) as decoder:
+        got = decoder.generate_many(SHARING, n_predict=40, **options)
+        evaluated = dict(decoder.slots.lockstep.tokens)
+        shared = [(s.target.n_shared, s.draft.n_shared) for s in decoder.slots.slots]
+    decided = 0
+    for prompt, generation in zip(SHARING, got):
+        expected, margins, _ = target_alone(tiny_pair[0], prompt, 40, 1024)
+        decided += same_as_target_alone(generation, expected, margins, "shared prefix")
+    assert decided >= 3
+    cached = sorted(g.stats.n_prompt_cached for g in got)  # (two agents' own words may begin alike)
+    assert cached[0] == 0 and all(len(SYSTEM) <= n < len(SYSTEM) + 8 for n in cached[1:])
+    n_answers = sum(g.stats.n_predict + g.stats.n_drafted for g in got)
+    if options["n_draft"] != "auto":  # (auto first times the step costs, on these contexts)
+        assert evaluated["target"] <= len(SYSTEM) + 4 * 12 + n_answers  # the prefix once, then each its own
+    if options["n_draft"] == 3:
+        assert sum(draft >= len(SYSTEM) for _, draft in shared) == 3
+        assert sum(g.stats.n_drafted - g.stats.n_accept for g in got) > 0  # rejections were cut back
+
+
+def test_a_next_prompt_takes_the_prefix_another_slot_holds_and_strict_shares_none(tiny_pair):
+    """A prompt arriving after another's answer takes its cached prefix from that slot, in whichever
+    slot it runs; with strict verification every sequence has a cache of its own, so nothing is shared."""
+    with SpeculativeDecoder(*tiny_pair, n_ctx=1024, n_threads=1, n_parallel=2) as decoder:
+        first = decoder.generate_many(SHARING[:1], n_predict=8, n_draft=0)[0]
+        taken = decoder.slots.slots[first.stats.id_slot]
+        taken.busy = True  # as if another client held it: the next prompt gets the other slot
+        second = decoder.generate_many(SHARING[1:2], n_predict=8, n_draft=0)[0]
+        taken.busy = False
+        assert second.stats.id_slot != first.stats.id_slot and second.stats.n_prompt_cached == len(SYSTEM)
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1, n_parallel=4, strict=True) as decoder:
+        got = decoder.generate_many(SHARING, n_predict=8, n_draft=0)
+        assert [g.stats.n_prompt_cached for g in got] == [0] * 4
+        assert all(s.target.n_shared == 0 for s in decoder.slots.slots)
