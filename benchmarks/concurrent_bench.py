@@ -25,8 +25,9 @@ the demo pair's draft model); --gs-args / --ls-args add flags (e.g. --ls-args "-
 ggufspec servers get a new, empty GGUFSPEC_HOME each (the step costs are timed at startup, which is not
 counted). With --rounds R every variant runs R times, the order reversed every other round. The
 1-client count is one prompt, so its ratio is against that prompt's speed (drafting keeps more on some
-prompts than on others). --no-parallel-flag leaves `--parallel` off the gs-serial command (for a
-ggufspec without the flag).
+prompts than on others). --system FILE gives every request the same system message (agents sharing
+one system prompt; repeat a count, --clients 1,4,4, to see a second wave find it cached).
+--no-parallel-flag leaves `--parallel` off the gs-serial command (for a ggufspec without the flag).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/concurrent_bench.py --clients 1,2,4,8 --rounds 1 --json /tmp/concurrent.json
 
@@ -75,15 +76,16 @@ PROMPTS = [  # 16: the default counts (1+2+4+8) never send a server the same pro
 
 # ---------------------------------------------------------------- one client
 
-def request_body(prompt: str, max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+def request_body(prompt: str, max_tokens: int, system: str | None = None) -> dict:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
 
 
-def stream_client(url: str, prompt: str, max_tokens: int, start: float) -> dict:
+def stream_client(url: str, prompt: str, max_tokens: int, start: float, system: str | None = None) -> dict:
     """One streamed chat completion; times are seconds since the common `start`."""
     first, n_deltas, text, usage, timings = None, 0, [], None, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=request_body(prompt, max_tokens),
+    with httpx.stream("POST", url + "/v1/chat/completions", json=request_body(prompt, max_tokens, system),
                       timeout=900) as response:
         if response.status_code != 200:
             response.read()
@@ -128,7 +130,7 @@ def token_count(usage: dict | None, timings: dict | None, n_deltas: int) -> tupl
 
 # ---------------------------------------------------------------- N clients together
 
-def run_clients(url: str, n_clients: int, max_tokens: int, first_prompt: int) -> list[dict]:
+def run_clients(url: str, n_clients: int, max_tokens: int, first_prompt: int, system: str | None = None) -> list[dict]:
     """N threads released together, client i with PROMPTS[first_prompt + i]; results in client order."""
     results: list[dict] = [{} for _ in range(n_clients)]
     prompt_ids = [(first_prompt + i) % len(PROMPTS) for i in range(n_clients)]
@@ -138,7 +140,7 @@ def run_clients(url: str, n_clients: int, max_tokens: int, first_prompt: int) ->
     def client(index: int) -> None:
         barrier.wait()
         try:
-            results[index] = stream_client(url, PROMPTS[prompt_ids[index]], max_tokens, start[0])
+            results[index] = stream_client(url, PROMPTS[prompt_ids[index]], max_tokens, start[0], system)
         except Exception as exc:  # noqa: BLE001 - recorded, reported with the count
             results[index] = {"error": f"{type(exc).__name__}: {exc}"}
         results[index].update(client=index, prompt=prompt_ids[index])
@@ -207,7 +209,7 @@ def run_variant(variant: str, args, target: Path, draft: Path, counts: list[int]
             record["total_slots"] = server_slots(server.url)
             stream_client(server.url, "Say hi.", 4, time.perf_counter())  # warm-up, not counted
             for k, n in enumerate(counts):  # each count its own prompts: none is in the server's cache yet
-                clients = run_clients(server.url, n, args.max_tokens, first_prompt=sum(counts[:k]))
+                clients = run_clients(server.url, n, args.max_tokens, sum(counts[:k]), args.system_text)
                 record["counts"].append(summarise_count(n, clients))
                 log_count(variant, record["counts"][-1])
     except Exception as exc:  # one variant failing must not lose the others' numbers
@@ -304,8 +306,11 @@ def parse_args():
     parser.add_argument("--ls-args", default="", help="More flags for llama-server (one string), e.g. '-md DRAFT'.")
     parser.add_argument("--no-parallel-flag", action="store_true",
                         help="gs-serial without --parallel 1 (a ggufspec that lacks the flag).")
+    parser.add_argument("--system", default=None, help="A file whose text is every client's system message "
+                        "(agents sharing one system prompt).")
     parser.add_argument("--json", default=None, help="Write every record here.")
     args = parser.parse_args()
+    args.system_text = Path(args.system).read_text() if args.system else None
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.counts = [int(n) for n in args.clients.split(",") if n.strip()]
     unknown = set(args.variant_list) - set(VARIANTS)
@@ -321,7 +326,7 @@ def main() -> None:
     target, draft = demo_pair()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_name(), "n_cpus": os.cpu_count(), "threads": args.threads, "ctx": args.ctx,
-            "max_tokens": args.max_tokens, "clients": args.counts, "slots": args.slots, "target": str(target),
+            "max_tokens": args.max_tokens, "clients": args.counts, "system": args.system, "slots": args.slots, "target": str(target),
             "draft": str(draft), "command": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "loadavg_before": loadavg(),
             "llama_server_version": llama_server_version() if LLAMA_SERVER.exists() else None}

@@ -159,8 +159,23 @@ def _fit(slot: Slot, tokens: Sequence[int]) -> tuple:
     least recently. A first token alone (BOS) is not a shared prefix: a short new prompt does not take
     a cached conversation's slot while another is empty."""
     shared = common_prefix_length(slot.target.tokens, tokens)
+    if slot.target.prefix_donors is not None:
+        return _fit_sharing(slot, shared)
     similar = shared >= 2 and shared > SLOT_PROMPT_SIMILARITY * len(tokens)
     return similar, shared if similar else 0, slot.target.n_past == 0, -slot.last_used
+
+
+def _fit_sharing(slot: Slot, shared: int) -> tuple:
+    """Where a prompt takes its prefix from any slot (`_share_prefixes`), the slot it runs in only
+    decides what cached conversation it overwrites: the one losing the fewest cached tokens, then the
+    one sharing the most, then an empty one, then the one used least recently. So an agent's sub-agent with the same
+    system prompt goes to an empty slot instead of cutting the agent's conversation back to that
+    prompt, and a next turn still goes back to its own slot (it loses at most a few tokens where the
+    answer was tokenized differently)."""
+    lost = slot.target.n_past - shared
+    if lost <= max(16, slot.target.n_past // 16):
+        lost = 0
+    return -lost, shared, slot.target.n_past == 0, -slot.last_used
 
 
 def _draft_context(draft, seq: int, target: Context):

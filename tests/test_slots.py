@@ -209,3 +209,18 @@ def test_a_next_prompt_takes_the_prefix_another_slot_holds_and_strict_shares_non
         got = decoder.generate_many(SHARING, n_predict=8, n_draft=0)
         assert [g.stats.n_prompt_cached for g in got] == [0] * 4
         assert all(s.target.n_shared == 0 for s in decoder.slots.slots)
+
+
+def test_a_sub_agent_with_the_agents_system_prompt_leaves_the_agents_conversation_cached(tiny_pair):
+    """Two slots, the agent's conversation cached in one: a prompt sharing only its system prompt goes to
+    the other slot (taking the system prompt's cells from the first) instead of cutting the conversation
+    back to the system prompt, so the agent's next turn finds all of it cached."""
+    with SpeculativeDecoder(*tiny_pair, n_ctx=1024, n_threads=1, n_parallel=2) as decoder:
+        agent = decoder.generate_many(SHARING[:1], n_predict=24, n_draft=0)[0]
+        sub_agent = decoder.generate_many(SHARING[1:2], n_predict=8, n_draft=0)[0]
+        assert sub_agent.stats.id_slot != agent.stats.id_slot
+        assert sub_agent.stats.n_prompt_cached >= len(SYSTEM)
+        next_turn = SHARING[0] + agent.tokens + [262, 263]
+        again = decoder.generate_many([next_turn], n_predict=8, n_draft=0)[0]
+        assert again.stats.id_slot == agent.stats.id_slot
+        assert again.stats.n_prompt_cached >= len(next_turn) - 3
