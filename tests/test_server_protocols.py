@@ -63,7 +63,7 @@ def raw_events(server, path, body) -> list[tuple[str, dict]]:
 
 def test_a_message_is_the_chat_answer_to_the_same_conversation(server, claude):
     system = [{"type": "text", "text": "be brief"}, {"type": "text", "text": "and kind"}]
-    message = claude.messages.create(model="claude-sonnet-4-5", max_tokens=12, system=system, messages=[
+    message = claude.messages.create(model="claude-haiku-4-5", max_tokens=12, system=system, messages=[
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}])
     text, prompt_tokens = chat(server, [{"role": "system", "content": "be brief\nand kind"},
                                         {"role": "user", "content": "hi\nthere"}], max_tokens=12)
