@@ -8,10 +8,11 @@ round (`lockstep`). The llama contexts hold N sequences in one unified cache of 
 llama-server's default: a sequence may grow to n_ctx; when the cells run out, the conversations
 cached by idle slots are dropped first.
 
-A prompt goes to the free slot sharing the longest prefix with it, so that a conversation's next turn
-finds its previous turns cached even with other clients in between; else to an empty slot, else to
-the one used least recently (`_fit`). Whichever slot it gets, it takes the longest prefix that any
-slot's sequence holds without evaluating it, where the cells can be shared (`_share_prefixes`).
+Where the cells can be shared (a KV cache), a prompt takes the longest prefix that any slot's sequence
+holds without evaluating it (`_share_prefixes`), and goes to the free slot whose cached conversation it
+cuts least (`_fit_sharing`). Elsewhere it goes to the free slot sharing the longest prefix with it, so
+that a conversation's next turn finds its previous turns cached even with other clients in between;
+else to an empty slot, else to the one used least recently (`_fit`).
 """
 from __future__ import annotations
 
@@ -168,10 +169,10 @@ def _fit(slot: Slot, tokens: Sequence[int]) -> tuple:
 def _fit_sharing(slot: Slot, shared: int) -> tuple:
     """Where a prompt takes its prefix from any slot (`_share_prefixes`), the slot it runs in only
     decides what cached conversation it overwrites: the one losing the fewest cached tokens, then the
-    one sharing the most, then an empty one, then the one used least recently. So an agent's sub-agent with the same
-    system prompt goes to an empty slot instead of cutting the agent's conversation back to that
-    prompt, and a next turn still goes back to its own slot (it loses at most a few tokens where the
-    answer was tokenized differently)."""
+    one sharing the most, then an empty one, then the one used least recently. So an agent's sub-agent
+    with the same system prompt goes to an empty slot instead of cutting the agent's conversation back
+    to that prompt, and a next turn still goes back to its own slot (losing at most a few tokens, where
+    the answer was tokenized differently)."""
     lost = slot.target.n_past - shared
     if lost <= max(16, slot.target.n_past // 16):
         lost = 0
