@@ -4,7 +4,7 @@ import pytest
 
 from ggufspec import SamplingParams, SpeculativeDecoder
 from ggufspec.drafting import Costs
-from ggufspec.speculate import measure_step_costs
+from ggufspec.stepcosts import measure_step_costs
 from reference import (NEAR_TIE, draw_samples, exact_first_and_next_two, first_difference, prompts,
                        same_as_target_alone, sampling_pvalues, target_alone)
 from ggufspec.tinymodels import make_mamba_pair

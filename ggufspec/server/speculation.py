@@ -69,7 +69,7 @@ def time_costs_before_serving(decoder, defaults: dict) -> float:
     """Time the step costs the server's default drafting needs, when this machine has none yet.
     Returns the seconds spent (0: remembered, or no `auto` drafting to price)."""
     from ..drafting import Costs
-    from ..speculate import measure_step_costs
+    from ..stepcosts import measure_step_costs
     drafter = defaults.get("drafter", "model")
     uses_model = drafter != "lookup"
     if defaults.get("n_draft") != "auto" or (uses_model and decoder.draft is None):
