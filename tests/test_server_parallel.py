@@ -1,6 +1,7 @@
 """`serve --parallel N` (issue 30) against the real process: clients served at once, each getting the
 answer it gets alone; a client gone mid-answer frees its slot and leaves the others exact; a
-conversation goes back to the slot caching it; beyond the slots and the queue, 429.
+conversation goes back to the slot caching it; beyond the slots and the queue, 429; without --strict,
+clients arriving with one system prompt evaluate it once.
 
 The target is slow enough (a few milliseconds per token, no end of sequence) for the requests to
 overlap; --strict makes every answer bit-identical to the target alone's, whatever the batch.
@@ -117,3 +118,28 @@ def test_beyond_the_slots_and_the_queue_429(server):
     statuses = sorted(s.status for s in streams)
     assert statuses == [200, 200, 200, 200, 429]  # 3 slots + 1 waiting; the fifth is refused
     wait_idle(server)
+
+
+@pytest.fixture(scope="module")
+def sharing_server(slow_target, tmp_path_factory):
+    """Without --strict: one unified cache, whose cells slots share."""
+    with serving(tmp_path_factory.mktemp("sharing"), "-m", str(slow_target), "-c", "2048", "--parallel", "3") as running:
+        yield running
+
+
+def test_clients_arriving_with_one_system_prompt_evaluate_it_once(sharing_server):
+    """Three clients send one 201-token prefix (an agent's sub-agents) at once: one evaluates it, the
+    other two take its cells (`timings.cache_n`) and evaluate only their own tokens."""
+    system = [1] + [259 + (5 * i + i // 7) % 22 for i in range(200)]
+    results = [None] * 3
+
+    def client(i):
+        body = {"prompt": system + [262 + i, 270 - i], "max_tokens": 8, "temperature": 0}
+        results[i] = httpx.post(sharing_server.url + "/v1/completions", json=body, timeout=120).json()["timings"]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    cached = sorted(t["cache_n"] for t in results)
+    assert cached[0] < len(system) and cached[1:] == [len(system)] * 2, results
+    assert sorted(t["prompt_n"] for t in results)[:2] == [2, 2], results
+    assert sorted(t["id_slot"] for t in results) == [0, 1, 2]
