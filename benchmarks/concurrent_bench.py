@@ -310,6 +310,8 @@ def parse_args():
                         "(agents sharing one system prompt).")
     parser.add_argument("--json", default=None, help="Write every record here.")
     args = parser.parse_args()
+    if args.system and not Path(args.system).is_file():
+        parser.error(f"--system {args.system}: no such file (the system message's text)")
     args.system_text = Path(args.system).read_text() if args.system else None
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.counts = [int(n) for n in args.clients.split(",") if n.strip()]
