@@ -224,3 +224,16 @@ def test_a_sub_agent_with_the_agents_system_prompt_leaves_the_agents_conversatio
         again = decoder.generate_many([next_turn], n_predict=8, n_draft=0)[0]
         assert again.stats.id_slot == agent.stats.id_slot
         assert again.stats.n_prompt_cached >= len(next_turn) - 3
+
+
+def test_seeded_sampled_answers_with_a_shared_prefix_are_the_ones_they_get_alone(tiny_pair):
+    """Sampled with a seed, each prompt that took its prefix from another slot draws the same text as
+    the same request alone (the position's draw; shared cells differ from its own by batch rounding
+    at most, so at most one answer may leave it at a draw that close to a boundary)."""
+    options = {"n_predict": 40, "n_draft": 2, "temperature": 0.8, "seed": 11}
+    with SpeculativeDecoder(*tiny_pair, n_ctx=1024, n_threads=1) as alone:
+        expected = [alone.generate(p, **options).tokens for p in SHARING]
+    with SpeculativeDecoder(*tiny_pair, n_ctx=1024, n_threads=1, n_parallel=4) as decoder:
+        got = decoder.generate_many(SHARING, **options)
+    assert sum(g.stats.n_prompt_cached >= len(SYSTEM) for g in got) == 3
+    assert sum(g.tokens == want for g, want in zip(got, expected)) >= 3
