@@ -49,6 +49,7 @@ class ModelDrafter:
         t0 = time.perf_counter()
         try:
             ctx.decode(tokens[ctx.n_past:], n_logits=1)  # catch up on what the draft has not seen
+            ctx.synchronize()
         except DecodeError:  # the draft's context is full (a bridged vocabulary takes more tokens)
             return []     # the target goes on alone
         # the catch-up after sitting idle is not a per-token cost, but its last token is the one every

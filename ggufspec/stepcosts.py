@@ -66,6 +66,7 @@ def _time_batch(ctx, n: int, warm_up: list[int]) -> float:
     token = ctx.tokens[-1]
     t0 = time.perf_counter()
     ctx.decode([token] * n, n_logits=n)
+    ctx.synchronize()
     seconds = time.perf_counter() - t0
     ctx.keep(base)
     return seconds
@@ -115,6 +116,7 @@ def measure_step_costs(target: Context, draft: Context | None, costs: Costs, siz
             if n > 1:  # forced: the second cut below needs it even where n_rs_seq cuts the first
                 ctx.checkpoint(upcoming=n, force=True)
             ctx.decode([token] * n, n_logits=n if ctx is target else 1)
+            ctx.synchronize()
             if n > 1:
                 ctx.keep(start + 1)
             seconds = time.perf_counter() - t0

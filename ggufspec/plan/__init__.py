@@ -10,7 +10,7 @@ The package, by concern:
   fallback; local files or a hub file's first bytes) and remembering shapes per file.
 - `devices`: `DeviceMemory` (memory and bandwidth) of the GPUs and the host; detection and parsers.
 - `estimate`: the memory and speed model: `placement` of a model for an -ngl, `token_seconds`,
-  `batch_seconds` (T(n): flat on a GPU up to 8 tokens, growing on a CPU).
+  `batch_seconds` (T(n): on a GPU near flat where bytes bound it, dearer where launches do; growing on a CPU).
 - `measured`: the step costs this machine remembered (costs.json), marked with the build.
 - `speculation`: what the draft is worth here (the simulator over the pair's traces), for `plan`.
 - `offload`: `make_plan`, choosing -ngl / -ngld (and -c) by predicted speed; `plan_table`.

@@ -83,22 +83,36 @@ def token_seconds(shape: ModelShape, p: Placement, gpu: DeviceMemory | None, ram
 
 
 # A batch of n tokens, T(n), against one token, T(1) (what speculation lives on: verifying K drafts
-# costs T(K + 1)). A GPU reads the weights once for the whole batch: up to GPU_FLAT_BATCH tokens
-# cost about one (memory-bound), beyond that the work grows with n. A CPU also reads them once, but
+# costs T(K + 1)). A GPU reads the weights once for the whole batch: up to GPU_FLAT_BATCH tokens the
+# bytes cost about one token's, beyond that the work grows with n. But a small model there is bound
+# by launches, not bytes, and a batch pays more of them: llama.cpp replays a single token's kernels
+# as a CUDA graph and launches a batch's one by one (GPU_UNGRAPHED times the per-layer cost), and
+# each extra token adds GPU_LAYER_TOKEN_SECONDS a layer. Measured with llama-bench on an H100 (the
+# demo target's shape, 1.5B Q4_K_M, 28 layers): T(1) 1.88 ms (tg), a batch of 2 2.84, of 4 3.38
+# (1.8 T(1)), of 8 4.32; the estimate says 1.79 / 2.67 / 3.18 / 4.19 (the draft's shape, 0.5B: T(4)
+# 2.16 measured, 2.48 estimated). A 70B (80 layers, 31 GB a token), bound by its bytes, stays near
+# flat: T(4) about 1.2 T(1). A CPU also reads the weights once, but
 # does each token's arithmetic on its few cores: every extra token adds the weights' bytes times
 # CPU_SECONDS_PER_BYTE_CORE over the cores. Measured (`bench`, target batches of 1..9) with the
 # demo target (0.98 GB read a token) on 2-core cloud VMs: T(4) = 5.8 T(1) on an AVX2 EPYC, 3.2 T(1)
 # on an AVX-512 EPYC (T(1) 37.7 ms: 27 ms an extra token, 2.8e-11 s a byte on 2 cores); see
 # docs/benchmarks.md for this Xeon's. A 16-core desktop would add an eighth of that per token.
 GPU_FLAT_BATCH = 8
+GPU_UNGRAPHED = 1.5
+GPU_LAYER_TOKEN_SECONDS = 9e-6
 CPU_SECONDS_PER_BYTE_CORE = 5.6e-11
 DEFAULT_CORES = 8  # where the host's cores are not known (a desktop beside a discrete GPU)
 
 
 def batch_seconds(shape: ModelShape, p: Placement, gpu: DeviceMemory | None, ram: DeviceMemory, n: int) -> float:
-    """T(n): the GPU's share flat up to GPU_FLAT_BATCH tokens, the host's share plus each extra
-    token's arithmetic (see the note above)."""
+    """T(n): on the GPU the bytes flat up to GPU_FLAT_BATCH tokens and the launches dearer for a
+    batch; on the host each extra token's arithmetic (see the note above)."""
     host, on_gpu = token_seconds_by_device(shape, p, gpu, ram)
     host_bytes = shape.weight_bytes - shape.embd_bytes - p.weights_gpu
     extra_token = host_bytes * CPU_SECONDS_PER_BYTE_CORE / (ram.cores or DEFAULT_CORES)
-    return host + (n - 1) * extra_token + on_gpu * max(1.0, n / GPU_FLAT_BATCH)
+    if n > 1 and on_gpu > 0:
+        layers = min(p.n_gpu_layers, shape.n_layer)
+        launches = layers * GPU_LAYER_SECONDS
+        on_gpu = ((on_gpu - launches) * max(1.0, n / GPU_FLAT_BATCH) + launches * GPU_UNGRAPHED
+                  + (n - 1) * layers * GPU_LAYER_TOKEN_SECONDS)
+    return host + (n - 1) * extra_token + on_gpu
