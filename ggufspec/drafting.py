@@ -255,7 +255,7 @@ class AdaptiveK:
     E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs k * t_draft + T(k + 1), where T(n) is the
     target's time for a batch of n. Rate(k) = E(k) / (k t_draft + T(k+1)); Rate(0) = 1 / T(1).
     a is a decaying count of this generation's acceptances and rejections; the costs come from
-    `Costs`, shared across generations. When K=0 wins, a probe (K = 1) now and then keeps
+    `Costs`, shared across generations. When K=0 wins, a probe (K = k_first) now and then keeps
     the estimates fresh, less and less often while K=0 keeps winning, and never once the costs say
     no draft could pay; when some K > 0 wins, K + 1 is tried now and then until its cost is known.
     """
@@ -323,13 +323,9 @@ class AdaptiveK:
                 return up
             return best
         if self.probe_due:
-            # one token: the cheapest probe, t_draft + T(2) - T(1) against k t_draft + T(k + 1) - T(1)
-            # for k. It learns a's evidence one token at a time, but K = 0 is winning, so the
-            # evidence is expected to say "no", and a probe of 3 cost 1.4 T(1) on the Intel CPU
-            # (3 x 0.48 + 1.86 - E(3)) and 3.5 ms of a 1.9 ms token on an H100
             self.probe_due = False
             self.probe_interval = min(self.probe_interval * 2, 128)
-            return 1
+            return min(self.k_first, limit)
         self.idle = self.probe_interval - 1  # then a probe, if K=0 still wins
         self.probe_due = True
         return 0

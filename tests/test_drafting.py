@@ -215,23 +215,6 @@ def test_no_probes_when_even_perfect_drafts_cannot_pay():
     assert [c.choose(8) for _ in range(300)] == [0] * 300
 
 
-def test_probes_are_of_one_token_with_the_costs_an_h100_measured_for_the_demo_shapes():
-    """llama-bench on an H100 (benchmarks/results/gpu-h100-r12-3-*): the 1.5B decodes a token in
-    1.88 ms, a batch of 2 / 4 / 8 costs 2.84 / 3.38 / 4.32 ms, the 0.5B draft 1.20 ms a token. Only a
-    draft right at K = 3 nearly every time could pay (1.08x), so auto probes, but with one token:
-    1.2 + 2.84 ms for what 1.88 would do, where a probe of 3 cost 6.98 ms."""
-    from ggufspec.drafting import Costs
-    costs = Costs()
-    for n, seconds in {1: 1.88e-3, 2: 2.84e-3, 4: 3.38e-3, 8: 4.32e-3}.items():
-        for _ in range(3):
-            costs.add_batch(n, seconds)
-    costs.draft_times.extend([1.20e-3] * 3)
-    assert costs.could_pay(8)
-    controller = AdaptiveK(8, costs=costs)
-    choices = [controller.choose(8) for _ in range(300)]
-    assert set(choices) == {0, 1} and 4 <= choices.count(1) <= 9  # probes every 2, 4, ... 128 steps
-
-
 def test_costs_are_remembered_between_runs(tiny_pair, ggufspec_home):
     """The controller's measured costs outlive the decoder (in $GGUFSPEC_HOME/costs.json)."""
     from ggufspec.drafting import Costs
