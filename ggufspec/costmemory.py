@@ -17,6 +17,14 @@ def _costs_key(target, draft, n_threads, ngl, ngld, tag: str = "") -> str | None
     return "|".join(ident + [f"t{n_threads}", f"ngl{ngl}", f"ngld{ngld}"] + ([tag] if tag else []))
 
 
+def offloaded_layers(ngl: int, n_layer: int) -> int:
+    """-ngl as llama.cpp applies it, for the key: a negative count, or more layers than the model has,
+    means all of them with the output layer (n_layer + 1). So -ngl 99, -ngl -1 and the planner's
+    n_layer + 1 name one offload: on the H100, costs bench measured at -ngl 99 were not found by
+    `plan`, which asked for -ngl 29."""
+    return n_layer + 1 if ngl < 0 or ngl > n_layer + 1 else ngl
+
+
 COSTS_FILE = "costs.json"  # in ggufspec's home
 
 

@@ -30,7 +30,7 @@ from .drafting import (AdaptiveK, AutoDrafting, Costs, FixedK, HybridDrafter, Lo
                        VocabBridge)
 from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams
-from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs  # noqa: F401  (speculate._costs_key)
+from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs, offloaded_layers  # noqa: F401  (speculate._costs_key)
 
 
 class Step(NamedTuple):
@@ -291,9 +291,20 @@ class SpeculativeDecoder:
         except BaseException:
             self.close()
             raise
-        self._costs_key = _costs_key(target, None if mtp else draft, n_threads, n_gpu_layers, n_gpu_layers_draft,
+        self.costs_offload = self._offload_as_applied()
+        self._costs_key = _costs_key(target, None if mtp else draft, n_threads, *self.costs_offload,
                                      costs_tag + ("mtp" if mtp else ""))
         self._costs: dict[str, Costs] = _load_costs(self._costs_key)
+
+    def _offload_as_applied(self) -> tuple[int, int]:
+        """(-ngl, -ngld) as llama.cpp applied them (see costmemory.offloaded_layers): what the costs
+        remembered for this pair are filed under, and what `bench` stamps for `plan`."""
+        from .load import layer_count
+        ngl = offloaded_layers(self.n_gpu_layers, layer_count(self.target_llm))
+        ngld = self.n_gpu_layers_draft
+        if self.draft_llm is not None:
+            ngld = offloaded_layers(ngld, layer_count(self.draft_llm))
+        return ngl, ngld
 
     def _open(self, model, role, params, strict):
         from .load import open_model

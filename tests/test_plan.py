@@ -481,3 +481,19 @@ def test_a_draft_that_does_not_pay_still_goes_on_the_gpu_when_it_runs():
     seed_like = P.make_plan(target, draft, gpu=cuda(1.2), ram=RAM, n_ctx=4096, ctx_given=True, acceptance=0.3)
     assert seed_like.draft is None
     assert seed_like.draft_placement is None or seed_like.draft_placement.n_gpu_layers == 0
+
+
+def test_costs_measured_at_ngl_99_are_the_plans_all_layers(tiny_pair, ggufspec_home):
+    """-ngl 99 (or -1) puts every layer and the output on the GPU, as the planner's n_layer + 1 does:
+    the costs a run remembers are filed under the offload as applied, so `plan` finds them (on the
+    H100 it asked for -ngl 29 and missed what bench measured at -ngl 99)."""
+    from ggufspec import SpeculativeDecoder
+    from ggufspec.plan.measured import costs_key
+    from ggufspec.speculate import offloaded_layers
+    assert offloaded_layers(99, 28) == offloaded_layers(-1, 28) == offloaded_layers(29, 28) == 29
+    assert offloaded_layers(10, 28) == 10 and offloaded_layers(0, 28) == 0
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, n_gpu_layers=99) as decoder:
+        n_layer, n_layer_draft = (P.read_shape(p).n_layer for p in tiny_pair)
+        assert decoder.costs_offload == (n_layer + 1, n_layer_draft + 1)
+        assert decoder._costs_key == costs_key(target, draft, 1, n_layer + 1, n_layer_draft + 1)

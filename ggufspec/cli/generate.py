@@ -152,10 +152,9 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         B.remember_costs(decoder, costs)
     if not rpc and costs:  # what plan reads back, marked as measured by this build
         from ..plan.measured import stamp_costs
-        stamp_costs(session.target_path, session.draft_path, n_threads, decoder.n_gpu_layers,
-                    decoder.n_gpu_layers_draft, {"step_seconds": result.cost_model["step_seconds"],
-                                                 "row_seconds": costs.get("row", 0.0),
-                                                 "draft_batch": B.draft_batches(costs), "sampled": costs})
+        stamp_costs(session.target_path, session.draft_path, n_threads, *decoder.costs_offload,
+                    {"step_seconds": result.cost_model["step_seconds"], "row_seconds": costs.get("row", 0.0),
+                     "draft_batch": B.draft_batches(costs), "sampled": costs})
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
