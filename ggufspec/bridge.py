@@ -45,6 +45,9 @@ class VocabBridge:
     def logits(self, row: int) -> np.ndarray:
         return self.inner.logits(row)
 
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
     def keep(self, n_tokens: int) -> None:
         if n_tokens >= len(self.tokens):
             return
