@@ -30,7 +30,8 @@ from .drafting import (AdaptiveK, AutoDrafting, Costs, FixedK, HybridDrafter, Lo
                        VocabBridge)
 from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams
-from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs, offloaded_layers  # noqa: F401  (speculate._costs_key)
+from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs  # noqa: F401  (speculate._costs_key)
+from .costmemory import offloaded_layers
 
 
 class Step(NamedTuple):
