@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# The GPU path, measured on a GPU machine set up with ../shared/gpu (README.md there):
-#   bash .gpukit/device-setup.sh 450 && bash benchmarks/gpu_path.sh
-# Real-shaped random-weight models (~/gpukit/t15.gguf: the demo target's shape and size; d05.gguf:
-# the draft's). Random weights time a forward pass as real ones do; they never agree with each
-# other (a never-agreeing draft), and a model drafting for itself agrees except at near-ties.
-#   1. plan's estimate before anything is measured (fresh GGUFSPEC_HOME: no remembered costs)
+# The GPU path, measured on a GPU machine set up with ../shared/gpu (README.md there), in one call:
+#   bash .gpukit/device-setup.sh 480 >/dev/null 2>&1; bash benchmarks/gpu_path.sh
+# (about 8 minutes on an H100: 5-6 of setup, 2-3 of this). Real-shaped random-weight models
+# (~/gpukit/t15.gguf: the demo target's shape and size; d05.gguf: the draft's). Random weights time
+# a forward pass as real ones do; they never agree with each other (a never-agreeing draft), and a
+# model drafting for itself agrees except at near-ties. The steps, most wanted first:
+#   1. plan's estimate before anything is measured (a fresh GGUFSPEC_HOME: no remembered costs)
 #   2. target alone / --draft 3 / --draft auto (never-agreeing draft) vs llama.cpp's own decode
-#      (llama-completion) and llama-speculative-simple at K = 3, same build, same offload
+#      (llama-completion) and llama-speculative-simple at K = 3, same build, the planned offload
 #   3. self-drafting K = 3 (t15 drafts for itself) vs llama-speculative-simple doing the same
-#   4. plan again, now from the costs bench remembered
-# Results: $OUT (or ./gpu-path-out): one JSON per step, steps.log, machine.txt (at most 8 files). Each step has its own time limit.
+#   4. llama-bench's batch curve: what a verification of K + 1 tokens costs against one token
+#   5. 1, 2, 4 and 8 streams at once, the target alone and auto (issue 30: 4 clients >= 3x one)
+#   6. plan again, now from the costs bench remembered
+# Results: $OUT (or ./gpu-path-out), at most 8 files: one JSON per step, steps.log, machine.txt.
+# Round 12's H100 run (steps 1-3, 6, and the curve by hand) is in docs/benchmarks.md.
 set -u
 G=${GPUKIT_DIR:-$HOME/gpukit}
 OUT=${OUT:-$PWD/gpu-path-out}; mkdir -p "$OUT"
@@ -17,7 +21,8 @@ OUT=${OUT:-$PWD/gpu-path-out}; mkdir -p "$OUT"
 export GGUFSPEC_HOME=${GGUFSPEC_HOME:-$(mktemp -d)}
 T=${TARGET:-$G/t15.gguf} D=${DRAFT:-$G/d05.gguf}
 SS=${SPEC_SIMPLE:-$(command -v llama-speculative-simple)}
-N=${N_PREDICT:-256}
+LB=${LLAMA_BENCH:-$(dirname "$SS")/llama-bench}
+N=${N_PREDICT:-256} NS=${STREAM_TOKENS:-128}
 PROMPTS=benchmarks/gpu-path-prompts.jsonl
 step() { local name=$1 limit=$2; shift 2; echo "== $name ($(date +%T))" >&2
          echo "== $name: $*" >>"$OUT/steps.log"
@@ -31,5 +36,8 @@ step bench-never-agreeing 240 ggufspec bench -m "$T" -md "$D" --prompts $PROMPTS
      --against-llamacpp "$SS" --json
 step bench-self-draft 150 ggufspec bench -m "$T" -md "$T" --prompts $PROMPTS --draft 3 -n "$N" --repeat 1 \
      --against-llamacpp "$SS" --json
+step llama-bench 60 "$LB" -m "$T" -p 1,2,3,4,5,8,9,16 -n 64 -ngl 99 -r 3 -o json
+step streams 180 ggufspec bench -m "$T" -md "$D" --prompts benchmarks/held-out-prompts.jsonl --streams 1,2,4,8 \
+     -n "$NS" --json
 step plan-measured 60 ggufspec plan -m "$T" -md "$D" --json
 tail -n 20 "$OUT/steps.log" >&2
