@@ -120,7 +120,8 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     counts = _stream_counts(streams)
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
-                           rpc=rpc, n_parallel=max(counts or [1]))
+                           rpc=rpc, n_parallel=max(counts or [1]),
+                           fixed_draft=any(c.options.get("n_draft") not in (None, 0, "auto") for c in configs))
     if counts:
         return _bench_streams(options, prompts, counts, n_predict, as_json)
     with open_session(options, log=lambda line: click.echo(line, err=True)) as session:

@@ -37,8 +37,8 @@ class Plan:
     draft_speedup: float = 0.0      # the best draft option's predicted speed against the target alone there
     costs_source: str = "estimated"
     acceptance_source: str = ""
-    # Where the draft goes when one runs although the plan says it would not pay (an explicit --draft K,
-    # or auto probing it): the best draft option that leaves the target all its planned GPU layers.
+    # Where the draft goes when one runs although the plan says it would not pay (an explicit --draft K):
+    # the best draft option that leaves the target all its planned GPU layers.
     # On an H100 that is the draft whole on the GPU, not on the CPU (measured: 148 against 30 tok/s).
     draft_if_used: Placement | None = None
 
@@ -49,7 +49,7 @@ class Plan:
     def summary(self) -> str:
         draft = "no draft" if self.draft is None else f"-ngld {self.draft.n_gpu_layers}"
         if self.draft is None and self.draft_if_used is not None:
-            draft += f" (-ngld {self.draft_if_used.n_gpu_layers} when one runs)"
+            draft += f" (-ngld {self.draft_if_used.n_gpu_layers} with --draft K)"
         how = "from measured costs" if self.costs_source.startswith("measured") else "estimated"
         return (f"plan: -ngl {self.target.n_gpu_layers} {draft} -c {self.n_ctx} "
                 f"({how} {self.predicted_tps:.1f} tok/s vs {self.predicted_target_alone_tps:.1f} alone): {self.reason}")
