@@ -12,6 +12,8 @@
 #   4. llama-bench's batch curve: what a verification of K + 1 tokens costs against one token
 #   5. 1, 2, 4 and 8 streams at once, the target alone and auto (issue 30: 4 clients >= 3x one)
 #   6. plan again, now from the costs bench remembered
+# TARGET=~/gpukit/t7.gguf runs it all with the 7B-wide target the kit also makes (bound by its bytes:
+# where a batch of 4 should cost about one token). N_PREDICT / STREAM_TOKENS shorten the runs.
 # Results: $OUT (or ./gpu-path-out), at most 8 files: one JSON per step, steps.log, machine.txt.
 # Round 12's H100 run (steps 1-3, 6, and the curve by hand) is in docs/benchmarks.md.
 set -u
