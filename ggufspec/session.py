@@ -173,7 +173,7 @@ def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld, log: Log
     draft = P.read_shape(draft_path) if draft_path else None
     result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx, ctx_given=True, n_draft=n_draft)
     log(result.summary())
-    draft = result.draft_placement if fixed_draft else result.draft
+    draft = result.draft_if_used if fixed_draft else result.draft
     planned_draft = draft.n_gpu_layers if draft else 0
     return (ngl if ngl is not None else result.target.n_gpu_layers,
             ngld if ngld is not None else planned_draft)

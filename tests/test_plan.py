@@ -475,12 +475,12 @@ def test_a_draft_that_does_not_pay_still_goes_on_the_gpu_when_it_runs():
     plan = P.make_plan(target, draft, gpu=cuda(80, "NVIDIA H100 80GB HBM3"), ram=RAM, n_ctx=4096, ctx_given=True,
                        acceptance=0.3)
     assert plan.draft is None and "would not pay" in plan.reason
-    assert plan.draft_placement.n_gpu_layers == draft.n_layer + 1 and plan.target.n_gpu_layers == target.n_layer + 1
+    assert plan.draft_if_used.n_gpu_layers == draft.n_layer + 1 and plan.target.n_gpu_layers == target.n_layer + 1
     assert f"-ngld {draft.n_layer + 1} with --draft K" in plan.summary()
     # where the draft on the GPU would take target layers, one that runs anyway stays on the CPU
     seed_like = P.make_plan(target, draft, gpu=cuda(1.2), ram=RAM, n_ctx=4096, ctx_given=True, acceptance=0.3)
     assert seed_like.draft is None
-    assert seed_like.draft_placement is None or seed_like.draft_placement.n_gpu_layers == 0
+    assert seed_like.draft_if_used is None or seed_like.draft_if_used.n_gpu_layers == 0
 
 
 def test_costs_measured_at_ngl_99_are_the_plans_all_layers(tiny_pair, ggufspec_home):

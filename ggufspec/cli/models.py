@@ -188,7 +188,7 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     if as_json:
         click.echo(json.dumps({"ngl": result.target.n_gpu_layers,
                                "ngld": result.draft.n_gpu_layers if result.draft else 0,
-                               "ngld_with_fixed_k": result.draft_placement.n_gpu_layers if result.draft_placement else 0,
+                               "ngld_with_fixed_k": result.draft_if_used.n_gpu_layers if result.draft_if_used else 0,
                                "use_draft": result.draft is not None,
                                "n_ctx": result.n_ctx, "reason": result.reason,
                                "predicted_tps": result.predicted_tps,

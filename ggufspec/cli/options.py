@@ -104,7 +104,7 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
                            flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"), exact=opts.pop("exact"),
                            swa_full=opts.pop("swa_full"), n_parallel=opts.pop("parallel", 1),
                            needs_draft_model=not opts["lookup"],
-                           fixed_draft=str(opts.get("n_draft", "auto")).strip() not in ("auto", "0"))
+                           fixed_draft=parse_draft(opts.get("n_draft", "auto")) not in ("auto", 0))
     if no_draft and not requests_choose_drafting:
         opts["n_draft"] = "0"
     session = open_(options, log=lambda line: click.echo(line, err=True))

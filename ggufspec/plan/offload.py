@@ -37,14 +37,10 @@ class Plan:
     draft_speedup: float = 0.0      # the best draft option's predicted speed against the target alone there
     costs_source: str = "estimated"
     acceptance_source: str = ""
-    # Where the draft goes when one runs although the plan says it would not pay (an explicit --draft K):
-    # the best draft option that leaves the target all its planned GPU layers.
-    # On an H100 that is the draft whole on the GPU, not on the CPU (measured: 148 against 30 tok/s).
+    # Where the draft goes when a K is asked for (--draft K): `draft` where the plan drafts; where it
+    # says the draft would not pay, the best draft option that leaves the target all its planned GPU
+    # layers. On an H100 that is the draft whole on the GPU, not on the CPU (148 against 30 tok/s).
     draft_if_used: Placement | None = None
-
-    @property
-    def draft_placement(self) -> Placement | None:
-        return self.draft if self.draft is not None else self.draft_if_used
 
     def summary(self) -> str:
         draft = "no draft" if self.draft is None else f"-ngld {self.draft.n_gpu_layers}"
