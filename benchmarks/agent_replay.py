@@ -4,6 +4,9 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_replay.py record --session inventory.py --out turns.json
     # replay: n-gram policies over those turns, each step priced by a fixed T(n) table
     PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_replay.py replay turns.json
+    # ... or by this machine's own, at the session's context (about 1,000 tokens deep)
+    third_party/llama.cpp/build/bin/llama-bench -m TARGET -t 2 -p 1,2,4,8,16,32,64 -n 0 -d 1000 -r 2 -o json > tn.json
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_replay.py replay turns.json --llama-bench tn.json
 
 A replayed step proposes what the policy proposes after the sequence so far, keeps the proposals that
 agree with the recorded answer and adds the target's own token, as `speculate` does; its time is
@@ -23,6 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # T(n) / T(1) on the AMD EPYC at 2 threads: T(3), T(9) and T(17) measured (drafting._batch_model's
 # note), the rest interpolated, T(33) and T(49) extrapolated (assumed)
 AMD_RATIOS = {1: 1.0, 2: 1.45, 3: 2.1, 4: 2.3, 8: 3.2, 9: 3.4, 16: 4.4, 17: 4.5, 32: 6.7, 48: 9.0}
+
+
+def ratios_from_llama_bench(path: str, depth: int | None = None) -> dict[int, float]:
+    """T(n) / T(1) from llama-bench's JSON (`-p 1,2,4,... -n 0 -o json`): each prompt test of n tokens is
+    one batch of n, at the deepest `-d` measured unless `depth` is given."""
+    tests = [t for t in json.loads(Path(path).read_text()) if t.get("n_gen", 0) == 0 and t.get("n_prompt", 0) > 0]
+    depth = max(t.get("n_depth", 0) for t in tests) if depth is None else depth
+    times = {t["n_prompt"]: t["avg_ns"] for t in tests if t.get("n_depth", 0) == depth}
+    if 1 not in times:
+        raise SystemExit(f"{path}: no 1-token batch at depth {depth} (run llama-bench with -p 1,2,4,...)")
+    return {n: ns / times[1] for n, ns in sorted(times.items())}
 
 
 def record(session_id: str, out: str, threads: int) -> None:
@@ -71,6 +85,68 @@ def ngram_simple(sequence: list[int], n: int = 12, m: int = 48) -> list[int]:
             copy = min(m, length - (j + n))
             return sequence[j + n:j + n + copy] if copy >= n else []
     return []
+
+
+class NgramMod:
+    """llama.cpp's ngram-mod (common/ngram-mod.cpp, speculative.cpp): one table shared by every request,
+    a hash of 24 tokens -> the token that followed them last (4M entries, emptied when a quarter full or
+    after 5 steps in a row keeping under a quarter of their draft); each request's prompt is indexed as it
+    begins, its own tokens in chunks once 32 are new; a draft follows the table up to 64 tokens, and is
+    dropped when it stops before 48."""
+
+    def __init__(self, n_match: int = 24, n_max: int = 64, n_min: int = 48, size: int = 4 * 1024 * 1024):
+        self.n, self.n_max, self.n_min, self.size = n_match, n_max, n_min, size
+        self.table: dict[int, int] = {}
+        self.i_last = self.n_draft_last = self.n_low = 0
+
+    def key(self, tokens) -> int:
+        h = 0
+        for t in tokens:
+            h = (h * 6364136223846793005 + t) & 0xFFFFFFFFFFFFFFFF
+        return h % self.size
+
+    def add_from(self, sequence: list[int], start: int) -> None:
+        for i in range(start, len(sequence) - self.n):
+            self.table[self.key(sequence[i:i + self.n])] = sequence[i + self.n]
+
+    def start(self):
+        return self  # begin() runs at the first proposal of a turn (it needs the prompt)
+
+    def __call__(self, sequence, room, _):
+        if getattr(self, "_begun", None) is not sequence:  # a new turn: index its prompt
+            self._begun = sequence
+            self.add_from(sequence, 0)
+            self.i_last = max(len(sequence) - self.n, 0)
+            if len(self.table) / self.size > 0.25:
+                self.table.clear()
+        self.n_draft_last = 0
+        if len(sequence) < self.n:
+            return []
+        if self.i_last + 32 < len(sequence):
+            self.add_from(sequence, self.i_last)
+            self.i_last = len(sequence) - self.n
+        window, draft = list(sequence[-self.n:]), []
+        for i in range(self.n_max):
+            token = self.table.get(self.key(window[i:i + self.n]))
+            if token is None:
+                if i < self.n_min:
+                    return []
+                break
+            draft.append(token)
+            window.append(token)
+        self.n_draft_last = len(draft)
+        return draft
+
+    @staticmethod
+    def observe(k, kept, seconds, self):
+        if self.n_draft_last:
+            if kept / self.n_draft_last < 0.25:
+                self.n_low += 1
+                if self.n_low >= 5:
+                    self.table.clear()
+                    self.n_low = self.i_last = 0
+            else:
+                self.n_low = 0
 
 
 def replay(turns: list[dict], T, propose, observe=lambda k, kept, seconds, state: None) -> dict:
@@ -131,21 +207,28 @@ def main() -> None:
     rec.add_argument("--threads", type=int, default=1)
     rep = sub.add_parser("replay")
     rep.add_argument("turns")
+    rep.add_argument("--llama-bench", default=None, help="T(n) from this llama-bench JSON instead of the AMD table.")
+    rep.add_argument("--depth", type=int, default=None, help="Which of its -d depths (default: the deepest).")
     args = parser.parse_args()
     if args.command == "record":
         return record(args.session, args.out, args.threads)
     turns = json.loads(Path(args.turns).read_text())
-    T = batch_time(AMD_RATIOS)
+    ratios = ratios_from_llama_bench(args.llama_bench, args.depth) if args.llama_bench else AMD_RATIOS
+    T = batch_time(ratios)
     alone = sum(len(t["answer"]) for t in turns) * T(1)
     from ggufspec import drafting
     limit = drafting.copy_limit
-    rows = [("llama.cpp ngram-simple", replay(turns, T, lambda seq, room, _: ngram_simple(seq)))]
+    mod = NgramMod()
+    rows = [("llama.cpp ngram-simple", replay(turns, T, lambda seq, room, _: ngram_simple(seq))),
+            ("llama.cpp ngram-mod", replay(turns, T, mod, mod.observe))]
     for k_max, limited in ((16, False), (64, False), (64, True)):
         policy = AutoLookup(T, k_max, limited)
         rows.append((f"auto lookup, K up to {k_max}" + (", copy limit and long probes" if limited else ""),
                      replay(turns, T, policy, policy.observe)))
         drafting.copy_limit = limit
-    print(f"{sum(len(t['answer']) for t in turns)} tokens in {len(turns)} turns; T(n) = AMD ratios x T(1)")
+    source = args.llama_bench or "the AMD table"
+    print(f"{sum(len(t['answer']) for t in turns)} tokens in {len(turns)} turns; T(n) / T(1) from {source}: "
+          + ", ".join(f"T({n}) {r:.2f}" for n, r in sorted(ratios.items()) if n > 1))
     for name, r in rows:
         print(f"{name:50s} {alone / r['time']:.2f}x the target alone, {r['steps']} steps, {r['kept']}/{r['drafted']} kept")
 

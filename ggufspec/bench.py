@@ -53,6 +53,9 @@ def parse_configs(draft: str, lookup: bool = False, hybrid: bool = False, agains
         configs.append(Config("lookup", {"n_draft": "auto", "drafter": "lookup"}))
     if hybrid:
         configs.append(Config("hybrid", {"n_draft": "auto", "drafter": "hybrid"}))
+    if len(configs) == 1 + bool(against_llamacpp):
+        raise GgufspecError(f"--draft {draft!r} names no configuration to measure against the target alone "
+                            "(K values >= 1 and 'auto', e.g. 1,3,auto; or --lookup / --hybrid)")
     return configs
 
 

@@ -165,7 +165,8 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
                 return load_on_devices(path, params.devices, tensor_split=split, **options)
             return llama_cpp.Llama(model_path=str(path), **options)
     except (ValueError, RuntimeError) as exc:
-        raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {exc}") from None
+        hint = f" (-c {params.n_ctx}: a smaller context needs less memory)" if "context" in str(exc) else ""
+        raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {exc}{hint}") from None
 
 
 def check_compatible(target: Context, draft: Context) -> None:

@@ -24,6 +24,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        if not np.isfinite(self.temperature):
+            raise GgufspecError(f"--temp must be a number >= 0 (0 or -1 mean greedy), got {self.temperature}")
         if self.temperature < 0 and self.temperature not in GREEDY_TEMPERATURES:
             raise GgufspecError(f"--temp must be >= 0 (0 or -1 mean greedy), got {self.temperature}")
         if self.top_k < 0:

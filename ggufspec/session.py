@@ -106,6 +106,8 @@ def resolve_models(pair, options: ModelOptions, log: Log = _stderr):
     folders = [store.models_dir()] + [d for d in [finddraft.check_draft_dir(options.draft_dir)] if d]
     skip = _no_draft_model(options)
     if options.model is None:
+        if options.model_draft is not None:
+            raise GgufspecError("-md needs -m (the target it drafts for); a PAIR name brings its own draft")
         target, draft, draft_k = store.pair_paths(pair)
         choice = skip or finddraft.DraftChoice("model", str(draft), f"the registry pair {pair}")
         return str(target), None if skip else str(draft), draft_k, choice

@@ -15,6 +15,7 @@ turns them into `Piece` records; `SpeculativeDecoder.generate` collects a `Gener
 from __future__ import annotations
 
 import codecs
+import numbers
 import sys
 import time
 from dataclasses import dataclass
@@ -221,6 +222,10 @@ def pieces(target: Context, steps: Iterator[Step]) -> Iterator[Piece]:
 
 
 def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: int) -> None:
+    for name, value in (("n_draft", n_draft), ("n_predict", n_predict)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise GgufspecError(f"{name} must be a whole number" + (" or 'auto'" if name == "n_draft" else "")
+                                + f", got {value!r}")
     if n_draft < 0:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
     if n_predict == 0 or n_predict < -1:
@@ -230,6 +235,14 @@ def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: in
     if n_prompt >= n_ctx:
         raise ContextFullError(f"the prompt is {n_prompt} tokens but the context holds {n_ctx}: "
                                f"raise -c/--ctx-size or shorten the prompt")
+
+
+def check_token_ids(tokens: Sequence[int], n_vocab: int) -> None:
+    """A prompt given as token ids holds only the target's ids (llama_decode would fail on others)."""
+    bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < n_vocab),
+               None)
+    if bad is not None:
+        raise GgufspecError(f"token ids must be whole numbers in [0, {n_vocab}), got {bad!r}")
 
 
 MTP = "mtp"  # as the draft: the target's own MTP (nextn) blocks, where its GGUF has them
@@ -309,6 +322,8 @@ class SpeculativeDecoder:
 
     def _open(self, model, role, params, strict):
         from .load import open_model
+        if model is None:
+            raise GgufspecError(f"no {role} model: give a GGUF path (or a loaded llama_cpp.Llama)")
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             llm = open_model(model, role, params, strict=strict)
             self._owned.append(llm)
@@ -347,6 +362,9 @@ class SpeculativeDecoder:
     def chat(self, messages: list[dict], **options) -> Generation:
         """The assistant's next message. A conversation that grows call by call reuses the KV cache:
         only what is new since the last call is evaluated."""
+        if (not isinstance(messages, (list, tuple)) or not messages
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+            raise GgufspecError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
         return self.generate(self.render_chat(messages), **options)
 
     def steps(self, prompt: str | Sequence[int], *, n_predict: int = 128, n_draft: int | str = 3,
@@ -374,6 +392,8 @@ class SpeculativeDecoder:
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise GgufspecError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
         tokens = self.tokenize(prompt, chat=chat, system=system)
+        if not isinstance(prompt, str):
+            check_token_ids(tokens, self.target.n_vocab)
         adaptive = n_draft == "auto"
         check_generation_args(len(tokens), self.n_ctx, draft_max if adaptive else n_draft, n_predict)
         wants_draft = n_draft != 0 and (self.draft is not None or drafter != "model")

@@ -332,18 +332,19 @@ def pair_paths(name: str | None, progress: bool = True) -> tuple[Path, Path, int
     return target, draft, pair.draft_k
 
 
+def files_on_disk(entry: ModelEntry) -> list[Path]:
+    """A model's files that exist, partial downloads included."""
+    paths = ([final_path(entry, f) for f in entry.files] + [final_path(entry, f).with_name(f + ".part") for f in entry.files]
+             + [_partial_path(entry, f) for f in entry.files])
+    return [path for path in paths if path.is_file()]
+
+
 def remove(entry: ModelEntry) -> int:
     """Delete a model's files (and any partial download); returns the bytes freed."""
     freed = 0
-    for path in [final_path(entry, f) for f in entry.files] + [final_path(entry, f).with_name(f + ".part") for f in entry.files]:
-        if path.is_file():
-            freed += path.stat().st_size
-            path.unlink()
-    for file in entry.files:
-        partial = _partial_path(entry, file)
-        if partial.is_file():
-            freed += partial.stat().st_size
-            partial.unlink()
+    for path in files_on_disk(entry):
+        freed += path.stat().st_size
+        path.unlink()
     return freed
 
 

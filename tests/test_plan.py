@@ -516,3 +516,13 @@ def test_a_fixed_k_puts_the_draft_on_the_gpu_and_auto_follows_the_plan(monkeypat
     assert offload(False) == (29, 0)
     assert "no draft (-ngld 25 with --draft K)" in said[0]
     assert session.planned_offload("t15.gguf", "d05.gguf", 4096, 3, None, 7, said.append, fixed_draft=False) == (29, 7)
+
+
+def test_a_target_the_host_cannot_hold_is_said_so(seed_pair):
+    """`plan --ram 8GiB` for the 70B target on the CPU: the plan still stands (the only option), and
+    says it will not fit rather than printing host totals nobody checks."""
+    target, draft = seed_pair
+    small = P.DeviceMemory("cpu", "system RAM", 8 * GiB, 8 * GiB, 60)
+    plan = P.make_plan(target, draft, gpu=None, ram=small, n_ctx=4096, ctx_given=True)
+    assert "of host memory but only 8192 MiB is available" in plan.reason
+    assert "of host memory" not in P.make_plan(target, draft, gpu=None, ram=RAM, n_ctx=4096, ctx_given=True).reason

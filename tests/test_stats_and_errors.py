@@ -97,6 +97,9 @@ def test_vocabulary_size_difference(tiny_pair, tmp_path):
     (["--temp", "-0.5"], "--temp must be >= 0"),
     (["-n", "0"], "-n/--n-predict must be >= 1"),
     (["--top-p", "0"], "--top-p must be in"),
+    (["--temp", "nan"], "--temp must be a number"),
+    (["--lookup", "--hybrid"], "choose one of --lookup and --hybrid"),
+    (["--system", "be brief"], "give --chat too"),
 ])
 def test_bad_generation_options(tiny_pair, args, message):
     target, draft = tiny_pair
@@ -122,6 +125,8 @@ def test_no_prompt_and_no_draft_model(tiny_pair):
 def test_escapes_and_chat(tiny_pair):
     from ggufspec.cli import process_escapes
     assert process_escapes(r"a\nb\tc\x41\\") == "a\nb\tcA\\"
+    # as llama.cpp: \xHH is a byte (two make "é"), and a \x without two hex digits stays as written
+    assert process_escapes(r"caf\xC3\xA9 a\xZZ b\x4 \q") == "café a\\xZZ b\\x4 \\q"
     target, draft = tiny_pair
     result = CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "hi", "--chat",
                                                    "--system", "be brief", "-n", "8", "-c", "128", "-t", "1",
@@ -190,3 +195,40 @@ def test_llamacpp_current_and_old_draft_flag_names(tiny_pair):
     assert runs["--spec-draft-n-max"] == runs["--draft-max"]
     help_text = CliRunner().invoke(main, ["run", "--help"]).output
     assert "--spec-draft-n-max" in help_text and "(also: --draft-max)" in help_text
+
+
+def test_a_draft_without_its_target_is_an_error_not_ignored(tiny_pair):
+    code, output = run_cli("run", "-md", str(tiny_pair[1]), "-p", "x", "-n", "4")
+    assert code == 2 and "-md needs -m" in one_line_error(output)
+
+
+def test_bench_checks_what_it_will_write_and_what_it_runs_before_running(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "the cat", "kind": "raw"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    common = ["bench", "-m", str(target), "-md", str(draft), "-n", "4", "-c", "128", "-t", "1"]
+    for args, message in ((["--prompts", str(tmp_path / "empty.jsonl")], "holds no prompt"),
+                          (["--prompts", str(prompts), "--draft", ","], "names no configuration"),
+                          (["--prompts", str(prompts), "--record-trace", str(tmp_path / "no" / "t.jsonl")],
+                           "does not exist"),
+                          (["--prompts", str(prompts), "--plot", str(tmp_path)], "is a folder")):
+        code, output = run_cli(*common, *args)
+        assert code == 2 and message in one_line_error(output), args
+    code, output = run_cli(*common, "--prompts", str(prompts), "--repeat", "0")
+    assert code == 2 and "--repeat" in output
+
+
+def test_the_python_api_names_a_bad_argument(tiny_decoder):
+    from ggufspec.errors import GgufspecError
+    for prompt, options, message in (("the", {"n_draft": 1.5}, "n_draft must be a whole number"),
+                                     ("the", {"n_predict": "8"}, "n_predict must be a whole number"),
+                                     ([1, 99999], {}, "token ids must be whole numbers in"),
+                                     ([-1], {}, "token ids must be whole numbers in")):
+        with pytest.raises(GgufspecError, match=message):
+            tiny_decoder.generate(prompt, **options)
+    for messages in ("hi", [], [{"content": "x"}]):
+        with pytest.raises(GgufspecError, match="messages must be a non-empty list"):
+            tiny_decoder.chat(messages)
+    with pytest.raises(GgufspecError, match="no target model"):
+        SpeculativeDecoder(None)

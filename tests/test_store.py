@@ -143,6 +143,8 @@ def test_cli_pull_dry_run_json_list_and_rm(hub, ggufspec_home):
     removed = runner.invoke(main, ["rm", "mine"])
     assert removed.exit_code == 0 and "removed" in removed.output
     assert not json.loads(runner.invoke(main, ["list", "--json"]).output)["models"]["mine"]["on_disk"]
+    again = runner.invoke(main, ["rm", "mine"])  # nothing left: said so, not "removed 0 B"
+    assert again.exit_code == 2 and "nothing of it is on disk" in again.output
 
 
 def test_cli_pull_errors_are_one_line(hub):

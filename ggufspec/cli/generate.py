@@ -29,7 +29,9 @@ from .options import (RenamedOption, check_defaults, generation_options, model_o
 def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
     text = read_prompt(prompt, prompt_file, escape)
-    parse_draft(opts["n_draft"])  # a bad --draft fails before loading anything
+    if system is not None and not chat:
+        raise GgufspecError("--system is the chat template's system message: give --chat too")
+    check_defaults(opts)  # a bad --draft, --temp or constraint fails before loading anything
     with open_session(opts) as session:
         decoder = session.decoder
         stream = decoder.stream(text, chat=chat, system=system, **stream_options(opts))
@@ -75,7 +77,8 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
               help="Confidence gating for the draft model.")
 @click.option("-n", "--n-predict", default=256, show_default=True)
-@click.option("--repeat", default=1, show_default=True, help="Runs of each configuration per prompt.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs of each configuration per prompt.")
 @click.option("--temp", "temperature", default=0.0, show_default=True)
 @click.option("-s", "--seed", default=1, show_default=True)
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True)
@@ -87,7 +90,7 @@ def write_stream(stream, *, color: bool, quiet: bool):
               show_default=True, help="Flash attention (auto: where the backend has it).")
 @click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
               help="Put the target's layers on these `ggufspec worker`s; the draft stays local.")
-@click.option("--limit", type=int, default=None, help="Only the first N prompts.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N prompts.")
 @click.option("--against-llamacpp", "llamacpp", default=None,
               help="Path to llama-speculative-simple: race it, and llama.cpp's own target alone (llama-completion beside it).")
 @click.option("--streams", default=None, metavar="LIST",
@@ -116,6 +119,11 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
     prompts = B.load_prompts(prompts_file)[:limit]
+    if not prompts:
+        raise GgufspecError(f"--prompts: {prompts_file} holds no prompt (a JSONL file: one "
+                            '{"prompt": ..., "kind": "raw"} object a line)')
+    for option, path in (("--record-trace", record_trace), ("--plot", plot_file)):
+        check_writable(option, path)  # before the run, not after it: a run can take an hour
     trace = simulate.read_trace(trace_file) if trace_file else None  # a bad trace fails before the models load
     counts = _stream_counts(streams)
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
@@ -159,6 +167,20 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     if plot_file:
         B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
+
+
+def check_writable(option: str, path: str | None) -> None:
+    """A file the command will write at its end can be written: its folder exists and takes files."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise GgufspecError(f"{option}: {path} is a folder; give a file name")
+    if not folder.is_dir():
+        raise GgufspecError(f"{option}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise GgufspecError(f"{option}: cannot write {path} (permission denied)")
 
 
 def _stream_counts(streams: str | None) -> list[int]:

@@ -118,7 +118,10 @@ def list_(remote, as_json):
 def rm(name):
     """Delete a pair's or model's files from the cache."""
     from .. import store
-    for entry in _model_entries(name):
+    on_disk = [entry for entry in _model_entries(name) if store.files_on_disk(entry)]
+    if not on_disk:
+        raise GgufspecError(f"{name}: nothing of it is on disk, so nothing was removed (`ggufspec list` shows what is)")
+    for entry in on_disk:
         freed = store.remove(entry)
         click.echo(f"{entry.name}: removed {store.human_size(freed)}")
 
@@ -149,9 +152,11 @@ def _shapes_for(pair, model, model_draft):
 @click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
 @click.option("--vram", default=None, help="Plan for this much GPU memory (e.g. 24GiB) instead of the detected.")
 @click.option("--ram", default=None, help="Plan for this much host memory instead of the detected.")
-@click.option("-c", "--ctx-size", "n_ctx", type=int, default=None, help="Context size [default: 4096, shrunk to fit].")
-@click.option("--draft", "n_draft", type=int, default=3, show_default=True, help="Tokens drafted per step, K.")
-@click.option("-t", "--threads", "n_threads", type=int, default=None,
+@click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=None,
+              help="Context size [default: 4096, shrunk to fit].")
+@click.option("--draft", "n_draft", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Tokens drafted per step, K.")
+@click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=None,
               help="Threads the pair will run with (which measured costs apply) [default: any measured].")
 @click.option("--trace", "trace_files", multiple=True, metavar="FILE",
               help="The pair's acceptance trace(s) (bench --record-trace) [default: the known ones].")

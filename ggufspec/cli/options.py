@@ -45,8 +45,10 @@ def model_options(command):
                      help="Also look for a draft model in this folder (besides ggufspec's models)."),
         click.option("--lookup-pool", "lookup_pool", type=int, default=DEFAULT_POOL_SIZE, metavar="N",
                      help="N-grams the n-gram pool keeps across requests (12 bytes each)."),
-        click.option("-c", "--ctx-size", "n_ctx", default=4096, help="Context size in tokens."),
-        click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads [default: physical cores]."),
+        click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=0), default=4096,
+                     help="Context size in tokens (0: the model's own)."),
+        click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads [default: physical cores]."),
         click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None,
                      help="Target layers on the GPU [default: planned]."),
         click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
@@ -137,6 +139,8 @@ def parse_draft(value: str):
 def check_defaults(opts: dict) -> None:
     """Sampling and draft defaults that would fail every request fail at start instead."""
     SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], opts["seed"])
+    if opts.get("lookup") and opts.get("hybrid"):
+        raise GgufspecError("choose one of --lookup and --hybrid")
     constraints_from(dict(opts))  # a bad bias, penalty or grammar flag (the grammar itself is parsed at load)
     n_draft = parse_draft(opts["n_draft"])
     if n_draft != "auto" and n_draft < 0:
@@ -155,12 +159,14 @@ def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:
 
 
 def process_escapes(text: str) -> str:
-    """llama.cpp's -e: \\n \\r \\t \\' \\" \\\\ and \\xHH."""
-    simple = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+    """llama.cpp's -e (common's string_process_escapes): \\n \\r \\t \\' \\" \\\\, and \\xHH as one raw byte (so
+    \\xC3\\xA9 is "é"); any other backslash pair, \\x without two hex digits included, stays as written."""
+    simple = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"'": b"'", b'"': b'"', b"\\": b"\\"}
 
     def replace(match):
         body = match.group(1)
-        if body[0] == "x":
-            return chr(int(body[1:], 16))
-        return simple.get(body, "\\" + body)
-    return re.sub(r"\\(x[0-9a-fA-F]{2}|.)", replace, text)
+        if len(body) == 3:  # x and two hex digits
+            return bytes([int(body[1:], 16)])
+        return simple.get(body, b"\\" + body)
+    raw = re.sub(rb"\\(x[0-9a-fA-F]{2}|.)", replace, text.encode("utf-8"), flags=re.DOTALL)
+    return raw.decode("utf-8", errors="replace")  # bytes that are no UTF-8 text: U+FFFD, as a terminal shows them

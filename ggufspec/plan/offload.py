@@ -138,6 +138,10 @@ def make_plan(target: ModelShape, draft: ModelShape | None, *, gpu: DeviceMemory
     plan.draft_curve = best_draft.curve if best_draft else None  # for the report (not a field: not in to_dict)
     if draft is not None and gpu is not None:
         plan.reason += _draft_too_big(draft, best.n_ctx, budget)
+    if best.target.cpu_bytes > ram.free:
+        plan.reason += (f"; the target needs {best.target.cpu_bytes / MiB:.0f} MiB of host memory but only "
+                        f"{max(ram.free, 0) / MiB:.0f} MiB is available: it will swap or fail to load "
+                        f"(a smaller quantization, a smaller -c, or more layers on a GPU)")
     return plan
 
 
