@@ -8,13 +8,15 @@
 #   1. plan's estimate before anything is measured (a fresh GGUFSPEC_HOME: no remembered costs)
 #   2. target alone / --draft 3 / --draft auto (never-agreeing draft) vs llama.cpp's own decode
 #      (llama-completion) and llama-speculative-simple at K = 3, same build, the planned offload
-#   3. self-drafting K = 3 (t15 drafts for itself) vs llama-speculative-simple doing the same
-#   4. llama-bench's batch curve: what a verification of K + 1 tokens costs against one token
-#   5. 1, 2, 4 and 8 streams at once, the target alone and auto (issue 30: 4 clients >= 3x one)
-#   6. plan again, now from the costs bench remembered
+#   3. the per-token loop: a bare llama_decode + argmax loop through llama-cpp-python against ggufspec's
+#      target alone (benchmarks/loop_overhead.py): is round 12's 0.95x of llama.cpp ggufspec's or the binding's?
+#   4. self-drafting K = 3 (t15 drafts for itself) vs llama-speculative-simple doing the same
+#   5. llama-bench's batch curve: what a verification of K + 1 tokens costs against one token
+#   6. 1, 2, 4 and 8 streams at once, the target alone and auto (issue 30: 4 clients >= 3x one)
+#   7. plan again, now from the costs bench remembered
 # TARGET=~/gpukit/t7.gguf runs it all with the 7B-wide target the kit also makes (bound by its bytes:
 # where a batch of 4 should cost about one token). N_PREDICT / STREAM_TOKENS shorten the runs.
-# Results: $OUT (or ./gpu-path-out), at most 8 files: one JSON per step, steps.log, machine.txt.
+# Results: $OUT (or ./gpu-path-out), at most 8 files: one JSON per step, and steps.log (the machine first).
 # Round 12's H100 run (steps 1-3, 6, and the curve by hand) is in docs/benchmarks.md.
 set -u
 G=${GPUKIT_DIR:-$HOME/gpukit}
@@ -31,11 +33,13 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name ($(date +%T))" >&2
          timeout "$limit" "$@" >"$OUT/$name.json" 2>>"$OUT/steps.log"; echo "   rc=$? ($(date +%T))" >&2; }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
-  python3 -c 'import llama_cpp; print("gpu offload:", llama_cpp.llama_supports_gpu_offload())'; } >"$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt" >&2
+  python3 -c 'import llama_cpp; print("gpu offload:", llama_cpp.llama_supports_gpu_offload())'; } >"$OUT/steps.log" 2>&1
+cat "$OUT/steps.log" >&2
+PY=$(dirname "$(command -v ggufspec)")/python; [ -x "$PY" ] || PY=python3
 step plan-estimated 60 ggufspec plan -m "$T" -md "$D" --json
 step bench-never-agreeing 240 ggufspec bench -m "$T" -md "$D" --prompts $PROMPTS --draft 3,auto -n "$N" --repeat 2 \
      --against-llamacpp "$SS" --json
+step loop 90 "$PY" benchmarks/loop_overhead.py --model "$T" --ngl 99 --tokens "$N" --rounds 5 --json
 step bench-self-draft 150 ggufspec bench -m "$T" -md "$T" --prompts $PROMPTS --draft 3 -n "$N" --repeat 1 \
      --against-llamacpp "$SS" --json
 step llama-bench 60 "$LB" -m "$T" -p 1,2,3,4,5,8,9,16 -n 64 -ngl 99 -r 3 -o json
