@@ -343,9 +343,15 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
 
 
 def schema_grammar(schema) -> str:
-    """GBNF for JSON that follows `schema` (llama-cpp-python's converter, as llama.cpp's)."""
+    """GBNF for JSON that follows `schema`, by llama-cpp-python's converter (a copy of an older
+    llama.cpp json-schema-to-grammar: no number bounds among others). A constraint it would drop
+    is refused (`check_followed`): an answer that breaks the schema it was asked to follow is worse
+    than an error."""
+    from .schemafollow import check_followed, normalized
     if not isinstance(schema, dict):
         raise ToolError(f"the JSON schema must be an object, got {type(schema).__name__}")
+    schema = normalized(schema)
+    check_followed(schema, schema)
     try:
         return json_schema_to_gbnf(json.dumps(schema))
     except Exception as exc:

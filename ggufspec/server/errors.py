@@ -27,6 +27,12 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
 ANTHROPIC_PATHS = ("/v1/messages",)
 
 
+def anthropic_type(status: int) -> str:
+    """Anthropic's error type for `status`: the others of 4xx (405...) are the client's mistake too,
+    not `api_error`, which is its 500s'."""
+    return ANTHROPIC_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+
+
 def anthropic_path(path: str) -> bool:
     """Whether `path` belongs to Anthropic's API here (/v1/messages and below it): its errors take its shape."""
     return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
@@ -38,7 +44,7 @@ def error_body(path: str, status: int, message: str, type: str = "invalid_reques
     "error": {"type", "message"}}` under /v1/messages, else OpenAI's `{"error": {"message", "type", "code"}}`
     (`type` and `code` are OpenAI's; Anthropic's type follows from `status`)."""
     if anthropic_path(path):
-        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+        return {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
     return {"error": {"message": message, "type": type, "code": code}}
 
 
@@ -70,13 +76,76 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(400, message, code="invalid_value")
 
 
+# pydantic's complaints that a value is of the wrong JSON type, as what it should be
+EXPECTED = {"string_type": "a string", "int_type": "an integer", "int_parsing": "an integer",
+            "int_from_float": "an integer", "float_type": "a number", "float_parsing": "a number",
+            "bool_type": "a boolean", "bool_parsing": "a boolean", "list_type": "an array",
+            "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object"}
+SCALAR_TAGS = ("str", "int", "float", "bool", "none")
+
+
 def validation_message(errors: list[dict]) -> str:
-    """pydantic's first complaint about a body, as one line naming the field."""
+    """pydantic's first complaint about a body, as one line naming the field (`messages[0].content`)."""
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
-    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    errors = [{**e, "loc": tuple(part for part in e.get("loc", ()) if part != "body")} for e in errors]
+    error, expected = chosen_error(errors)
+    where = place(error["loc"])
+    expected = expected or ([wanted] if (wanted := expected_kind(error)) else [])
+    if not where:  # the body itself
+        if error.get("type") == "missing":
+            return "the request body is empty: send a JSON object"
+        return "the request body must be a JSON object" if expected else str(error.get("msg"))
+    if expected:
+        return f"{where} must be {' or '.join(expected)}"
+    if error.get("type") == "missing":
+        return f"{where} is required"
+    if error.get("type") == "too_short" and error.get("ctx", {}).get("min_length") == 1:
+        return f"{where} must not be empty"
+    return f"{where}: {error.get('msg')}"
+
+
+def chosen_error(errors: list[dict]) -> tuple[dict, list[str]]:
+    """The complaint to show, and when a value fits none of a union's members, what it may be.
+    pydantic tries every member of a union (`str | list[Item]`) and reports each one's failure,
+    the string member's first: the one to show is that of the member the value is (the list's),
+    not "should be a valid string". The members' tags are taken out of the place."""
+    loc = errors[0]["loc"]
+    at = next((i for i, part in enumerate(loc) if union_tag(part)), None)
+    if at is None:
+        return errors[0], []
+    members = [e for e in errors if e["loc"][:at] == loc[:at] and len(e["loc"]) > at and union_tag(e["loc"][at])]
+    by_tag: dict[str, list[dict]] = {}
+    for e in members:
+        by_tag.setdefault(e["loc"][at], []).append({**e, "loc": e["loc"][:at] + e["loc"][at + 1:]})
+    fitting = {tag: found for tag, found in by_tag.items()
+               if len(found) > 1 or len(found[0]["loc"]) > at or not expected_kind(found[0])}
+    if not fitting:  # the value is none of the members' types
+        return by_tag[loc[at]][0], list(dict.fromkeys(expected_kind(found[0]) for found in by_tag.values()))
+    # the member the value came closest to: fewest complaints, then the deepest, then the latest item
+    # (["a", 1] is a list of strings with a bad item 1, not a list of ids with a bad item 0)
+    progress = lambda found: (len(found), -len(found[0]["loc"]),
+                              -next((p for p in found[0]["loc"][at:] if isinstance(p, int)), 0))
+    return chosen_error(min(fitting.values(), key=progress))
+
+
+def union_tag(part) -> bool:
+    """Whether a part of pydantic's `loc` is a union member's tag (`str`, `list[Item]`, a model's
+    name) rather than a field: the fields here are all lowercase names."""
+    return isinstance(part, str) and (part in SCALAR_TAGS or "[" in part or part[:1].isupper())
+
+
+def expected_kind(error: dict) -> str | None:
+    """What the value should have been, when the complaint is that it is of another kind."""
+    if error.get("type") == "literal_error":
+        return error.get("ctx", {}).get("expected")
+    return EXPECTED.get(error.get("type"))
+
+
+def place(loc: tuple) -> str:
+    """("messages", 0, "content") as messages[0].content, as the other errors name places."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -98,7 +167,10 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response(request.url.path)
+        message = str(exc.detail)
+        if exc.status_code == 405 and exc.headers and exc.headers.get("Allow"):
+            message = f"{request.method} is not allowed on {request.url.path}: it takes {exc.headers['Allow']}"
+        return APIError(exc.status_code, message, code=code, headers=exc.headers).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request, exc: Exception):

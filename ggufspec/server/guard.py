@@ -6,7 +6,7 @@ through untouched).
   (or one of --allowed-hosts): a page that rebinds its own name to 127.0.0.1 gets a 403.
 - Origins: browsers get CORS headers only for loopback origins (any port), the server's own page and
   --cors-origins; a POST from any other origin is refused (403), so that a page cannot run the model
-  with a "simple" request that needs no preflight either.
+  with a "simple" request that needs no preflight either, and so is its preflight (a JSON 403).
 - The key (--api-key) on /v1/*, /props, /slots, /tokenize, /detokenize: `Authorization: Bearer KEY` or
   `x-api-key: KEY`, compared in constant time.
 - Bodies: at most --max-body bytes, refused from Content-Length before anything is read, and while
@@ -186,14 +186,36 @@ async def refuse(scope, send, status: int, message: str, type: str, code: str, c
     await send({"type": "http.response.body", "body": payload})
 
 
+class CORS(CORSMiddleware):
+    """starlette's CORS, its refused preflight (a text/plain 400) a JSON 403 in the path's API's shape."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers=request_headers)
+        if response.status_code == 200:
+            return response
+        origin = request_headers["origin"]
+        refused = response.body.decode().removeprefix("Disallowed CORS ")  # what failed: origin, method...
+        if "origin" in refused:
+            message, code = (f"web pages of {origin} may not use this server (--cors-origins allows origins "
+                             f"beyond loopback ones)"), "origin_not_allowed"
+        else:
+            message, code = f"CORS preflight refused: {refused} not allowed", "cors_not_allowed"
+
+        async def respond(scope, receive, send):  # called with the scope: the path, and so the API, is known there
+            await refuse(scope, send, 403, message, "permission_error", code)
+        return respond
+
+
 class Guard:
     """The `Exposure` enforced: Host names first (every path, the page included), then CORS (starlette's,
-    for the allowed origins), then the origin of a POST, the key and the body's size."""
+    for the allowed origins), then the origin of a POST, the key and the body's size. A HEAD request
+    goes on as a GET (FastAPI's routes answer GET alone): uvicorn, whose scope still says HEAD, sends
+    the headers without the body, as llama-server answers HEAD /health."""
 
     def __init__(self, app, exposure: Exposure):
         self.exposure = exposure
         self.checks = Checks(app, exposure)
-        self.app = self.checks if exposure.trusted else CORSMiddleware(
+        self.app = self.checks if exposure.trusted else CORS(
             self.checks, allow_origins=["*"] if exposure.any_origin else list(exposure.cors_origins),
             allow_origin_regex=None if exposure.any_origin else LOOPBACK_ORIGIN, allow_methods=["*"],
             allow_headers=["*"], expose_headers=["Retry-After"])
@@ -201,6 +223,8 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
         if not self.exposure.trusted:
             host = header(scope, b"host")
             if not self.exposure.host_allowed(host):

@@ -77,10 +77,25 @@ class ContentPart(Strict):
     text: str | None = None
 
 
+class CalledFunction(Strict):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict | None = None  # OpenAI's is a JSON text; some clients send the object
+
+
+class ToolCallItem(Strict):
+    """An assistant message's earlier call, checked here: the chat template reads its fields."""
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: str = "function"
+    function: CalledFunction
+
+
 class Message(Strict):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls...: passed to the chat template
-    role: str
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id...: passed to the chat template
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class ChatBody(GenerationBody):
@@ -138,14 +153,35 @@ def single_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
     return prompt
 
 
+MEDIA_PARTS = ("image_url", "input_audio", "file")
+
+
 def message_dicts(messages: list[Message]) -> list[dict]:
     """Messages as the chat template wants them: content a string (text parts joined)."""
     result = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise APIError(400, "only text content is supported (no images or audio)", code="invalid_value")
-            content = "".join(part.text or "" for part in content)
-        result.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+    for i, m in enumerate(messages):
+        calls = [call.model_dump(exclude_none=True) for call in m.tool_calls or []]
+        if m.content is None and not (m.role == "assistant" and calls):
+            # as OpenAI's API: only an assistant message that calls tools may go without content
+            kind = "an assistant message without tool_calls" if m.role == "assistant" else f"a {m.role} message"
+            raise APIError(400, f"messages[{i}].content is required for {kind}", code="invalid_value")
+        content = content_text(m.content, f"messages[{i}].content")
+        result.append({**(m.model_extra or {}), "role": m.role, "content": content,
+                       **({"tool_calls": calls} if calls else {})})
     return result
+
+
+def content_text(content: str | list[ContentPart] | None, where: str) -> str:
+    """A message's content as one string: its text parts joined."""
+    if not isinstance(content, list):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type in MEDIA_PARTS:
+            raise APIError(400, f"{where}[{j}]: only text content is supported (no images, audio or files)",
+                           code="invalid_value")
+        if part.type != "text":
+            raise APIError(400, f"{where}[{j}].type: unknown content part type {part.type!r} (text is "
+                                f"supported)", code="invalid_value")
+        if part.text is None:
+            raise APIError(400, f"{where}[{j}].text is required for a text part", code="invalid_value")
+    return "".join(part.text for part in content)

@@ -103,8 +103,8 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
         prefill = messages.pop()["content"] or ""
     translated: dict = {"messages": messages}
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema or {"type": "object"}}}
-             for t in body.tools or [] if t.type in (None, "custom")]
+                                               "parameters": tool_schema(t, i)}}
+             for i, t in enumerate(body.tools or []) if t.type in (None, "custom")]
     if tools:
         translated["tools"] = tools
     if body.tool_choice is not None:
@@ -120,6 +120,13 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
         if form is not None:
             translated["response_format"] = {"type": "json_schema", "json_schema": {"schema": form.schema_}}
     return serving.chat_body(translated, body.model_extra), prefill
+
+
+def tool_schema(tool: AnthropicTool, i: int) -> dict:
+    """A custom tool's input_schema, which Anthropic's API requires (server tools have none)."""
+    if tool.input_schema is None:
+        raise APIError(400, f"tools[{i}].input_schema is required: the JSON schema of the tool's input")
+    return tool.input_schema
 
 
 def conversation(body: CountTokensBody) -> list[dict]:
@@ -141,7 +148,9 @@ def conversation(body: CountTokensBody) -> list[dict]:
 
 def block_text(block: Block, where: str) -> str:
     if block.type == "text":
-        return block.text or ""
+        if block.text is None:
+            raise APIError(400, f"{where}.text is required for a text block")
+        return block.text
     if block.type in DROPPED_BLOCKS:
         return ""
     if block.type in ("image", "document"):
@@ -154,7 +163,10 @@ def user_messages(blocks: list[Block], where: str) -> list[dict]:
     results, texts = [], []
     for j, block in enumerate(blocks):
         if block.type == "tool_result":
-            results.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+            if not block.tool_use_id:
+                raise APIError(400, f"{where}.content[{j}].tool_use_id: a tool_result block needs the id of "
+                                    f"its tool_use")
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id,
                             "content": result_text(block, f"{where}.content[{j}]")})
         else:
             texts.append(block_text(block, f"{where}.content[{j}]"))
@@ -176,8 +188,10 @@ def assistant_message(blocks: list[Block], where: str) -> dict:
         if block.type == "tool_use":
             if not block.name:
                 raise APIError(400, f"{where}.content[{j}].name: a tool_use block needs the tool's name")
+            if not isinstance(block.input, dict):
+                raise APIError(400, f"{where}.content[{j}].input: a tool_use block's input must be an object")
             calls.append({"id": block.id or "", "type": "function", "function": {
-                "name": block.name, "arguments": json.dumps(block.input if block.input is not None else {})}})
+                "name": block.name, "arguments": json.dumps(block.input)}})
         else:
             texts.append(block_text(block, f"{where}.content[{j}]"))
     text = joined_text(texts)

@@ -60,6 +60,7 @@ class ResponsesBody(Strict):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # accepted, as chat's (whose limit it has); not computed
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -114,6 +115,8 @@ def conversation(body: ResponsesBody) -> list[dict]:
     messages: list[dict] = []
     for i, item in enumerate(items):
         kind, where = item.type or "message", f"input[{i}]"
+        if kind == "message" and item.content is None:
+            raise APIError(400, f"{where}.content is required for a message item", code="invalid_value")
         if kind == "message" and item.role in SYSTEM_ROLES:
             system.append(content_text(item.content, where))
         elif kind == "message":

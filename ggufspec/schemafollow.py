@@ -1,0 +1,191 @@
+"""What llama-cpp-python's JSON-schema converter follows, and refusing what it would drop (`tools.schema_grammar`).
+
+The converter (llama_cpp.llama_grammar.SchemaConverter.visit) picks one branch by the first of these
+it finds: $ref; anyOf/oneOf; a list of types; const; enum; an object's properties (or
+additionalProperties); an object's allOf; an array's items (or prefixItems); a string's pattern;
+format uuid, date, time or date-time; a string's minLength/maxLength; else the bare type. Each
+branch follows its own keywords and drops every other constraint without a word: minimum, maximum,
+exclusiveMinimum/Maximum and multipleOf always; uniqueItems, contains, minProperties, patternProperties,
+propertyNames, not, if/then/else, dependent* and unevaluated* always; anything beside $ref or anyOf.
+An answer that breaks the schema it was asked to follow is worse than an error, so those are refused.
+
+Not refused: annotations (title, description, default, examples, $schema, $id, $comment...), keywords
+JSON Schema does not define, and `format` beyond the four the grammar writes (email, uri, int32...):
+JSON Schema makes a format an annotation unless a validator opts in, and pydantic writes them for
+EmailStr or HttpUrl. Two shapes the converter mishandles are rewritten first (`normalized`): a list of
+types becomes an anyOf of one schema per type, and a type beside enum or const is dropped (the values
+say it all), so {"type": ["string", "null"], "maxLength": 3} is followed instead of losing its bound.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .tools import ToolError
+
+ANY_TYPE = None
+# JSON Schema's constraints, and the types of the values they constrain (a string one says nothing of a number)
+CONSTRAINTS = {
+    **dict.fromkeys(("type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref",
+                     "$dynamicRef", "$recursiveRef"), ANY_TYPE),
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+                    ("number", "integer")),
+    **dict.fromkeys(("minLength", "maxLength", "pattern"), ("string",)),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains",
+                     "minContains", "maxContains", "unevaluatedItems"), ("array",)),
+    **dict.fromkeys(("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+                     "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "dependencies",
+                     "unevaluatedProperties"), ("object",)),
+}
+JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+STRING_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
+OBJECT_PART = frozenset({"type", "properties", "required", "additionalProperties"})
+
+
+@dataclass(frozen=True)
+class Branch:
+    followed: frozenset                     # the keywords the converter's branch follows
+    parts: tuple = ()                       # (subschema, its place) the branch converts
+    beside: str = ""                        # what made the branch drop the rest ("next to $ref")
+
+
+def check_followed(schema, root: dict, where: str = "#", seen: set | None = None) -> None:
+    """ToolError for the first constraint in `schema` (at the JSON pointer `where`) that the converter
+    would drop, or for an enum or anyOf that nothing can follow; $refs followed (once each)."""
+    seen = set() if seen is None else seen
+    if not isinstance(schema, dict):
+        raise ToolError(f"the JSON schema at {where} must be an object, got {json.dumps(schema)[:40]}")
+    branch = converter_branch(schema, root, where)
+    kind = schema.get("type")
+    for keyword in schema:
+        if keyword not in branch.followed and constrains(keyword, kind):
+            raise ToolError(f"the JSON schema's {keyword!r} at {where} cannot be enforced{branch.beside}: "
+                            f"the grammar would ignore it, so an answer could break it")
+    for part, place in branch.parts:
+        check_followed(part, root, place, seen)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref not in seen and (target := local_target(root, ref)) is not None:
+        seen.add(ref)
+        check_followed(target, root, ref, seen)
+
+
+def constrains(keyword: str, kind) -> bool:
+    """Whether `keyword` constrains a schema of type `kind` (a list of types, or None: any)."""
+    if keyword not in CONSTRAINTS:
+        return False  # an annotation, or no keyword of JSON Schema's
+    types = CONSTRAINTS[keyword]
+    kinds = kind if isinstance(kind, list) else [kind]
+    return types is ANY_TYPE or any(k is None or k in types for k in kinds)
+
+
+def converter_branch(schema: dict, root: dict, where: str) -> Branch:
+    """The branch of SchemaConverter.visit that `schema` takes (the same tests, in the same order)."""
+    kind = schema.get("type")
+    if "$ref" in schema:
+        return Branch(frozenset({"$ref"}), beside=" next to $ref")
+    if "oneOf" in schema or "anyOf" in schema:
+        key = "oneOf" if schema.get("oneOf") else "anyOf"
+        alternatives = schema[key]
+        if not isinstance(alternatives, list) or not alternatives:
+            raise ToolError(f"the JSON schema's {key} at {where} must be a non-empty list of schemas")
+        return Branch(frozenset({key}), tuple((a, f"{where}/{key}/{i}") for i, a in enumerate(alternatives)),
+                      f" next to {key}")
+    if isinstance(kind, list):
+        return Branch(frozenset({"type"}), beside=" next to a list of types (use anyOf: one schema per type)")
+    if kind is not None and kind not in JSON_TYPES:
+        raise ToolError(f"the JSON schema's type at {where} must be one of {', '.join(JSON_TYPES)}, got {kind!r}")
+    if "const" in schema:
+        return Branch(frozenset({"const", "type"}), beside=" next to const")
+    if "enum" in schema:
+        if not isinstance(schema["enum"], list) or not schema["enum"]:
+            raise ToolError(f"the JSON schema's enum at {where} is empty: no value can follow it")
+        return Branch(frozenset({"enum", "type"}), beside=" next to enum")
+    if kind in (None, "object") and ("properties" in schema or schema.get("additionalProperties", True) is not True):
+        return object_branch(schema, where)
+    if kind in (None, "object") and "allOf" in schema:
+        return Branch(frozenset({"type", "allOf"}), all_of_parts(schema["allOf"], root, where), " next to allOf")
+    if kind in (None, "array") and ("items" in schema or "prefixItems" in schema):
+        return array_branch(schema, where)
+    if kind in (None, "string") and "pattern" in schema:
+        return Branch(frozenset({"type", "pattern"}), beside=" next to pattern")
+    if kind in (None, "string") and schema.get("format") in STRING_FORMATS:
+        return Branch(frozenset({"type", "format"}), beside=" next to format")
+    if kind == "string":
+        return Branch(frozenset({"type", "minLength", "maxLength"}))
+    return Branch(frozenset({"type", "additionalProperties"} if kind == "object" else {"type"}))
+
+
+def object_branch(schema: dict, where: str) -> Branch:
+    properties = schema.get("properties") or {}
+    if not isinstance(properties, dict):
+        raise ToolError(f"the JSON schema's properties at {where} must be an object of schemas")
+    missing = [name for name in schema.get("required") or [] if name not in properties]
+    if missing:  # the grammar writes the listed properties only: a required one not listed never comes
+        raise ToolError(f"the JSON schema's required at {where} names {', '.join(map(repr, missing))}, which "
+                        f"its properties do not define: an answer could not have it")
+    parts = [(sub, f"{where}/properties/{name}") for name, sub in properties.items()]
+    if isinstance(schema.get("additionalProperties"), dict):
+        parts.append((schema["additionalProperties"], f"{where}/additionalProperties"))
+    return Branch(OBJECT_PART, tuple(parts), " next to properties")
+
+
+def all_of_parts(parts, root: dict, where: str) -> tuple:
+    """allOf's parts: the converter merges the properties of objects (all of them required), nothing else."""
+    checked = []
+    for i, part in enumerate(parts if isinstance(parts, list) else []):
+        place = f"{where}/allOf/{i}"
+        resolved = local_target(root, part["$ref"]) if isinstance(part, dict) and "$ref" in part else part
+        if (not isinstance(resolved, dict) or not isinstance(resolved.get("properties"), dict)
+                or resolved.get("type", "object") != "object" or "anyOf" in resolved or "oneOf" in resolved):
+            raise ToolError(f"the JSON schema's allOf at {where} can only merge objects with properties; "
+                            f"{place} is not one")
+        checked.append((part, place))
+    return tuple(checked)
+
+
+def array_branch(schema: dict, where: str) -> Branch:
+    # the converter takes items when it is truthy, else prefixItems (a list: a tuple of exactly those)
+    key = "items" if schema.get("items") else "prefixItems"
+    items = schema.get(key)
+    if items is None:  # "items": {} and no prefixItems
+        raise ToolError(f"the JSON schema's items at {where} is empty: give the schema of the array's items")
+    if isinstance(items, list):
+        return Branch(frozenset({"type", key, "items"}), tuple((s, f"{where}/{key}/{i}") for i, s in enumerate(items)),
+                      f" next to {key} as a list")
+    return Branch(frozenset({"type", key, "minItems", "maxItems"}), ((items, f"{where}/{key}"),))
+
+
+def local_target(root: dict, ref: str):
+    """What a `#/...` $ref points at in `root`, or None (the converter says what is wrong with it)."""
+    if not ref.startswith("#/"):
+        return None
+    target = root
+    for key in ref[2:].split("/"):
+        if not isinstance(target, dict) or key not in target:
+            return None
+        target = target[key]
+    return target
+
+
+# keywords whose values are data, not schemas: never rewritten
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def normalized(schema):
+    """`schema` with the two shapes the converter mishandles rewritten, at every depth: a list of types
+    as an anyOf of one schema per type (each with the keywords that constrain its type), and a type
+    beside enum or const dropped."""
+    if isinstance(schema, list):
+        return [normalized(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: value if key in DATA_KEYWORDS else normalized(value) for key, value in schema.items()}
+    kind = schema.get("type")
+    if ("enum" in schema or "const" in schema) and kind is not None:
+        return {key: value for key, value in schema.items() if key != "type"}
+    if isinstance(kind, list) and kind and "anyOf" not in schema and "oneOf" not in schema and "$ref" not in schema:
+        shared = {key: value for key, value in schema.items() if key != "type" and key not in CONSTRAINTS}
+        return {**shared, "anyOf": [{"type": t, **{key: value for key, value in schema.items()
+                                                  if key != "type" and key in CONSTRAINTS and constrains(key, t)}}
+                                    for t in kind]}
+    return schema

@@ -1,0 +1,261 @@
+"""Bad input to `ggufspec serve`, through the real server process and raw HTTP: every one a one-line
+400 (403, 404, 405) in the shape of the API its path belongs to, OpenAI's `{"error": {...}}` or, under
+/v1/messages, Anthropic's `{"type": "error", "error": {...}}`; never a 500, a traceback or an answer
+that breaks what was asked (a JSON schema the grammar cannot enforce is refused, not ignored)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from ggufspec.errors import GgufspecError
+from ggufspec.tools import ToolError, schema_grammar
+from serverproc import serving
+
+HI = {"role": "user", "content": "hi"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.fixture(scope="module")
+def server(chat_pair, tmp_path_factory):
+    target, draft = chat_pair  # a context of 2048: a tool list is a few hundred of the tiny models' tokens
+    with serving(tmp_path_factory.mktemp("bad-input"), "-m", str(target), "-md", str(draft), "-c", "2048") as running:
+        yield running
+
+
+def post(server, path, body, **kwargs):
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=30, **kwargs)
+
+
+def openai_error(response, status=400) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "\n" not in error["message"], error
+    return error
+
+
+def anthropic_error(response, status=400, kind="invalid_request_error") -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and "\n" not in body["error"]["message"], body
+    return body["error"]
+
+
+# ---------------------------------------------------------------- chat completions: messages
+
+@pytest.mark.parametrize("calls, says", [
+    ("x", "messages[1].tool_calls must be an array"),
+    ({"a": 1}, "messages[1].tool_calls must be an array"),
+    ([5], "messages[1].tool_calls[0] must be an object"),
+    ([{"function": "x"}], "messages[1].tool_calls[0].function must be an object"),
+    ([{"function": {"arguments": "{}"}}], "messages[1].tool_calls[0].function.name is required"),
+])
+def test_malformed_tool_calls_are_400s_not_500s(server, calls, says):
+    for stream in (False, True):
+        body = {"messages": [HI, {"role": "assistant", "tool_calls": calls}], "max_tokens": 2, "stream": stream}
+        assert says in openai_error(post(server, "/v1/chat/completions", body))["message"]
+
+
+def test_a_well_formed_call_history_is_still_answered(server):
+    messages = [HI, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_1",
+                                                                  "content": "done"}]
+    response = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": "wizard", "content": "hi"}, "messages[0].role must be"),
+    ({"role": "user"}, "messages[0].content is required"),
+    ({"role": "system", "content": None}, "messages[0].content is required"),
+    ({"role": "assistant"}, "messages[0].content is required for an assistant message without tool_calls"),
+    ({"role": "user", "content": [{"type": "weird", "text": "x"}]}, "unknown content part type 'weird'"),
+    ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content[0].text is required"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "no images"),
+])
+def test_invalid_chat_messages_are_400s(server, message, says):
+    error = openai_error(post(server, "/v1/chat/completions", {"messages": [message], "max_tokens": 2}))
+    assert says in error["message"]
+    if "weird" in says:
+        assert "images" not in error["message"]
+
+
+# ---------------------------------------------------------------- the Responses API
+
+@pytest.mark.parametrize("body, says", [
+    ({"input": []}, "input must not be empty"),
+    ({"input": 5}, "input must be a string or an array"),
+    ({"input": [1]}, "input[0] must be an object"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 5}]},
+     "input[0].arguments must be a string"),
+    ({"input": [{"role": "user"}]}, "input[0].content is required"),
+    ({"input": "hi", "top_logprobs": 50}, "top_logprobs"),
+])
+def test_responses_errors_name_the_real_problem(server, body, says):
+    error = openai_error(post(server, "/v1/responses", {**body, "max_output_tokens": 2}))
+    assert says in error["message"] and ".str" not in error["message"], error
+
+
+def test_a_call_output_without_its_call_is_accepted(server):
+    """Stateless: a client may have trimmed the history that held the call."""
+    item = {"type": "function_call_output", "call_id": "call_gone", "output": "done"}
+    response = post(server, "/v1/responses", {"input": [item], "max_output_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+# ---------------------------------------------------------------- Anthropic's Messages API
+
+@pytest.mark.parametrize("body, says", [
+    ({"messages": [HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                                          "input": "notadict"}]}]}, "content[0].input"),
+    ({"messages": [HI], "tools": [{"name": "f"}]}, "tools[0].input_schema is required"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]}, "tool_use_id"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text is required"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string or an array"),
+])
+def test_malformed_anthropic_blocks_are_400s(server, body, says):
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert says in anthropic_error(post(server, path, {**body, "max_tokens": 2}))["message"]
+
+
+# ---------------------------------------------------------------- HTTP itself
+
+def test_head_answers_get_routes_without_a_body(server):
+    for path in ("/health", "/v1/models", "/props"):
+        response = httpx.head(server.url + path, timeout=10)
+        assert response.status_code == 200 and response.content == b"", path
+        assert int(response.headers["content-length"]) > 0 and response.headers["content-type"] == "application/json"
+
+
+def test_a_refused_preflight_is_a_json_403_in_the_apis_shape(server):
+    def preflight(path, origin):
+        return httpx.options(server.url + path, timeout=10, headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+    refused = preflight("/v1/chat/completions", "http://evil.example")
+    error = refused.json()["error"]
+    assert refused.status_code == 403 and refused.headers["content-type"] == "application/json"
+    assert error["type"] == "permission_error" and "http://evil.example" in error["message"]
+    assert "access-control-allow-origin" not in refused.headers
+    anthropic = anthropic_error(preflight("/v1/messages", "http://evil.example"), 403, "permission_error")
+    assert "--cors-origins" in anthropic["message"]
+    allowed = preflight("/v1/messages", "http://localhost:5173")
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:5173"
+
+
+def test_anthropic_paths_use_anthropic_client_error_types(server):
+    not_allowed = anthropic_error(httpx.get(server.url + "/v1/messages", timeout=10), 405)
+    assert "GET" in not_allowed["message"] and "POST" in not_allowed["message"]
+    anthropic_error(httpx.post(server.url + "/v1/messages/nothing", json={}, timeout=10), 404, "not_found_error")
+    openai_error(httpx.get(server.url + "/v1/chat/completions", timeout=10), 405)
+
+
+def test_an_empty_or_non_object_body_says_so(server):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        assert "the request body is empty" in openai_error(post(server, path, b""))["message"]
+        assert "must be a JSON object" in openai_error(post(server, path, b"[1]"))["message"]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert "the request body is empty" in anthropic_error(post(server, path, b""))["message"]
+
+
+# ---------------------------------------------------------------- JSON schemas the grammar cannot enforce
+
+BOUNDED = {"type": "integer", "minimum": 5, "maximum": 9}
+NESTED = {"type": "object", "properties": {"n": {"type": "number", "exclusiveMaximum": 3}}, "required": ["n"]}
+ANNOTATED = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "x", "title": "flag",
+             "description": "d", "$comment": "c", "type": "object", "required": ["ok"],
+             "properties": {"ok": {"type": "boolean", "default": True, "examples": [True], "title": "ok"}}}
+
+
+@pytest.mark.parametrize("path, body, says", [
+    ("/v1/completions", {"prompt": "x", "json_schema": BOUNDED, "temperature": 1, "seed": 1}, "'minimum' at #"),
+    ("/v1/completions", {"prompt": "x", "json_schema": {"enum": []}}, "enum at # is empty"),
+    ("/v1/chat/completions", {"messages": [HI], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": NESTED}}}, "response_format: the JSON schema's 'exclusiveMaximum' at #/properties/n"),
+    ("/v1/chat/completions", {"messages": [HI], "response_format": {"type": "json_object", "schema": {
+        "type": "array", "items": {"type": "string"}, "uniqueItems": True}}}, "'uniqueItems' at #"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "n", "schema": {
+        "type": "string", "maxLength": 3, "pattern": "^a+$"}}}},
+     "text.format: the JSON schema's 'maxLength' at # cannot be enforced next to pattern"),
+])
+def test_schemas_with_constraints_the_grammar_would_drop_are_400s(server, path, body, says):
+    error = openai_error(post(server, path, {**body, "max_tokens": 4}))
+    assert says in error["message"] and error["code"] == "invalid_value", error
+
+
+def test_anthropic_structured_output_refuses_them_too(server):
+    body = {"messages": [HI], "max_tokens": 4, "output_config": {"format": {"type": "json_schema", "schema": BOUNDED}}}
+    assert "'minimum' at #" in anthropic_error(post(server, "/v1/messages", body))["message"]
+
+
+def test_annotations_and_tool_parameters_still_work(server):
+    form = {"type": "json_schema", "json_schema": {"name": "flag", "schema": ANNOTATED}}
+    answer = post(server, "/v1/chat/completions", {"messages": [HI], "max_tokens": 4, "response_format": form})
+    assert answer.status_code == 200, answer.text
+    # a tool's parameters are the model's to fill, not a format the answer is held to: not refused
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1}}}}}
+    called = post(server, "/v1/chat/completions", {"messages": [HI], "max_tokens": 4, "tools": [tool]})
+    assert called.status_code == 200, called.text
+
+
+@pytest.mark.parametrize("schema, says", [
+    (BOUNDED, "'minimum' at #"),
+    ({"type": "number", "multipleOf": 2}, "'multipleOf' at #"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "exclusiveMinimum": 0}}}, "at #/properties/a"),
+    ({"type": "array", "items": {"type": "integer", "maximum": 3}}, "'maximum' at #/items"),
+    ({"type": "array", "minItems": 1}, "'minItems' at #"),
+    ({"type": "object", "properties": {"a": {}}, "minProperties": 1}, "'minProperties' at #"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required at # names 'b'"),
+    ({"type": "string", "not": {"const": "x"}}, "'not' at #"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'maxLength' at # cannot be enforced next to pattern"),
+    ({"type": ["integer", "null"], "maximum": 3}, "'maximum' at #/anyOf/0"),  # the list rewritten, the bound kept
+    ({"anyOf": [{"type": "string"}], "type": "string"}, "'type' at # cannot be enforced next to anyOf"),
+    ({"$defs": {"n": {"type": "integer", "maximum": 3}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+     "'maximum' at #/$defs/n"),
+    ({"enum": []}, "enum at # is empty"),
+    ({"anyOf": []}, "anyOf at # must be a non-empty list"),
+])
+def test_schema_grammar_refuses_what_the_converter_ignores(schema, says):
+    with pytest.raises(ToolError) as caught:
+        schema_grammar(schema)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("schema", [
+    ANNOTATED,
+    {"type": "string", "minimum": 5},  # a number's bound says nothing of a string
+    {"type": "string", "format": "date-time", "description": "when"},
+    {"type": "integer", "format": "int32"},
+    {"type": "string", "minLength": 1, "maxLength": 8},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
+    {"anyOf": [{"type": "string"}, {"type": "null"}], "description": "x"},
+    {"type": ["string", "null"]},
+    {"type": ["string", "null"], "maxLength": 3},  # rewritten as an anyOf: the bound is followed
+    {"type": ["string", "null"], "enum": ["a", None]},  # the enum says it all
+    {"type": "string", "format": "email"},  # a format is an annotation (JSON Schema), pydantic's EmailStr
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/a", "description": "d"}}, "required": ["a"],
+     "additionalProperties": False, "$defs": {"a": {"const": 1}}},
+])
+def test_schema_grammar_still_takes_what_it_follows(schema):
+    assert "root ::=" in schema_grammar(schema)
+
+
+def test_the_cli_flag_is_a_one_line_error():
+    from ggufspec.cli.constraint_options import schema_grammar as flag_grammar
+    with pytest.raises(GgufspecError) as caught:
+        flag_grammar(json.dumps(BOUNDED), "--json-schema")
+    assert str(caught.value).startswith("--json-schema: the JSON schema's 'minimum' at #")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_list_of_types_keeps_each_types_bounds():
+    """{"type": ["string", "null"], "maxLength": 3}: the converter alone would write any string."""
+    from ggufspec.schemafollow import normalized
+    assert normalized({"type": ["string", "null"], "maxLength": 3, "title": "t"}) == {
+        "title": "t", "anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}]}
+    assert normalized({"type": "string", "enum": ["a"], "default": {"type": ["x"]}}) == {
+        "enum": ["a"], "default": {"type": ["x"]}}  # data is not rewritten
+    grammar = schema_grammar({"type": ["string", "null"], "maxLength": 3})
+    assert "(char (char (char)?)?)?" in grammar and "null" in grammar, grammar
