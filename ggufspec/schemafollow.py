@@ -167,19 +167,22 @@ def local_target(root: dict, ref: str):
     return target
 
 
-# keywords whose values are data, not schemas: never rewritten
-DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+# where a schema holds schemas: one, a list of them, or a map of names to them (anything else is data)
+ONE_SCHEMA = frozenset({"items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                        "additionalItems", "unevaluatedItems", "unevaluatedProperties"})
+SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
+SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
 
 
 def normalized(schema):
-    """`schema` with the two shapes the converter mishandles rewritten, at every depth: a list of types
-    as an anyOf of one schema per type (each with the keywords that constrain its type), and a type
-    beside enum or const dropped."""
-    if isinstance(schema, list):
-        return [normalized(item) for item in schema]
+    """`schema` with three shapes the converter mishandles rewritten, at every depth: a list of types
+    as an anyOf of one schema per type (each with the keywords that constrain its type), a type beside
+    enum or const dropped, and a schema of annotations alone (pydantic's {"title": ...} for Any) as {}."""
     if not isinstance(schema, dict):
         return schema
-    schema = {key: value if key in DATA_KEYWORDS else normalized(value) for key, value in schema.items()}
+    schema = {key: nested(key, value) for key, value in schema.items()}
+    if not any(key in CONSTRAINTS for key in schema):
+        return {key: value for key, value in schema.items() if key in SCHEMA_MAPS}  # any value ($defs kept)
     kind = schema.get("type")
     if ("enum" in schema or "const" in schema) and kind is not None:
         return {key: value for key, value in schema.items() if key != "type"}
@@ -189,3 +192,14 @@ def normalized(schema):
                                                   if key != "type" and key in CONSTRAINTS and constrains(key, t)}}
                                     for t in kind]}
     return schema
+
+
+def nested(key: str, value):
+    """A keyword's value with the schemas in it normalized."""
+    if key in SCHEMA_LISTS and isinstance(value, list):
+        return [normalized(item) for item in value]
+    if key in ONE_SCHEMA and isinstance(value, dict):
+        return normalized(value)
+    if key in SCHEMA_MAPS and isinstance(value, dict):
+        return {name: normalized(sub) for name, sub in value.items()}
+    return value

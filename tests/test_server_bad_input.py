@@ -235,6 +235,11 @@ def test_schema_grammar_refuses_what_the_converter_ignores(schema, says):
     {"type": ["string", "null"], "maxLength": 3},  # rewritten as an anyOf: the bound is followed
     {"type": ["string", "null"], "enum": ["a", None]},  # the enum says it all
     {"type": "string", "format": "email"},  # a format is an annotation (JSON Schema), pydantic's EmailStr
+    {"type": "object", "properties": {"a": {"title": "A"}}},  # annotations alone: any value (pydantic's Any)
+    {"type": "object", "properties": {"type": {"type": "string"}, "enum": {"type": "integer"}},
+     "required": ["type", "enum"]},  # properties named like keywords stay properties
+    {"$defs": {"A": {"type": ["string", "null"], "maxLength": 2}}, "type": "object",
+     "properties": {"a": {"$ref": "#/$defs/A"}}},
     {"type": "object", "properties": {"a": {"$ref": "#/$defs/a", "description": "d"}}, "required": ["a"],
      "additionalProperties": False, "$defs": {"a": {"const": 1}}},
 ])
