@@ -12,9 +12,10 @@ An answer that breaks the schema it was asked to follow is worse than an error, 
 Not refused: annotations (title, description, default, examples, $schema, $id, $comment...), keywords
 JSON Schema does not define, and `format` beyond the four the grammar writes (email, uri, int32...):
 JSON Schema makes a format an annotation unless a validator opts in, and pydantic writes them for
-EmailStr or HttpUrl. Two shapes the converter mishandles are rewritten first (`normalized`): a list of
-types becomes an anyOf of one schema per type, and a type beside enum or const is dropped (the values
-say it all), so {"type": ["string", "null"], "maxLength": 3} is followed instead of losing its bound.
+EmailStr or HttpUrl. Three shapes the converter mishandles are rewritten first (`normalized`): a list
+of types becomes an anyOf of one schema per type, a type beside enum or const is dropped (the values
+say it all), and a schema of annotations alone is {} (any value; the converter refuses pydantic's
+{"title": ...} for Any). So {"type": ["string", "null"], "maxLength": 3} is followed, bound and all.
 """
 from __future__ import annotations
 
