@@ -18,7 +18,7 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
 
 from .errors import GgufspecError
 
@@ -344,16 +344,16 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
 
 def schema_grammar(schema) -> str:
     """GBNF for JSON that follows `schema`, by llama-cpp-python's converter (a copy of an older
-    llama.cpp json-schema-to-grammar: no number bounds among others). A constraint it would drop
-    is refused (`check_followed`): an answer that breaks the schema it was asked to follow is worse
-    than an error."""
-    from .schemafollow import check_followed, normalized
+    llama.cpp json-schema-to-grammar) with integer bounds added (`schemafollow`). A constraint it
+    would drop is refused (`check_followed`): an answer that breaks the schema it was asked to follow
+    is worse than an error."""
+    from .schemafollow import check_followed, grammar_for, normalized
     if not isinstance(schema, dict):
         raise ToolError(f"the JSON schema must be an object, got {type(schema).__name__}")
     schema = normalized(schema)
     check_followed(schema, schema)
     try:
-        return json_schema_to_gbnf(json.dumps(schema))
+        return grammar_for(schema)
     except Exception as exc:
         raise ToolError(f"the JSON schema cannot be followed: {schema_problem(exc)}") from None
 

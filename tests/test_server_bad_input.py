@@ -161,7 +161,7 @@ def test_an_empty_or_non_object_body_says_so(server):
 
 # ---------------------------------------------------------------- JSON schemas the grammar cannot enforce
 
-BOUNDED = {"type": "integer", "minimum": 5, "maximum": 9}
+BOUNDED = {"type": "number", "minimum": 5, "maximum": 9}  # an integer's bounds are followed, a number's not
 NESTED = {"type": "object", "properties": {"n": {"type": "number", "exclusiveMaximum": 3}}, "required": ["n"]}
 ANNOTATED = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "x", "title": "flag",
              "description": "d", "$comment": "c", "type": "object", "required": ["ok"],
@@ -203,16 +203,18 @@ def test_annotations_and_tool_parameters_still_work(server):
 @pytest.mark.parametrize("schema, says", [
     (BOUNDED, "'minimum' at #"),
     ({"type": "number", "multipleOf": 2}, "'multipleOf' at #"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "exclusiveMinimum": 0}}}, "at #/properties/a"),
-    ({"type": "array", "items": {"type": "integer", "maximum": 3}}, "'maximum' at #/items"),
+    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMinimum": 0}}}, "at #/properties/a"),
+    ({"type": "array", "items": {"type": "number", "maximum": 3}}, "'maximum' at #/items"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "bounds at # leave no integer"),
+    ({"type": "integer", "multipleOf": 2}, "'multipleOf' at #"),
     ({"type": "array", "minItems": 1}, "'minItems' at #"),
     ({"type": "object", "properties": {"a": {}}, "minProperties": 1}, "'minProperties' at #"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required at # names 'b'"),
     ({"type": "string", "not": {"const": "x"}}, "'not' at #"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'maxLength' at # cannot be enforced next to pattern"),
-    ({"type": ["integer", "null"], "maximum": 3}, "'maximum' at #/anyOf/0"),  # the list rewritten, the bound kept
+    ({"type": ["number", "null"], "maximum": 3}, "'maximum' at #/anyOf/0"),  # the list rewritten, the bound kept
     ({"anyOf": [{"type": "string"}], "type": "string"}, "'type' at # cannot be enforced next to anyOf"),
-    ({"$defs": {"n": {"type": "integer", "maximum": 3}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+    ({"$defs": {"n": {"type": "number", "maximum": 3}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
      "'maximum' at #/$defs/n"),
     ({"enum": []}, "enum at # is empty"),
     ({"anyOf": []}, "anyOf at # must be a non-empty list"),
@@ -235,6 +237,8 @@ def test_schema_grammar_refuses_what_the_converter_ignores(schema, says):
     {"type": ["string", "null"], "maxLength": 3},  # rewritten as an anyOf: the bound is followed
     {"type": ["string", "null"], "enum": ["a", None]},  # the enum says it all
     {"type": "string", "format": "email"},  # a format is an annotation (JSON Schema), pydantic's EmailStr
+    {"type": "integer", "minimum": 0},  # pydantic's Field(ge=0)
+    {"type": ["integer", "null"], "exclusiveMaximum": 10},
     {"type": "object", "properties": {"a": {"title": "A"}}},  # annotations alone: any value (pydantic's Any)
     {"type": "object", "properties": {"type": {"type": "string"}, "enum": {"type": "integer"}},
      "required": ["type", "enum"]},  # properties named like keywords stay properties
