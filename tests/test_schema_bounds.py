@@ -48,3 +48,19 @@ def test_a_served_integer_is_within_its_bounds(tiny_pair):
             if out.stats.stop_reason != "eos":
                 continue  # cut off by n_predict: not a whole answer
             assert 5 <= json.loads(out.text)["n"] <= 12, out.text
+
+
+def test_greedy_under_a_bounded_schema_is_the_target_alones(tiny_pair):
+    """Lossless with the new grammar too: the drafts change nothing the target alone would write."""
+    from ggufspec import SpeculativeDecoder
+    from ggufspec.processing import Constraints
+    from ggufspec.tools import schema_grammar
+    target, draft = tiny_pair
+    grammar = schema_grammar({"type": "array", "items": {"type": "integer", "minimum": -40, "maximum": 250},
+                              "minItems": 2, "maxItems": 6})
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, strict=True) as decoder:
+        for prompt in ("the", "a cat", "1 2 3"):
+            alone = decoder.generate(prompt, n_predict=48, n_draft=0, constraints=Constraints(grammar=grammar))
+            for k in (2, "auto"):
+                drafted = decoder.generate(prompt, n_predict=48, n_draft=k, constraints=Constraints(grammar=grammar))
+                assert drafted.tokens == alone.tokens, (prompt, k)
