@@ -31,6 +31,10 @@ class StoreError(GgufspecError):
     exit_code = 1
 
 
+class ToolError(GgufspecError):
+    """A tool, tool_choice, JSON schema or grammar the request got wrong."""
+
+
 class BadReferenceError(GgufspecError):
     """A model reference (`hf://OWNER/REPO/FILE.gguf`, `OWNER/REPO:QUANT`) that is malformed."""
 

@@ -169,7 +169,11 @@ def load_registry(user_path: Path | None = None) -> Registry:
     models, pairs, default = _parse(shipped, shipped.read_text(encoding="utf-8"))
     user_path = user_path or user_registry_path()
     if user_path.is_file():
-        user_models, user_pairs, user_default = _parse(user_path, user_path.read_text(encoding="utf-8"))
+        try:
+            text = user_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # what Windows Notepad's "Unicode" (UTF-16) looks like
+            raise RegistryError(f"{user_path}: not UTF-8 text; save it as UTF-8 (TOML files are)") from None
+        user_models, user_pairs, user_default = _parse(user_path, text)
         models.update(user_models)
         pairs.update(user_pairs)
         default = user_default or default

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
-from .tools import ToolError
+from .errors import ToolError
 
 ANY_TYPE = None
 # JSON Schema's constraints, and the types of the values they constrain (a string one says nothing of a number)

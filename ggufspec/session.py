@@ -185,14 +185,16 @@ def memory_devices(vram: str | None = None, ram: str | None = None):
     """(the GPU to plan for or None, host memory): detected, or as declared by --vram / --ram."""
     from . import plan as P
     if vram is not None:
-        size = P.parse_size(vram)
-        gpu = P.DeviceMemory("cuda", f"GPU ({vram})", size, size, P.DEFAULT_GPU_BANDWIDTH_GBS)
+        size = P.parse_size(vram)  # 0: plan as if there were no GPU (the draft priced on the CPU too)
+        gpu = P.DeviceMemory("cuda", f"GPU ({vram})", size, size, P.DEFAULT_GPU_BANDWIDTH_GBS) if size else None
     else:
         gpus = P.detect_gpus()
         gpu = max(gpus, key=lambda g: g.free) if gpus else None
     host = P.detect_ram()
     if ram is not None:
         host.total = host.free = P.parse_size(ram)
+        if not host.total:
+            raise P.PlanError("--ram 0: give the host memory to plan for, like 16GiB")
     return gpu, host
 
 

@@ -58,7 +58,22 @@ def final_path(entry: ModelEntry, file: str) -> Path:
 
 
 def is_complete(entry: ModelEntry) -> bool:
-    return all(final_path(entry, f).is_file() for f in entry.files)
+    """Every file is in the cache, none of them a version the registry no longer pins."""
+    return all(final_path(entry, f).is_file() for f in entry.files) and not stale_files(entry)
+
+
+def stale_files(entry: ModelEntry) -> list[str]:
+    """Files a pull verified as another version than the entry pins now: another sha256, or another
+    revision where no sha256 is pinned (a registry update to a re-uploaded file). A file with no note
+    of its pull (put there by hand) is taken as it is."""
+    stale = []
+    for file, seen in verified_files(entry).items():
+        pinned = entry.sha256.get(file)
+        if pinned and seen.get("sha256") not in (None, pinned):
+            stale.append(file)
+        elif not pinned and seen.get("revision") not in (None, entry.revision):
+            stale.append(file)
+    return stale
 
 
 def size_on_disk(entry: ModelEntry) -> int:
@@ -87,7 +102,7 @@ def _install_verified(staged: Path, entry: ModelEntry, file: str, expected_sha25
     if expected_sha256 and actual_sha256 != expected_sha256:
         staged.unlink(missing_ok=True)
         raise StoreError(f"{entry.repo}/{file}: sha256 mismatch, file deleted (expected {expected_sha256}, "
-                         f"got {actual_sha256})")
+                         f"got {actual_sha256}); run the pull again to download it afresh")
     final = final_path(entry, file)
     final.parent.mkdir(parents=True, exist_ok=True)
     size = staged.stat().st_size
@@ -251,7 +266,8 @@ def pull(entry: ModelEntry, *, progress: bool = True) -> list[Path]:
             assemble_from_parts(entry, progress)
     if is_complete(entry):
         return [final_path(entry, f) for f in entry.files]
-    missing = [r for r in remote_files(entry) if not final_path(entry, r.file).is_file()]
+    stale = stale_files(entry)
+    missing = [r for r in remote_files(entry) if not final_path(entry, r.file).is_file() or r.file in stale]
     needed = sum((r.size or 0) - _staged_bytes(entry, r.file) for r in missing)
     _check_disk_room(needed, home())
     for remote in missing:

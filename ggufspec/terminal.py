@@ -1,6 +1,7 @@
 """What ggufspec prints to a terminal: tokens coloured by origin (`run --color`) and the chat REPL (`chat`)."""
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -22,6 +23,8 @@ def chat_session(decoder, options: dict, system: str | None, color: bool) -> Non
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # a byte that is no UTF-8 must not end the session (see below)
+        sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
         click.echo("ggufspec chat: /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer",
@@ -34,6 +37,9 @@ def chat_session(decoder, options: dict, system: str | None, color: bool) -> Non
         except KeyboardInterrupt:
             click.echo("\n(/exit or Ctrl-D quits)", err=True)
             continue
+        # bytes that are no UTF-8 (a piped file in another encoding) reach input() as lone surrogates,
+        # which no tokenizer takes: shown as U+FFFD, as a terminal shows them
+        line = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         command = line.strip()
         if not command:
             continue
@@ -42,6 +48,10 @@ def chat_session(decoder, options: dict, system: str | None, color: bool) -> Non
         if command == "/reset":
             history = list(start)
             click.echo("(conversation cleared)", err=True)
+            continue
+        if re.fullmatch(r"/[A-Za-z]+", line.rstrip()):  # a command that is not one: not sent to the model
+            click.echo(f"unknown command {command}: /reset clears the conversation, /exit quits "
+                       f"(start a message with a space to send it as text)", err=True)
             continue
         history.append({"role": "user", "content": line})
         try:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
 
-from .errors import GgufspecError
+from .errors import ToolError
+from .schemafollow import check_followed, grammar_for, normalized
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PYTHON_TAG = "<|python_tag|>"
@@ -30,10 +31,6 @@ WHOLE_CALL_OPENINGS = ("{", "```json", PYTHON_TAG)
 CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", PYTHON_TAG)
 # whitespace between the parts of a call: bounded, so a grammar cannot let a model loop on newlines
 GRAMMAR_WS = "tc-ws ::= [ \\t\\n]{0,4}"
-
-
-class ToolError(GgufspecError):
-    """A tool, tool_choice, JSON schema or grammar the request got wrong."""
 
 
 @dataclass(frozen=True)
@@ -347,7 +344,6 @@ def schema_grammar(schema) -> str:
     llama.cpp json-schema-to-grammar) with integer bounds added (`schemafollow`). A constraint it
     would drop is refused (`check_followed`): an answer that breaks the schema it was asked to follow
     is worse than an error."""
-    from .schemafollow import check_followed, grammar_for, normalized
     if not isinstance(schema, dict):
         raise ToolError(f"the JSON schema must be an object, got {type(schema).__name__}")
     schema = normalized(schema)

@@ -19,9 +19,10 @@ STATS_LINE = re.compile(r"^\[(\d+) tokens, [\d.]+ tok/s, (?:accepted (\d+)/(\d+)
                         r"prompt (\d+) tokens \((\d+) cached\)(, stopped)?\]$")
 
 
-def chat(args, stdin: str, tmp_path: Path):
+def chat(args, stdin: str | bytes, tmp_path: Path):
     env = {**os.environ, "GGUFSPEC_HOME": str(tmp_path / "home"), "PYTHONIOENCODING": "utf-8"}
-    done = subprocess.run([GGUFSPEC, "chat", "-t", "1", "-c", "512", *args], input=stdin.encode(),
+    stdin = stdin if isinstance(stdin, bytes) else stdin.encode()
+    done = subprocess.run([GGUFSPEC, "chat", "-t", "1", "-c", "512", *args], input=stdin,
                           capture_output=True, env=env, timeout=120)
     return done.returncode, done.stdout, done.stderr.decode(errors="replace")
 
@@ -45,6 +46,14 @@ def test_two_turns_the_stats_line_and_reset(chat_pair, tmp_path):
     assert 0 < n_predict <= 12 and accepted <= drafted
     one_prompt = int(lines[0].group(4))
     assert cached >= one_prompt - 1 and n_prompt > one_prompt  # turn two prefilled only the new message
+
+
+def test_bytes_that_are_no_utf8_and_unknown_commands_do_not_end_the_session(chat_pair, tmp_path):
+    target, draft = chat_pair
+    code, out, err = chat(["-m", str(target), "-md", str(draft), "-n", "4"], b"the \xff\xfe cat\n/help\nhi\n", tmp_path)
+    assert code == 0, err
+    assert "unknown command /help" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if STATS_LINE.match(line)]) == 2  # two answers, /help none
 
 
 def test_ctrl_c_stops_the_answer_not_the_session(tmp_path):

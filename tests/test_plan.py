@@ -526,3 +526,18 @@ def test_a_target_the_host_cannot_hold_is_said_so(seed_pair):
     plan = P.make_plan(target, draft, gpu=None, ram=small, n_ctx=4096, ctx_given=True)
     assert "of host memory but only 8192 MiB is available" in plan.reason
     assert "of host memory" not in P.make_plan(target, draft, gpu=None, ram=RAM, n_ctx=4096, ctx_given=True).reason
+
+
+def test_sizes_need_their_unit_and_vram_0_plans_without_a_gpu(tiny_pair):
+    from click.testing import CliRunner
+
+    from ggufspec.cli import main
+    with pytest.raises(P.PlanError, match="write it with its unit"):
+        P.parse_size("24")  # once 24 bytes
+    assert P.parse_size("0") == 0 and P.parse_size("24b") == 24
+    target, draft = tiny_pair
+    plan = json.loads(CliRunner().invoke(main, ["plan", "-m", str(target), "-md", str(draft), "--vram", "0",
+                                                "--json"]).output)
+    assert plan["ngl"] == 0 and "no usable GPU" in plan["reason"] and "usable:" not in plan["reason"]
+    result = CliRunner().invoke(main, ["plan", "-m", str(target), "--rpc-mem", "h:1=1GiB"])
+    assert result.exit_code == 2 and "give --rpc too" in result.output

@@ -99,3 +99,10 @@ def test_wheel_ships_the_registry_and_the_installed_package_finds_it(tmp_path):
     path, pairs = json.loads(found.stdout)
     assert path == str(tmp_path / "site" / "ggufspec" / "models.toml")
     assert EXPECTED_PAIRS <= set(pairs)
+
+
+def test_a_models_toml_that_is_not_utf8_is_one_line(ggufspec_home):
+    ggufspec_home.mkdir(parents=True, exist_ok=True)
+    (ggufspec_home / "models.toml").write_bytes("[models]\n".encode("utf-16"))  # Notepad's "Unicode"
+    with pytest.raises(RegistryError, match="not UTF-8 text; save it as UTF-8"):
+        load_registry()

@@ -268,3 +268,25 @@ def test_a_list_of_types_keeps_each_types_bounds():
         "enum": ["a"], "default": {"type": ["x"]}}  # data is not rewritten
     grammar = schema_grammar({"type": ["string", "null"], "maxLength": 3})
     assert "(char (char (char)?)?)?" in grammar and "null" in grammar, grammar
+
+
+def test_an_answer_cut_short_by_the_shutdown_says_so(chat_pair, tmp_path):
+    """SIGTERM while an answer streams: the client keeps what it was sent, then an error event with
+    code shutting_down, not a finish_reason that says the answer is whole (the server still exits 0)."""
+    import signal
+
+    from serverproc import start_server
+    target, draft = chat_pair
+    server = start_server(tmp_path, "-m", str(target), "-md", str(draft), "-c", "4096")
+    events = []
+    body = {"messages": [HI], "max_tokens": 4000, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                if len(events) == 20:
+                    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == 0
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    errors = [e["error"] for e in events if "error" in e]
+    assert not finishes and errors and errors[-1]["code"] == "shutting_down", events[-3:]

@@ -232,3 +232,12 @@ def test_the_python_api_names_a_bad_argument(tiny_decoder):
             tiny_decoder.chat(messages)
     with pytest.raises(GgufspecError, match="no target model"):
         SpeculativeDecoder(None)
+
+
+def test_a_blank_api_key_and_bad_eval_options_fail_before_loading(tiny_pair):
+    target, draft = tiny_pair
+    code, output = run_cli("serve", "-m", str(target), "-md", str(draft), "--api-key", "  ")
+    assert code == 2 and "is blank" in one_line_error(output)
+    for args in (["-c", "-3"], ["-t", "-2"], ["-n", "0"]):
+        code, output = run_cli("eval", "humaneval", "-m", str(target), "-md", str(draft), *args)
+        assert code == 2 and "Invalid value" in output, args

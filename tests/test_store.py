@@ -246,3 +246,38 @@ def test_split_model_size_needs_every_shard_verified(hub):
     assert store.known_size(ref) is None
     store.pull(ref, progress=False)
     assert store.known_size(ref) == len(DATA)
+
+
+def test_a_home_that_cannot_be_written_is_one_line_naming_it(hub, tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("not a folder")
+    monkeypatch.setenv("GGUFSPEC_HOME", str(tmp_path / "afile" / "home"))
+    result = CliRunner().invoke(main, ["pull", "hf://org/model-GGUF/model-Q8_0.gguf", "-q"])
+    assert result.exit_code == 1 and result.output.strip().count("\n") == 0, result.output
+    assert "afile" in result.output and "GGUFSPEC_HOME" in result.output
+
+
+def test_a_file_the_registry_now_pins_at_another_hash_is_pulled_again(hub, ggufspec_home):
+    """A registry update to a re-uploaded file: the copy verified earlier is not taken as complete."""
+    old = entry("model-Q8_0.gguf")
+    store.pull(old, progress=False)
+    assert store.is_complete(old)
+    hub.state.add("org/model-GGUF", "model-Q8_0.gguf", DATA + b"v2")
+    pinned = entry("model-Q8_0.gguf", sha=hashlib.sha256(DATA + b"v2").hexdigest())
+    assert store.stale_files(pinned) == ["model-Q8_0.gguf"] and not store.is_complete(pinned)
+    path = store.pull(pinned, progress=False)[0]
+    assert path.read_bytes() == DATA + b"v2" and store.is_complete(pinned)
+
+
+def test_list_remote_lists_every_model_when_the_hub_lacks_one(hub, ggufspec_home):
+    ggufspec_home.mkdir(parents=True, exist_ok=True)
+    (ggufspec_home / "models.toml").write_text(textwrap.dedent("""
+        [models.there]
+        repo = "org/model-GGUF"
+        file = "model-Q8_0.gguf"
+        [models.gone]
+        repo = "org/nothing-GGUF"
+        file = "x.gguf"
+    """))
+    result = CliRunner().invoke(main, ["list", "--remote"])
+    assert result.exit_code == 0, result.output
+    assert "there" in result.output and "gone" in result.output and "warning: gone:" in result.output

@@ -17,14 +17,28 @@ def fail(message: str, exit_code: int = 2):
 
 
 def friendly_errors(command):
-    """Turn GgufspecError into a one-line message and its exit code."""
+    """Turn GgufspecError into a one-line message and its exit code; and a file system refusal (a
+    folder that cannot be written, a file where a folder should be) into one line naming the path."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except GgufspecError as exc:
             fail(str(exc), exc.exit_code)
+        except OSError as exc:
+            if exc.filename is None:  # not a path's problem (a socket, a device): the traceback says more
+                raise
+            fail(os_error_line(exc), 1)
     return wrapper
+
+
+def os_error_line(exc: OSError) -> str:
+    from ..home import home
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    line = f"{paths}: {exc.strerror or exc}"
+    if str(exc.filename).startswith(str(home())):
+        line += f" (ggufspec keeps its files in {home()}: set GGUFSPEC_HOME to a folder that can be written)"
+    return line
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

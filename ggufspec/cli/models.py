@@ -57,7 +57,11 @@ def pull(name, with_draft, dry_run, quiet, as_json):
             results.append({"model": entry.name, "repo": entry.repo, "files": [r.file for r in remote],
                             "bytes": sum(r.size or 0 for r in remote), "on_disk": store.is_complete(entry)})
             continue
-        paths = store.pull(entry, progress=not (quiet or as_json))
+        try:
+            paths = store.pull(entry, progress=not (quiet or as_json))
+        except KeyboardInterrupt:  # what arrived is kept in the partial file
+            raise GgufspecError(f"{entry.name}: interrupted; what was downloaded is kept: run the same pull "
+                                f"again to resume") from None
         results.append({"model": entry.name, "path": str(paths[0]), "bytes": store.size_on_disk(entry)})
     if search is not None:
         results[0]["draft_search"] = search.as_dict()
@@ -78,6 +82,27 @@ def pull(name, with_draft, dry_run, quiet, as_json):
         click.echo(f"{name} is a pair: its draft {registry.pairs[name].draft} was pulled with it")
 
 
+def _sizes(registry, remote: bool) -> dict[str, int | None]:
+    """Each model's size, known offline or (--remote) asked of the hub. A model the hub does not answer
+    for is left unknown, with a warning, and the others are still listed; an unreachable hub is asked
+    once, not once a model."""
+    from .. import store
+    from ..errors import StoreError
+    from ..huberrors import HubUnreachable
+    sizes, ask = {}, remote
+    for name, m in registry.models.items():
+        sizes[name] = store.known_size(m)
+        if sizes[name] is None and ask:
+            try:
+                sizes[name] = store.remote_size(m)
+            except HubUnreachable as exc:
+                click.echo(f"ggufspec: warning: {exc}; sizes not known offline are left out", err=True)
+                ask = False
+            except StoreError as exc:
+                click.echo(f"ggufspec: warning: {name}: {exc}", err=True)
+    return sizes
+
+
 @main.command(name="list")
 @click.option("--remote", is_flag=True, help="Ask the hub for sizes not known offline.")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
@@ -87,8 +112,8 @@ def list_(remote, as_json):
     from .. import store
     from ..registry import load_registry
     registry = load_registry()
-    models = {name: {"repo": m.repo, "files": list(m.files),
-                     "size": (store.known_size(m) or store.remote_size(m)) if remote else store.known_size(m),
+    sizes = _sizes(registry, remote)
+    models = {name: {"repo": m.repo, "files": list(m.files), "size": sizes[name],
                      "sha256": {f: v["sha256"] for f, v in store.verified_files(m).items()} or m.sha256,
                      "on_disk": store.is_complete(m),
                      "path": str(store.final_path(m, m.first_file)) if store.is_complete(m) else None}
@@ -174,6 +199,8 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     from ..plan import speculation as S
     from ..session import memory_devices
     from ..simulate import merged
+    if rpc_mem and not rpc:
+        raise GgufspecError("--rpc-mem declares the memory of --rpc's workers: give --rpc too")
     target, draft = _shapes_for(pair, model, model_draft)
     if rpc:
         return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)

@@ -78,5 +78,9 @@ def parse_host_sizes(items) -> dict[str, int]:
         host, sep, size = item.partition("=")
         if not sep or not host:
             raise PlanError(f"--rpc-mem takes HOST:PORT=SIZE (e.g. 10.0.0.2:50052=24GiB), got {item!r}")
+        if host.strip() in sizes:
+            raise PlanError(f"--rpc-mem names {host.strip()} twice")
         sizes[host.strip()] = parse_size(size)
+        if not sizes[host.strip()]:
+            raise PlanError(f"--rpc-mem {item}: a worker with no memory takes no layer; leave it out of --rpc")
     return sizes

@@ -174,6 +174,10 @@ class Engine:
             stopped = relay(stream, stats, job, index, pieces)
         finally:
             stream.close()  # the engine keeps its caches consistent; the next prompt reuses them
+        if self._stopping and job.cancelled.is_set():
+            # cut short by the shutdown: an error, not a finish_reason that says the answer is whole
+            # (a stream has its tokens already; an answer not streamed is a 503 to retry elsewhere)
+            raise shutting_down()
         result = dataclasses.replace(stats)
         if stopped:
             result.stop_reason = "stop"
@@ -218,8 +222,9 @@ class Engine:
                 if not self.decoder.target.piece(token)}
 
     def stop(self) -> None:
-        """Shutting down: the running generations end at their next token (their clients get what was
-        generated), waiting ones get 503. Safe to call from a signal handler."""
+        """Shutting down: the running generations end at their next token (a stream keeps what it was
+        sent, then an error event says the answer was cut short), waiting ones get 503. Safe to call
+        from a signal handler."""
         self._stopping = True
         for job in list(self._current):
             job.cancel()
