@@ -5,9 +5,10 @@ it finds: $ref; anyOf/oneOf; a list of types; const; enum; an object's propertie
 additionalProperties); an object's allOf; an array's items (or prefixItems); a string's pattern;
 format uuid, date, time or date-time; a string's minLength/maxLength; else the bare type. Each
 branch follows its own keywords and drops every other constraint without a word: minimum, maximum,
-exclusiveMinimum/Maximum (but an integer's: `BoundedConverter`) and multipleOf always; uniqueItems, contains, minProperties, patternProperties,
-propertyNames, not, if/then/else, dependent* and unevaluated* always; anything beside $ref or anyOf.
-An answer that breaks the schema it was asked to follow is worse than an error, so those are refused.
+exclusiveMinimum/Maximum (an integer's are followed here: `BoundedConverter`) and multipleOf; uniqueItems,
+contains, minProperties, patternProperties, propertyNames, not, if/then/else, dependent* and
+unevaluated*; anything beside $ref or anyOf. An answer that breaks the schema it was asked to follow is
+worse than an error, so those are refused.
 
 Not refused: annotations (title, description, default, examples, $schema, $id, $comment...), keywords
 JSON Schema does not define, and `format` beyond the four the grammar writes (email, uri, int32...):

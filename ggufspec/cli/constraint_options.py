@@ -29,7 +29,8 @@ def constraint_options():
         click.option("--grammar-file", default=None, type=click.Path(exists=True, dir_okay=False),
                      help="Read the GBNF grammar from a file."),
         click.option("-j", "--json-schema", "json_schema", default=None,
-                     help="A JSON schema the output must follow (turned into a grammar; a bound it cannot enforce is an error)."),
+                     help="A JSON schema the output must follow (turned into a grammar; a constraint it "
+                          "cannot enforce is an error)."),
     ]
 
 

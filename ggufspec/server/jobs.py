@@ -132,8 +132,9 @@ class Engine:
                 job.progressed_at = time.monotonic()
                 self._current.add(job)
                 self._generate(job)
-        except Exception as exc:  # GgufspecError: the client's mistake; anything else: ours, logged
-            if not isinstance(exc, GgufspecError):
+        # GgufspecError, APIError: the client's mistake or the shutdown; anything else: ours, logged
+        except Exception as exc:
+            if not isinstance(exc, (GgufspecError, APIError)):
                 log.exception("generation failed")
             job.emit("error", exc)
         finally:
