@@ -84,6 +84,9 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "interrupted"
         raise
+    except Exception:  # a failed decode (a lost RPC worker...): the statistics say how it ended too
+        stats.stop_reason = stats.stop_reason or "error"
+        raise
     finally:
         judge.close()
 

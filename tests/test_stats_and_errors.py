@@ -241,3 +241,26 @@ def test_a_blank_api_key_and_bad_eval_options_fail_before_loading(tiny_pair):
     for args in (["-c", "-3"], ["-t", "-2"], ["-n", "0"]):
         code, output = run_cli("eval", "humaneval", "-m", str(target), "-md", str(draft), *args)
         assert code == 2 and "Invalid value" in output, args
+
+
+def test_a_failed_decode_says_how_the_generation_ended(tiny_pair, monkeypatch):
+    from ggufspec.errors import DecodeError
+    from ggufspec.native import Context
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as decoder:
+        calls, real = [], Context.decode
+
+        def failing(self, tokens, n_logits=1):
+            calls.append(1)
+            if len(calls) > 3:
+                raise DecodeError("llama_decode failed on the target model (code -1)")
+            return real(self, tokens, n_logits)
+        monkeypatch.setattr(Context, "decode", failing)
+        with pytest.raises(DecodeError):
+            decoder.generate("the cat", n_predict=40, n_draft=0)
+        assert decoder.last_stats.stop_reason == "error"
+
+
+def test_rpc_timeout_needs_rpc(tiny_pair):
+    code, output = run_cli("serve", "-m", str(tiny_pair[0]), "--rpc-timeout", "5")
+    assert code == 2 and "give --rpc too" in one_line_error(output)

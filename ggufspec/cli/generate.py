@@ -256,6 +256,8 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
+    if not opts["rpc"] and click.get_current_context().get_parameter_source("rpc_timeout").name != "DEFAULT":
+        raise GgufspecError("--rpc-timeout watches --rpc's workers: give --rpc too")
     if api_key is not None and not api_key.strip():
         raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank: no client could ever send it; "
                             "give a key, or leave it unset")
