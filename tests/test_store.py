@@ -31,6 +31,11 @@ def hub(monkeypatch):
         yield server
 
 
+def write_registry(home, text: str) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "models.toml").write_text(textwrap.dedent(text))
+
+
 def entry(file="model-Q4_K_M.gguf", sha=None, repo="org/model-GGUF", files=None):
     return ModelEntry("m", repo, tuple(files or [file]), sha256={file: sha} if sha else {})
 
@@ -121,15 +126,14 @@ def test_refuses_early_when_the_disk_is_too_small(hub, monkeypatch):
 
 
 def test_cli_pull_dry_run_json_list_and_rm(hub, ggufspec_home):
-    (ggufspec_home).mkdir(parents=True, exist_ok=True)
-    (ggufspec_home / "models.toml").write_text(textwrap.dedent("""
+    write_registry(ggufspec_home, """
         [models.mine]
         repo = "org/model-GGUF"
         file = "model-Q8_0.gguf"
         [pairs.minepair]
         target = "mine"
         draft = "mine"
-    """))
+    """)
     runner = CliRunner()
     dry = runner.invoke(main, ["pull", "mine", "--dry-run", "--json"])
     assert dry.exit_code == 0, dry.output
@@ -190,8 +194,7 @@ MINE = """
 @pytest.mark.parametrize("args", [["pull", "mine", "--dry-run"], ["pull", "mine", "-q"], ["pull", "org/model-GGUF:Q8_0"]],
                          ids=["dry-run", "pull", "pull-reference"])
 def test_unreachable_hub_says_so_in_one_line(ggufspec_home, monkeypatch, endpoint, args):
-    ggufspec_home.mkdir(parents=True, exist_ok=True)
-    (ggufspec_home / "models.toml").write_text(textwrap.dedent(MINE))
+    write_registry(ggufspec_home, MINE)
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
@@ -269,15 +272,14 @@ def test_a_file_the_registry_now_pins_at_another_hash_is_pulled_again(hub, ggufs
 
 
 def test_list_remote_lists_every_model_when_the_hub_lacks_one(hub, ggufspec_home):
-    ggufspec_home.mkdir(parents=True, exist_ok=True)
-    (ggufspec_home / "models.toml").write_text(textwrap.dedent("""
+    write_registry(ggufspec_home, """
         [models.there]
         repo = "org/model-GGUF"
         file = "model-Q8_0.gguf"
         [models.gone]
         repo = "org/nothing-GGUF"
         file = "x.gguf"
-    """))
+    """)
     result = CliRunner().invoke(main, ["list", "--remote"])
     assert result.exit_code == 0, result.output
     assert "there" in result.output and "gone" in result.output and "warning: gone:" in result.output

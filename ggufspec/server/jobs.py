@@ -18,6 +18,7 @@ from fastapi import Request
 from .. import load
 from .. import tools as toolkit
 from ..errors import ContextFullError, GgufspecError
+from ..speculate import check_token_ids
 from ..stats import Stats
 from ..stops import StopFilter
 from .choices import logprob_entry
@@ -201,8 +202,7 @@ class Engine:
         if job.fit_to_context and n_predict > decoder.n_ctx - len(tokens) > 0:
             job.options = {**job.options, "n_predict": decoder.n_ctx - len(tokens)}
         check_fits(len(tokens), job.options.get("n_predict", -1), decoder.n_ctx)
-        if any(not 0 <= t < decoder.target.n_vocab for t in tokens):
-            raise GgufspecError(f"prompt token ids must be in [0, {decoder.target.n_vocab})")
+        check_token_ids(tokens, decoder.target.n_vocab)  # the engine's own check, before a slot is chosen
         return tokens
 
     def _single_tokens(self, texts) -> tuple[int, ...]:
