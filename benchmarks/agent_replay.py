@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# T(n) / T(1) on the AMD EPYC at 2 threads: T(3), T(9) and T(17) measured (drafting._batch_model's
+# T(n) / T(1) on the AMD EPYC at 2 threads: T(3), T(9) and T(17) measured (costs._batch_model's
 # note), the rest interpolated, T(33) and T(49) extrapolated (assumed)
 AMD_RATIOS = {1: 1.0, 2: 1.45, 3: 2.1, 4: 2.3, 8: 3.2, 9: 3.4, 16: 4.4, 17: 4.5, 32: 6.7, 48: 9.0}
 
@@ -171,9 +171,9 @@ class AutoLookup:
     """--draft auto over n-gram lookup, the engine's AutoDrafting, its costs from the table."""
 
     def __init__(self, T, k_max: int, copy_limit: bool = True):
-        from ggufspec import drafting, ngram
+        from ggufspec import costs, drafting, ngram
         self.drafting, self.T = drafting, T
-        self.costs = drafting.Costs()
+        self.costs = costs.Costs()
         for n in (1, 2, 4, 8, 16, 32, 64):
             for _ in range(3):
                 self.costs.add_batch(n, T(n))

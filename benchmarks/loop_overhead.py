@@ -23,7 +23,7 @@ import numpy as np
 from ggufspec.tinymodels import Shape, make_weights, write_model  # noqa: E402
 
 from ggufspec import SpeculativeDecoder  # noqa: E402
-from ggufspec.drafting import Costs  # noqa: E402
+from ggufspec.costs import Costs  # noqa: E402
 
 
 def bare_loop(llm, prompt, n_tokens):

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from .costmodel import acceptance_from_tokens_per_step, speedup
-from .drafting import Costs
+from .costs import Costs
 from .errors import GgufspecError
 from .load import chat_prompt, default_threads
 from .ngram import NgramPool

@@ -1,7 +1,7 @@
 """Step costs remembered between runs, per pair, threads and offload: where `--draft auto` starts from."""
 from __future__ import annotations
 
-from .drafting import Costs
+from .costs import Costs
 
 # ---------------------------------------------------------------- step costs remembered between runs
 # The adaptive controller learns what a draft token and a target batch cost on this machine. That

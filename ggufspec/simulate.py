@@ -4,7 +4,7 @@ A trace says, for every position of a greedy generation by the target, how far t
 greedy proposals starting there agree with the target's tokens (`runs[i]`, up to MAX_RUN). That is
 all a step needs: drafting k tokens from position i keeps min(k, runs[i]) of them and adds the
 target's own token. Costs come from a `CostCurve`: the target's batch time T(n) for every n and a
-draft token's time (a `drafting.Costs`, measured or estimated), plus what a step costs around them.
+draft token's time (a `costs.Costs`, measured or estimated), plus what a step costs around them.
 
 The K policies are the engine's own controllers driven with simulated times: `drafting.FixedK`,
 and for `auto` `drafting.AutoDrafting` itself (its AdaptiveK for the draft model, and the real
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .drafting import AdaptiveK, AutoDrafting, Costs, FixedK, LookupDrafter, ModelDrafter
+from .costs import Costs
+from .drafting import AdaptiveK, AutoDrafting, FixedK, LookupDrafter, ModelDrafter
 from .ngram import NgramPool
 from .errors import GgufspecError
 from .native import common_prefix_length

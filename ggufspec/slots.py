@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 from .bridge import VocabBridge
-from .drafting import Costs
+from .costs import Costs
 from .lockstep import Lockstep
 from .native import Context, common_prefix_length
 

@@ -27,7 +27,8 @@ from .errors import ContextFullError, GgufspecError
 from .native import Context
 from .stats import Stats
 from .stepcosts import measure_step_costs
-from .drafting import (AdaptiveK, AutoDrafting, Costs, FixedK, HybridDrafter, LookupDrafter, ModelDrafter,
+from .costs import Costs
+from .drafting import (AdaptiveK, AutoDrafting, FixedK, HybridDrafter, LookupDrafter, ModelDrafter,
                        VocabBridge)
 from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams

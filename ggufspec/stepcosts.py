@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from .drafting import Costs
+from .costs import Costs
 from .native import Context
 from .sampling import greedy_token
 

@@ -2,7 +2,7 @@
 import pytest
 
 from ggufspec import GgufspecError, SpeculativeDecoder
-from ggufspec.drafting import Costs
+from ggufspec.costs import Costs
 from reference import NEAR_TIE, first_difference, prompts, target_alone
 
 

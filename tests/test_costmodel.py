@@ -3,7 +3,8 @@ import pytest
 
 from ggufspec import costmodel as C
 from ggufspec.bench import predicted_speedup
-from ggufspec.drafting import AdaptiveK, Costs
+from ggufspec.costs import Costs
+from ggufspec.drafting import AdaptiveK
 
 
 def test_expected_tokens_is_the_geometric_sum():

@@ -7,7 +7,8 @@ from click.testing import CliRunner
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.cli import main
-from ggufspec.drafting import AdaptiveK, Costs, LookupDrafter
+from ggufspec.costs import Costs
+from ggufspec.drafting import AdaptiveK, LookupDrafter
 from ggufspec.sampling import SamplingParams
 from reference import chi_square_pvalue, prompts, target_alone
 from ggufspec.tinymodels import Shape, make_weights, write_model
@@ -221,7 +222,7 @@ def test_the_costs_an_h100_measured_for_the_demo_shapes_leave_little_to_probe_fo
     all accepted, K = 1 gives two tokens for 4.04 ms against 3.76; only K >= 3 nearly always right
     could pay, so auto still probes, ever more rarely (every 2, 4, ... 128 steps). Timed when queued
     (0.22 ms a token, before Context.synchronize) the costs said nothing could pay at all."""
-    from ggufspec.drafting import Costs
+    from ggufspec.costs import Costs
     from ggufspec.costmodel import tokens_per_second
     costs = Costs()
     for n, seconds in {1: 1.88e-3, 2: 2.84e-3, 4: 3.38e-3, 8: 4.32e-3}.items():
@@ -238,7 +239,7 @@ def test_the_costs_an_h100_measured_for_the_demo_shapes_leave_little_to_probe_fo
 
 def test_costs_are_remembered_between_runs(tiny_pair, ggufspec_home):
     """The controller's measured costs outlive the decoder (in $GGUFSPEC_HOME/costs.json)."""
-    from ggufspec.drafting import Costs
+    from ggufspec.costs import Costs
     target, draft = tiny_pair
     with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as decoder:
         decoder.generate([1, 260, 261], n_predict=60, n_draft="auto")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from ggufspec import SamplingParams, SpeculativeDecoder
-from ggufspec.drafting import Costs
+from ggufspec.costs import Costs
 from ggufspec.stepcosts import measure_step_costs
 from reference import (NEAR_TIE, draw_samples, exact_first_and_next_two, first_difference, prompts,
                        same_as_target_alone, sampling_pvalues, target_alone)

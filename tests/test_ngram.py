@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from ggufspec.drafting import AutoDrafting, Costs
+from ggufspec.costs import Costs
+from ggufspec.drafting import AutoDrafting
 from ggufspec.errors import GgufspecError
 from ggufspec.ngram import NgramDrafter, NgramPool, NgramTallies, SequenceIndex, bucket_of
 from ggufspec.sampling import SamplingParams

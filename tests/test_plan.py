@@ -355,7 +355,7 @@ def test_cpu_speed_estimate_is_within_2x_of_the_demo_target_alone():
 
 def remember(tiny_pair, batch_ms: dict, draft_ms: float, build: str | None = None, **extra):
     """A costs.json entry for the tiny pair at -ngl 0 -ngld 0, as bench leaves it."""
-    from ggufspec.drafting import Costs
+    from ggufspec.costs import Costs
     from ggufspec.home import read_json, write_json
     from ggufspec.plan import measured as M
     costs = Costs()

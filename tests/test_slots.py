@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from ggufspec.drafting import Costs
+from ggufspec.costs import Costs
 from ggufspec.processing import Constraints
 from ggufspec.tinymodels import make_gemma2_pair, make_mamba_pair
 from reference import prompts, same_as_target_alone, target_alone

@@ -9,7 +9,7 @@ import os
 from importlib import metadata
 
 from ..backends import build_backends, find_lib
-from ..drafting import Costs
+from ..costs import Costs
 from ..home import read_json, write_json
 from ..simulate import CostCurve
 

@@ -68,7 +68,7 @@ STARTUP_BUDGET_S = 6.0  # nobody waits yet, but a start should stay short on a s
 def time_costs_before_serving(decoder, defaults: dict) -> float:
     """Time the step costs the server's default drafting needs, when this machine has none yet.
     Returns the seconds spent (0: remembered, or no `auto` drafting to price)."""
-    from ..drafting import Costs
+    from ..costs import Costs
     from ..stepcosts import measure_step_costs
     drafter = defaults.get("drafter", "model")
     uses_model = drafter != "lookup"
@@ -92,7 +92,7 @@ def time_costs_before_serving(decoder, defaults: dict) -> float:
 def _share_target_costs(by_drafter: dict, measured) -> None:
     """T(n) is the target's, whichever drafter proposes: a request choosing another drafter starts
     from these too (one with a draft model only where the draft's time was measured as well)."""
-    from ..drafting import Costs
+    from ..costs import Costs
     for name in ("model", "lookup", "hybrid"):
         other = by_drafter.setdefault(name, Costs())
         if other is measured or other.warm or (name != "lookup" and not measured.draft_times):
