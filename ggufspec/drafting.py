@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from .costmodel import expected_tokens, tokens_per_second
+from .costs import Costs
 from .errors import DecodeError
 from .native import Context
 from .bridge import VocabBridge  # noqa: F401  (drafting.VocabBridge)
@@ -114,7 +115,8 @@ def copy_limit(match_length: int) -> int:
     much of it already agrees; a bucket's acceptance is an average over its matches, and one that
     learned high on long copies (6 agreeing tokens are often the restart of a copied file after an
     edit) otherwise proposed 64 tokens where the text went elsewhere: T(65), 11 T(1), for nothing.
-    Doubling as the agreement grows reaches 64 tokens a few steps into a copy (a TCP-like slow start)."""
+    Doubling as the agreement grows reaches 64 tokens a few steps into a copy (a TCP-like slow start).
+    `AutoDrafting.evidence` also starts it again after a loss: a rejected copy."""
     return 2 * match_length + 4
 
 
@@ -237,6 +239,7 @@ class AutoDrafting:
         self._alone_steps = 0     # steps the target made alone since the draft last caught up
         self._source = None       # of the current step: a bucket name, "model" or None
         self._probe_wait: dict[str, list[int]] = {}  # bucket -> [candidates since its last probe, interval]
+        self._since_rejection = 1 << 30  # tokens since this generation's last rejected n-gram proposal
 
     @classmethod
     def over(cls, chosen, ngram: NgramDrafter, costs: Costs, k_max: int) -> "AutoDrafting":
@@ -263,7 +266,7 @@ class AutoDrafting:
         a = min(self.tallies.acceptance(bucket), 0.999)
         alternative = self.alternative_rate()
         best_k, best_rate = 0, alternative
-        for k in range(1, min(len(candidate.tokens), copy_limit(candidate.match_length)) + 1):
+        for k in range(1, min(len(candidate.tokens), copy_limit(self.evidence(candidate))) + 1):
             rate = expected_tokens(a, k) / batch(k + 1)
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -289,7 +292,15 @@ class AutoDrafting:
         the target alone, 150 steps, its copy in the prompt)."""
         if acceptance < self.LONG_PROBE_ACCEPTANCE or candidate.match_length < self.LONG_PROBE_MATCH:
             return 0
-        return min(len(candidate.tokens), copy_limit(candidate.match_length), self.LONG_PROBE_K)
+        return min(len(candidate.tokens), copy_limit(self.evidence(candidate)), self.LONG_PROBE_K)
+
+    def evidence(self, candidate) -> int:
+        """Agreeing tokens behind a copy: its context's agreement, but none from before the last copy
+        that broke. An agent's session holds the file it read and each rewrite of it, so where this
+        answer leaves one copy (an edit, the end of the file) another often agrees for 64 tokens and
+        goes on elsewhere: replayed, 47 tokens of the previous answer's closing words were proposed
+        and all rejected, T(48) = 12.6 T(1) for nothing."""
+        return min(candidate.match_length, self._since_rejection)
 
     def right_guess_pays(self, k_max: int, alternative: float) -> bool:
         """Whether k <= k_max n-gram tokens, every one kept, would beat `alternative` (tokens/s). On a
@@ -352,6 +363,8 @@ class AutoDrafting:
 
     def observe(self, k, n_accepted, draft_seconds, verify_seconds) -> None:
         source = self._source if k > 0 else None
+        copy_broke = source not in (None, "model") and n_accepted < k
+        self._since_rejection = 1 if copy_broke else self._since_rejection + n_accepted + 1
         if source is None or source == "model":
             if self.model_k is not None:
                 self.model_k.observe(k, n_accepted, draft_seconds, verify_seconds)

@@ -125,6 +125,23 @@ def test_auto_drafts_long_copies_and_probes_cheaply():
         hopeless.observe(0, 0, 0.0, 1e-3)
 
 
+def test_a_copy_that_broke_starts_again_slowly():
+    """After a rejected copy the next one risks 2s + 4 tokens on the s tokens since, however long the
+    context that the lookup finds agrees (TCP's slow start after a loss): in an agent's session the
+    file read and each rewrite of it agree for 64 tokens where this answer goes elsewhere."""
+    stretch = list(range(300, 380))
+    tokens = stretch + [5] + stretch[:70]  # the lookup's context agrees for 64 tokens (MAX_MATCH)
+    auto = AutoDrafting(NgramDrafter(400, NgramPool(1 << 10)), None, memory_bound_costs(), k_max=64)
+    sizes = []
+    for kept in (3, None, None, None):  # the first copy breaks after 3 tokens, the next ones are kept
+        auto.choose(64)
+        proposals = auto.propose(tokens, 64, GREEDY, None)
+        assert proposals == (stretch[70:] + [5] + stretch)[:len(proposals)]
+        sizes.append(len(proposals))
+        auto.observe(sizes[-1], sizes[-1] if kept is None else kept, 0.0, 1e-3)
+    assert sizes[0] > 6 and sizes[1:] == [6, 2 * (1 + 6 + 1) + 4, 2 * (8 + 20 + 1) + 4], sizes
+
+
 @pytest.fixture(scope="module")
 def looping_target(tmp_path_factory):
     """A tiny target that falls into loops (no EOS): its answers repeat, so n-gram drafts are kept."""
