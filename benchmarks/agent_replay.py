@@ -12,7 +12,8 @@ A replayed step proposes what the policy proposes after the sequence so far, kee
 agree with the recorded answer and adds the target's own token, as `speculate` does; its time is
 T(k + 1) from the table. Policies: llama.cpp's ngram-simple (common/ngram-map.cpp: the last 12 tokens'
 latest earlier place, up to 48 tokens copied, none below 12) and `--draft auto` over n-gram lookup
-(`drafting.AutoDrafting`, the engine's own code), with several NGRAM_K_MAX and without the copy limit.
+(`drafting.AutoDrafting`, the engine's own code), with several NGRAM_K_MAX and without the copy limit;
+and, for the headroom, the best K at every step for one that knew how far each candidate agrees.
 """
 from __future__ import annotations
 
@@ -167,6 +168,29 @@ def replay(turns: list[dict], T, propose, observe=lambda k, kept, seconds, state
     return {"time": seconds, "steps": steps, "drafted": drafted, "kept": kept_total}
 
 
+def oracle(turns: list[dict], T, k_max: int = 64) -> dict:
+    """The least time any choice of K could take over auto's own n-gram candidates, knowing how far
+    each agrees with the answer: a dynamic programme over positions, cost(i) = min over k of
+    T(k + 1) + cost(i + min(k, agreeing(i)) + 1). What is left to a policy that must guess."""
+    from ggufspec import ngram
+    pool, seconds, steps, drafted = ngram.NgramPool(), 0.0, 0, 0
+    for turn in turns:
+        lookup, answer = ngram.NgramDrafter(1 << 20, pool), turn["answer"]
+        agreeing = []
+        for i in range(len(answer)):
+            candidate = lookup.candidate(turn["prompt"] + answer[:i], k_max)
+            proposal, n = (candidate.tokens if candidate else []), 0
+            while n < len(proposal) and i + n < len(answer) and proposal[n] == answer[i + n]:
+                n += 1
+            agreeing.append(n)
+        best = [(0.0, 0, 0)] * (len(answer) + 1)  # from position i to the end: (time, steps, drafted)
+        for i in range(len(answer) - 1, -1, -1):
+            best[i] = min((T(k + 1) + best[j][0], best[j][1] + 1, best[j][2] + k)
+                          for k in range(k_max + 1) for j in [min(len(answer), i + min(k, agreeing[i]) + 1)])
+        seconds, steps, drafted = seconds + best[0][0], steps + best[0][1], drafted + best[0][2]
+    return {"time": seconds, "steps": steps, "drafted": drafted, "kept": sum(len(t["answer"]) for t in turns) - steps}
+
+
 class AutoLookup:
     """--draft auto over n-gram lookup, the engine's AutoDrafting, its costs from the table."""
 
@@ -223,14 +247,15 @@ def main() -> None:
             ("llama.cpp ngram-mod", replay(turns, T, mod, mod.observe))]
     for k_max, limited in ((16, False), (64, False), (64, True)):
         policy = AutoLookup(T, k_max, limited)
-        rows.append((f"auto lookup, K up to {k_max}" + (", copy limit and long probes" if limited else ""),
+        rows.append((f"auto lookup, K up to {k_max}" + (" (as shipped: copy limits, long probes)" if limited else ""),
                      replay(turns, T, policy, policy.observe)))
         drafting.copy_limit = limit
+    rows.append(("best K knowing the answer (auto's candidates)", oracle(turns, T)))
     source = args.llama_bench or "the AMD table"
     print(f"{sum(len(t['answer']) for t in turns)} tokens in {len(turns)} turns; T(n) / T(1) from {source}: "
           + ", ".join(f"T({n}) {r:.2f}" for n, r in sorted(ratios.items()) if n > 1))
     for name, r in rows:
-        print(f"{name:50s} {alone / r['time']:.2f}x the target alone, {r['steps']} steps, {r['kept']}/{r['drafted']} kept")
+        print(f"{name:62s} {alone / r['time']:.2f}x the target alone, {r['steps']} steps, {r['kept']}/{r['drafted']} kept")
 
 
 if __name__ == "__main__":
