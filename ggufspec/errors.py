@@ -25,6 +25,11 @@ class DecodeError(GgufspecError):
     exit_code = 1
 
 
+class CacheFullError(DecodeError):
+    """llama_decode found no room in the KV cache (code 1): with parallel slots, the others' sequences
+    hold the cells. A generation under way ends there as at the context's end; a prompt may retry."""
+
+
 class StoreError(GgufspecError):
     """A download, verification or cache problem."""
 

@@ -160,28 +160,40 @@ class Lockstep:
                 groups.setdefault(key, []).append(request)
         self.rounds += 1
         for key, group in groups.items():
-            self.n_requests += len(group)
             try:
-                self._decode_group(key, group)
+                group = self._decode_group(key, group)
             except Exception:  # never leave every slot waiting: each raises DecodeError in its own thread
                 for request in group:
                     request.rc = -1
+            self.n_requests += len(group)
             self.last_round[group[0].ctx.name] = {r.thread: len(r.tokens) for r in group}
             for request in group:
                 request.done = True
                 self._waiting.remove(request)
                 self._turns.append(request.thread)
 
-    def _decode_group(self, key: int, group: list[_Request]) -> None:
+    def _decode_group(self, key: int, group: list[_Request]) -> list[_Request]:
+        """Decode the group in one batch; the requests done (the others wait for the next round)."""
         rc = self._decode_batch(key, group)
         if rc == 1 and self.make_room is not None and self.make_room(group[0].ctx):
             rc = self._decode_batch(key, group)  # idle slots' cached conversations made room
-        if rc == 1 and len(group) > 1:  # still no room: each on its own, so that only what cannot fit fails
-            for request in group:
-                request.rc = self._decode_batch(key, [request])
-            return
+        if rc == 1 and len(group) > 1:
+            return self._one_that_fits(key, group)
         for request in group:
             request.rc = rc
+        return group
+
+    def _one_that_fits(self, key: int, group: list[_Request]) -> list[_Request]:
+        """No room for the whole batch, even with what idle slots held: the oldest request that fits
+        alone is decoded and the others wait, round after round, until a slot that ends frees its cells
+        (`make_room`); where none fits, the newest gives up (its generation ends as at the context's
+        end) so that the others go on. Never two decoded in a round: llama.cpp keeps the logits of its
+        last decode only, so a slot decoded before another would read that one's rows."""
+        for request in group:
+            request.rc = self._decode_batch(key, [request])
+            if request.rc == 0:
+                return [request]
+        return [group[-1]]
 
     def _decode_batch(self, key: int, group: list[_Request]) -> int:
         ctx0 = group[0].ctx

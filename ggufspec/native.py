@@ -30,7 +30,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
-from .errors import DecodeError
+from .errors import CacheFullError, DecodeError
 
 _SEQ = 0  # a context's sequence id, unless it is one of several slots (`slots`)
 
@@ -148,6 +148,9 @@ class Context:
             # 1: no KV slot (context full); 2: aborted; < 0: error. The cache may hold part of
             # the batch: cut it back so the caller's view stays true.
             llama_cpp.llama_memory_seq_rm(self.memory, self.seq, start, -1)
+            if rc == 1:
+                raise CacheFullError(f"no room in the {self.name} model's KV cache: its {self.n_ctx} cells (-c) "
+                                     f"are taken{' by the slots' if self.lockstep is not None else ''}")
             raise DecodeError(f"llama_decode failed on the {self.name} model (code {rc})")
         self.tokens.extend(tokens)
         self.n_evaluated += n

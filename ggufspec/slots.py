@@ -77,12 +77,12 @@ class Slots:
         try:
             yield view
         finally:
-            if self.lockstep is not None:
-                self.lockstep.leave()
             slot.last_stats = view.last_stats
             with self._free:
                 slot.busy, slot.last_used = False, time.monotonic()
                 self._free.notify()
+            if self.lockstep is not None:  # after: a round that this lets run may take the slot's cells
+                self.lockstep.leave()
 
     def _take(self, tokens: Sequence[int]) -> Slot:
         with self._free:

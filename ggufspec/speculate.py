@@ -23,7 +23,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import llama_cpp
 
-from .errors import ContextFullError, GgufspecError
+from .errors import CacheFullError, ContextFullError, GgufspecError
 from .native import Context
 from .stats import Stats
 from .stepcosts import measure_step_costs
@@ -85,6 +85,8 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "interrupted"
         raise
+    except CacheFullError:  # other slots' sequences took the cells: ended as at the context's end
+        stats.stop_reason = "context"
     except Exception:  # a failed decode (a lost RPC worker...): the statistics say how it ended too
         stats.stop_reason = stats.stop_reason or "error"
         raise

@@ -13,8 +13,8 @@ import pytest
 from ggufspec import SpeculativeDecoder
 from ggufspec.costs import Costs
 from ggufspec.processing import Constraints
-from ggufspec.tinymodels import make_gemma2_pair, make_mamba_pair
-from reference import prompts, same_as_target_alone, target_alone
+from ggufspec.tinymodels import Shape, make_gemma2_pair, make_mamba_pair, make_weights, write_model
+from reference import differs_at_near_tie, first_difference, prompts, same_as_target_alone, target_alone
 
 PROMPTS = prompts(7, seed=5)
 
@@ -71,6 +71,35 @@ def test_a_full_unified_cache_drops_idle_slots_conversations_first(tiny_pair):
         b = decoder.generate_many([[1] + [270] * n], n_predict=8, n_draft=0)[0]
         assert b.stats.id_slot != a.stats.id_slot and b.stats.n_predict > 0
         assert {s["id"]: s["n_cached"] for s in decoder.slots.describe()}[a.stats.id_slot] == 0
+
+
+@pytest.fixture(scope="module")
+def endless_pair(tmp_path_factory):
+    """The tiny pair with no end of sequence: every answer as long as it is allowed."""
+    directory, shape = tmp_path_factory.mktemp("endless"), Shape()
+    weights = make_weights(shape, seed=0)
+    weights["output.weight"][2] = 0
+    first_layer = {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith("blk.0.")}
+    return (write_model(directory / "target.gguf", shape, weights),
+            write_model(directory / "draft.gguf", Shape(n_layer=1), first_layer))
+
+
+@pytest.mark.parametrize("n_draft", [0, 3])
+def test_slots_that_fill_the_unified_cache_wait_or_end_early_never_wrong(endless_pair, n_draft):
+    """Three answers that fit the cache one after another but not together (llama.cpp pads 128 cells to
+    256). Where a round's batch finds no room, one slot decodes alone and the others wait for the next
+    round: llama.cpp keeps the logits of its last decode only, and slots decoded one after another read
+    the last one's rows (wrong tokens, or none: "no logits"). Where none fits, the newest ends as at
+    the context's end and its cells go to the others. Every answer is the start of its answer alone."""
+    prompts = [[1] + [259 + (3 * i + j) % 22 for j in range(40)] for i in range(3)]
+    with SpeculativeDecoder(*endless_pair, n_ctx=128, n_threads=1, n_parallel=3) as decoder:
+        answers = decoder.generate_many(prompts, n_predict=150, n_draft=n_draft)
+    assert sum(a.stats.stop_reason == "n_predict" for a in answers) >= 1
+    assert any(a.stats.stop_reason == "context" for a in answers)  # 3 x 191 tokens: not all at once
+    for prompt, got in zip(prompts, answers):
+        want, margins, _ = target_alone(endless_pair[0], prompt, len(got.tokens), n_ctx=256)
+        if got.tokens != want:
+            assert differs_at_near_tie(got.tokens, want, margins), first_difference(got.tokens, want)
 
 
 def test_a_slot_left_mid_answer_leaves_the_others_exact(tiny_pair):

@@ -264,3 +264,14 @@ def test_a_failed_decode_says_how_the_generation_ended(tiny_pair, monkeypatch):
 def test_rpc_timeout_needs_rpc(tiny_pair):
     code, output = run_cli("serve", "-m", str(tiny_pair[0]), "--rpc-timeout", "5")
     assert code == 2 and "give --rpc too" in one_line_error(output)
+
+
+def test_a_prompt_the_busy_slots_leave_no_cells_for_is_a_503_to_retry():
+    """CacheFullError: llama_decode found no room (code 1) because other slots' sequences hold the
+    unified cache; theirs end soon, so a client retries (the openai SDK does, after Retry-After)."""
+    from ggufspec.errors import CacheFullError
+    from ggufspec.server.errors import engine_error
+    error = engine_error(CacheFullError("no room in the target model's KV cache: its 512 cells (-c) are taken"))
+    assert (error.status, error.code, error.headers) == (503, "kv_cache_full", {"Retry-After": "2"})
+    assert "larger -c" in error.message
+    assert error.body("/v1/messages")["error"]["type"] == "overloaded_error"

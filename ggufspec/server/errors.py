@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ContextFullError, DecodeError, GgufspecError
+from ..errors import CacheFullError, ContextFullError, DecodeError, GgufspecError
 
 log = logging.getLogger("ggufspec.server")
 
@@ -68,6 +68,9 @@ def engine_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, ContextFullError):
         return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, CacheFullError):  # a prompt the slots under way leave no room for: theirs end soon
+        return APIError(503, f"{exc}; retry in a moment, or start the server with a larger -c", "server_error",
+                        "kv_cache_full", headers={"Retry-After": "2"})
     if isinstance(exc, DecodeError) or not isinstance(exc, GgufspecError):
         return APIError(500, f"generation failed: {exc}", "server_error")
     message = str(exc)
