@@ -10,9 +10,9 @@ cached by idle slots are dropped first.
 
 Where the cells can be shared (a KV cache), a prompt takes the longest prefix that any slot's sequence
 holds without evaluating it (`_share_prefixes`), and goes to the free slot whose cached conversation it
-cuts least (`_fit_sharing`). Elsewhere it goes to the free slot sharing the longest prefix with it, so
-that a conversation's next turn finds its previous turns cached even with other clients in between;
-else to an empty slot, else to the one used least recently (`_fit`).
+cuts least (`_fit_sharing`). Elsewhere it goes to the slot whose conversation it continues, else to an
+empty slot, else to the free slot sharing the longest prefix with it (`_fit`). Either way a
+conversation's next turn finds its previous turns cached even with other clients in between.
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 from .bridge import VocabBridge
+from .checks import check_generation_args, check_token_ids
 from .costs import Costs
+from .errors import GgufspecError
 from .lockstep import Lockstep
 from .native import Context, common_prefix_length
 
@@ -113,16 +115,35 @@ class Slots:
         return view
 
     def generate_many(self, prompts: Sequence, **options) -> list:
-        """Every prompt's Generation, in order: up to N at a time, each in a slot, batched together."""
+        """Every prompt's Generation, in order: up to N at a time, each in a slot, batched together.
+        Every prompt is checked first (`_checked`): one that cannot run costs the others nothing."""
         chat, system = options.pop("chat", False), options.pop("system", None)
-        decoder = self.decoder
+        every_tokens = self._checked(prompts, chat, system)
 
-        def one(prompt):
-            tokens = decoder.tokenize(prompt, chat=chat, system=system)
+        def one(tokens):
             with self.use(tokens) as view:
                 return view.generate(tokens, **options)
         with ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot") as pool:
-            return list(pool.map(one, prompts))
+            return list(pool.map(one, every_tokens))
+
+    def _checked(self, prompts: Sequence, chat: bool, system: str | None) -> list[list[int]]:
+        """The prompts as tokens, each non-empty, within the context, of the target's ids."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise GgufspecError(f"generate_many takes a list of prompts (texts or lists of token ids), got "
+                                f"{type(prompts).__name__}: for one prompt, pass [prompt] or call generate")
+        decoder, checked = self.decoder, []
+        for i, prompt in enumerate(prompts):
+            try:
+                if isinstance(prompt, bytes) or not isinstance(prompt, (str, Sequence)):
+                    raise GgufspecError(f"a prompt is a text or a list of token ids, got {type(prompt).__name__}")
+                tokens = decoder.tokenize(prompt, chat=chat, system=system)
+                if not isinstance(prompt, str):
+                    check_token_ids(tokens, decoder.target.n_vocab)
+                check_generation_args(len(tokens), decoder.n_ctx, 0, -1)
+            except GgufspecError as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
+            checked.append(tokens)
+        return checked
 
     def _make_room(self, ctx) -> bool:
         """The unified cache is full: drop what idle slots hold in this model's cache (during a round:
@@ -154,16 +175,27 @@ SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity
 
 
 def _fit(slot: Slot, tokens: Sequence[int]) -> tuple:
-    """How well a free slot suits a prompt (the greatest is taken), as llama-server chooses: the slot
-    sharing the longest prefix with it, where that is more than a tenth of the prompt (a conversation's
-    next turn, the same prompt again, a shared system prompt); else an empty slot, else the one used
-    least recently. A first token alone (BOS) is not a shared prefix: a short new prompt does not take
-    a cached conversation's slot while another is empty."""
+    """How well a free slot suits a prompt (the greatest is taken). First the slot whose conversation
+    the prompt continues (it cuts a few tokens at most, where an answer came back tokenized otherwise),
+    then an empty slot, then llama-server's choice: the slot sharing the longest prefix, where that is
+    more than a tenth of the prompt, else the one used least recently.
+
+    An empty slot before llama-server's: two conversations with one system prompt otherwise took turns
+    in one slot, each cutting the other back to that prompt, while other slots stayed empty
+    (llama-server then restores a conversation from its RAM prompt cache; here it keeps its slot)."""
     shared = common_prefix_length(slot.target.tokens, tokens)
     if slot.target.prefix_donors is not None:
         return _fit_sharing(slot, shared)
+    continues = shared >= 2 and slot.target.n_past - shared <= _tokenized_otherwise(slot.target.n_past)
     similar = shared >= 2 and shared > SLOT_PROMPT_SIMILARITY * len(tokens)
-    return similar, shared if similar else 0, slot.target.n_past == 0, -slot.last_used
+    return (continues, shared if continues else 0, slot.target.n_past == 0, similar, shared if similar else 0,
+            -slot.last_used)
+
+
+def _tokenized_otherwise(n_cached: int) -> int:
+    """Cached tokens a conversation's next turn may not share with its slot: its last answer, sent back,
+    can tokenize otherwise at its end."""
+    return max(16, n_cached // 16)
 
 
 def _fit_sharing(slot: Slot, shared: int) -> tuple:
@@ -171,10 +203,9 @@ def _fit_sharing(slot: Slot, shared: int) -> tuple:
     decides what cached conversation it overwrites: the one losing the fewest cached tokens, then the
     one sharing the most, then an empty one, then the one used least recently. So an agent's sub-agent
     with the same system prompt goes to an empty slot instead of cutting the agent's conversation back
-    to that prompt, and a next turn still goes back to its own slot (losing at most a few tokens, where
-    the answer was tokenized differently)."""
+    to that prompt, and a next turn still goes back to its own slot."""
     lost = slot.target.n_past - shared
-    if lost <= max(16, slot.target.n_past // 16):
+    if lost <= _tokenized_otherwise(slot.target.n_past):
         lost = 0
     return -lost, shared, slot.target.n_past == 0, -slot.last_used
 

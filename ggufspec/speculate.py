@@ -15,7 +15,6 @@ turns them into `Piece` records; `SpeculativeDecoder.generate` collects a `Gener
 from __future__ import annotations
 
 import codecs
-import numbers
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from typing import Iterator, NamedTuple, Sequence
 
 import llama_cpp
 
-from .errors import CacheFullError, ContextFullError, GgufspecError
+from .checks import check_generation_args, check_token_ids
+from .errors import CacheFullError, GgufspecError
 from .native import Context
 from .stats import Stats
 from .stepcosts import measure_step_costs
@@ -225,30 +225,6 @@ def pieces(target: Context, steps: Iterator[Step]) -> Iterator[Piece]:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for step in steps:
         yield Piece(decoder.decode(target.piece(step.token)), *step)
-
-
-def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: int) -> None:
-    for name, value in (("n_draft", n_draft), ("n_predict", n_predict)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise GgufspecError(f"{name} must be a whole number" + (" or 'auto'" if name == "n_draft" else "")
-                                + f", got {value!r}")
-    if n_draft < 0:
-        raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
-    if n_predict == 0 or n_predict < -1:
-        raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {n_predict}")
-    if n_prompt == 0:
-        raise GgufspecError("the prompt is empty")
-    if n_prompt >= n_ctx:
-        raise ContextFullError(f"the prompt is {n_prompt} tokens but the context holds {n_ctx}: "
-                               f"raise -c/--ctx-size or shorten the prompt")
-
-
-def check_token_ids(tokens: Sequence[int], n_vocab: int) -> None:
-    """A prompt given as token ids holds only the target's ids (llama_decode would fail on others)."""
-    bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < n_vocab),
-               None)
-    if bad is not None:
-        raise GgufspecError(f"token ids must be whole numbers in [0, {n_vocab}), got {bad!r}")
 
 
 MTP = "mtp"  # as the draft: the target's own MTP (nextn) blocks, where its GGUF has them

@@ -190,7 +190,9 @@ def test_chat_logprobs_whole_and_streamed(server):
             assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
             assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
             assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-3)  # greedy: the likeliest
-            assert bytes(entry.bytes).decode(errors="replace") == entry.token
+            raw = bytes(entry.bytes)  # a part of a character is written as OpenAI writes it
+            assert entry.token == (raw.decode() if raw.decode(errors="ignore").encode() == raw else
+                                   "bytes:" + "".join(f"\\x{b:02x}" for b in raw))
         if draft:
             speculative = [e.logprob for e in entries]
         else:  # draft-accepted tokens carry their own logprob, the target's, as the target alone gives it
@@ -203,10 +205,22 @@ def test_chat_logprobs_whole_and_streamed(server):
 def test_completion_logprobs_in_the_legacy_shape(server):
     answer = server.client().completions.create(model="target", prompt="the cat", max_tokens=10, logprobs=2)
     logprobs = answer.choices[0].logprobs
-    assert "".join(logprobs.tokens) == answer.choices[0].text
     assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(logprobs.text_offset) == 10
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
-    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+    # a token that is part of a character is OpenAI's "bytes:\xNN": distinct keys, none lost to "\ufffd"
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert "\ufffd" not in token and top[token] == pytest.approx(value, abs=1e-3)  # greedy: the likeliest
+    if not any(token.startswith("bytes:") for token in logprobs.tokens):
+        assert "".join(logprobs.tokens) == answer.choices[0].text
+
+
+def test_a_token_that_is_part_of_a_character_is_written_as_its_bytes():
+    from ggufspec.server.choices import logprob_entry, token_string
+    assert [token_string(b) for b in (b"\xf0\x9f", "é".encode(), b"<|im_end|>")] == ["bytes:\\xf0\\x9f", "é", "<|im_end|>"]
+    entry = logprob_entry(b"\xf0\x9f", -0.5, [(b"\xf0\x9f", -0.5), (b"\xe4\xb8", -1.5)])
+    assert [t["token"] for t in entry["top_logprobs"]] == ["bytes:\\xf0\\x9f", "bytes:\\xe4\\xb8"]
+    assert entry["bytes"] == [0xf0, 0x9f]
 
 
 def test_logit_bias_bans_and_forces_tokens(server, reference):

@@ -120,6 +120,27 @@ def test_beyond_the_slots_and_the_queue_429(server):
     wait_idle(server)
 
 
+def test_a_client_that_leaves_the_queue_gives_its_place_back(server):
+    """Three slots busy, the one queue place taken by a client that gives up (a timeout): the next
+    client is queued, not refused with 429 until the slots finish (llama-server drops such a task too)."""
+    running = [Stream(server.url, p, max_tokens=400) for p in PROMPTS[:3]]
+    for stream in running:
+        stream.thread.start()
+    while server.health()["slots_processing"] < 3:
+        time.sleep(0.02)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4}, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while server.health()["waiting"] and time.monotonic() < deadline:  # noticed within a poll (0.25 s)
+        time.sleep(0.05)
+    assert server.health()["waiting"] == 0
+    queued = run_together([Stream(server.url, "a", max_tokens=4)])[0]
+    assert queued.status == 200 and queued.text
+    for stream in running:
+        stream.thread.join()
+    wait_idle(server)
+
+
 @pytest.fixture(scope="module")
 def sharing_server(slow_target, tmp_path_factory):
     """Without --strict: one unified cache, whose cells slots share."""

@@ -11,6 +11,7 @@ import json
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from serverproc import serving
@@ -215,6 +216,7 @@ def test_a_response_is_the_chat_answer_to_the_same_conversation(server):
     text, prompt_tokens = chat(server, [{"role": "system", "content": "be brief"}, *HI], max_tokens=12)
     assert response.object == "response" and response.id.startswith("resp_") and response.output_text == text
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[-1].status == "incomplete"  # the message item too, as OpenAI marks it
     assert response.usage.input_tokens == prompt_tokens and response.usage.output_tokens == 12
     items = client.responses.create(model="target", max_output_tokens=12, input=[
         {"role": "developer", "content": "be brief"},
@@ -340,12 +342,35 @@ def test_a_reasoning_model_s_thinking_is_a_thinking_block_and_a_reasoning_item(r
     assert streamed.output_text == text.text and streamed.output[0].type == "reasoning"
 
 
+def test_a_responses_logprobs_are_the_chat_answers(server):
+    """include=["message.output_text.logprobs"] / top_logprobs: each token's entry, as chat gives them,
+    on the output_text part, on its deltas, and on the stream helper's final response."""
+    client = server.client()
+    chat_entries = client.chat.completions.create(model="target", messages=HI, max_tokens=8, logprobs=True,
+                                                  top_logprobs=2).choices[0].logprobs.content
+    fields = {"model": "target", "input": "hi", "max_output_tokens": 8, "top_logprobs": 2,
+              "include": ["message.output_text.logprobs"]}
+    whole = client.responses.create(**fields).output[0].content[0].logprobs
+    with client.responses.stream(**fields) as stream:  # cut by max_output_tokens: response.incomplete
+        events = list(stream)
+    deltas = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    final = next(e.response for e in events if e.type == "response.incomplete").output[0].content[0].logprobs
+    assert len(chat_entries) == 8
+    for entries in (whole, deltas, final):
+        assert [(e.token, round(e.logprob, 3), len(e.top_logprobs)) for e in entries] == [
+            (e.token, round(e.logprob, 3), 2) for e in chat_entries]
+    assert client.responses.create(model="target", input="hi", max_output_tokens=8).output[0].content[0].logprobs == []
+
+
 # ---------------------------------------------------------------- models and errors
 
 def test_models_as_each_client_lists_them(server, claude):
     assert [m.id for m in server.client().models.list()] == ["target"]
     (model,) = claude.models.list().data
     assert model.id == "target" and model.type == "model"
+    assert server.client().models.retrieve("target").id == claude.models.retrieve("target").id == "target"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        server.client().models.retrieve("gpt-4o")
 
 
 BAD_MESSAGES = [

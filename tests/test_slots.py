@@ -73,6 +73,23 @@ def test_a_full_unified_cache_drops_idle_slots_conversations_first(tiny_pair):
         assert {s["id"]: s["n_cached"] for s in decoder.slots.describe()}[a.stats.id_slot] == 0
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["shared-cells", "strict"])
+def test_two_conversations_with_one_system_prompt_keep_a_slot_each(tiny_pair, strict):
+    """Turns alternate between two conversations that begin with one system prompt: each turn finds its
+    whole conversation cached, with the cells shared or not (llama-server's rule, the slot sharing the
+    longest prefix, had them take turns in one slot, each cutting the other back to the system prompt)."""
+    system = [1] + [259 + j % 22 for j in range(60)]
+    histories = {0: system + [270, 271], 1: system + [272, 273]}
+    with SpeculativeDecoder(*tiny_pair, n_ctx=1024, n_threads=1, strict=strict, n_parallel=4) as decoder:
+        for turn in range(3):
+            for c in (0, 1):
+                got = decoder.generate_many([histories[c]], n_predict=24, n_draft=0,
+                                             constraints=Constraints(logit_bias={2: -100.0}))[0]
+                if turn:
+                    assert got.stats.n_prompt_cached >= len(histories[c]) - 3, (turn, c)
+                histories[c] = histories[c] + got.tokens + [260 + turn, 261]
+
+
 @pytest.fixture(scope="module")
 def endless_pair(tmp_path_factory):
     """The tiny pair with no end of sequence: every answer as long as it is allowed."""
@@ -266,3 +283,21 @@ def test_seeded_sampled_answers_with_a_shared_prefix_are_the_ones_they_get_alone
         got = decoder.generate_many(SHARING, **options)
     assert sum(g.stats.n_prompt_cached >= len(SYSTEM) for g in got) == 3
     assert sum(g.tokens == want for g, want in zip(got, expected)) >= 3
+
+
+def test_generate_many_checks_every_prompt_before_any_runs(tiny_pair):
+    """A prompt that cannot run (too long, empty, not a prompt) fails the call before the others are
+    computed and thrown away; a text alone is not taken for a list of one-character prompts."""
+    from ggufspec.errors import ContextFullError, GgufspecError
+    with SpeculativeDecoder(*tiny_pair, n_ctx=128, n_threads=1, n_parallel=2) as decoder:
+        with pytest.raises(GgufspecError, match="list of prompts.*got str"):
+            decoder.generate_many("the cat")
+        with pytest.raises(ContextFullError, match=r"^prompts\[1\]: the prompt is 400 tokens"):
+            decoder.generate_many([[1, 260], [1] * 400])
+        with pytest.raises(GgufspecError, match=r"^prompts\[0\]: the prompt is empty"):
+            decoder.generate_many([[], [1, 260]])
+        with pytest.raises(GgufspecError, match=r"^prompts\[1\]: a prompt is a text or a list of token ids"):
+            decoder.generate_many([[1, 260], 7])
+        assert decoder.slots.lockstep.n_requests == 0  # nothing ran
+        assert len(decoder.generate_many([[1, 260], "the cat"], n_predict=4, n_draft=0)) == 2
+

@@ -85,14 +85,22 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     async def props_endpoint():
         return props
 
+    def model_entry() -> dict:
+        meta = {"n_ctx": decoder.n_ctx, **(info or {})}
+        # OpenAI's fields and Anthropic's at once (each SDK reads its own)
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "ggufspec", "meta": meta,
+                **protocols.anthropic_model(model_name, created)}
+
     @app.get("/v1/models")
     async def models():
-        meta = {"n_ctx": decoder.n_ctx, **(info or {})}
-        # OpenAI's list and Anthropic's at once (each SDK reads its own fields)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "ggufspec", "meta": meta, **protocols.anthropic_model(
-                                                model_name, created)}],
-                "has_more": False, "first_id": model_name, "last_id": model_name}
+        return {"object": "list", "data": [model_entry()], "has_more": False, "first_id": model_name,
+                "last_id": model_name}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """One model (`client.models.retrieve`, either SDK), by any name a request may use for it."""
+        serving.check_model(model_id)
+        return model_entry()
 
     @app.post("/tokenize")
     async def tokenize_endpoint(body: TokenizeBody):

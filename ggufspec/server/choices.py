@@ -12,10 +12,20 @@ from .constraints import Shaping
 PIECE_FIELDS = ("text", "token", "from_draft", "step", "drafted")  # what ggufspec.pieces shows
 
 
+def token_string(raw: bytes) -> str:
+    """A token's text where its bytes are UTF-8, else OpenAI's `bytes:\\xNN...` (part of a character:
+    an emoji or a CJK character is often two or three tokens). Distinct tokens keep distinct strings,
+    which the completions API's top_logprobs uses as keys."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def logprob_entry(token_bytes: bytes, logprob: float | None, top: list[tuple[bytes, float]]) -> dict:
     """OpenAI's chat log-probability entry for one token (`top`: the alternatives' bytes and logprobs)."""
     def one(raw: bytes, value: float | None) -> dict:
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": value, "bytes": list(raw)}
+        return {"token": token_string(raw), "logprob": value, "bytes": list(raw)}
     return {**one(token_bytes, logprob), "top_logprobs": [one(raw, value) for raw, value in top]}
 
 

@@ -18,7 +18,7 @@ from fastapi import Request
 from .. import load
 from .. import tools as toolkit
 from ..errors import ContextFullError, GgufspecError
-from ..speculate import check_token_ids
+from ..checks import check_token_ids
 from ..stats import Stats
 from ..stops import StopFilter
 from .choices import logprob_entry
@@ -92,6 +92,7 @@ class Engine:
         self._executor = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot")
         self._lock = threading.Lock()
         self._pending = 0              # submitted and not finished, the running ones included
+        self._queued: set[Job] = set()  # submitted and not started
         self._mean_seconds = 5.0       # a generation's duration, for Retry-After
         self._current: set[Job] = set()
         self.last: Stats | None = None   # the last finished generation's statistics (/health shows them)
@@ -99,11 +100,17 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return max(self._pending - len(self.slots), 0)
+        """Jobs waiting for a slot. Those whose client left are not counted: they cost nothing when
+        their turn comes (`_run`), so they do not hold a place in the queue (llama-server drops them too)."""
+        return sum(not job.cancelled.is_set() for job in list(self._queued))
+
+    @property
+    def running(self) -> int:
+        return self._pending - len(self._queued)
 
     @property
     def busy(self) -> bool:
-        return self._pending > 0
+        return self.running > 0 or self.waiting > 0
 
     @property
     def stalled_seconds(self) -> float:
@@ -116,20 +123,24 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise shutting_down()
-            if self._pending >= len(self.slots) + self.max_queue:  # every slot busy, max_queue waiting
+            if self.running + self.waiting >= len(self.slots) + self.max_queue:  # every slot busy, max_queue waiting
                 retry = max(1, math.ceil(self._mean_seconds * (self.waiting + 1) / len(self.slots)))
                 raise APIError(429, f"the server is busy: {self.waiting} requests are waiting for one of "
                                f"{len(self.slots)} slots (--max-queue {self.max_queue}); retry later",
                                "rate_limit_error", "queue_full", headers={"Retry-After": str(retry)})
             self._pending += 1
+            self._queued.add(job)
         self._executor.submit(self._run, job)
 
     def _run(self, job: Job) -> None:
-        started = time.perf_counter()
+        with self._lock:
+            self._queued.discard(job)
+        started, ran = time.perf_counter(), False
         try:
             if self._stopping:
                 job.emit("error", shutting_down())
             elif not job.cancelled.is_set():  # a client that left while waiting costs nothing
+                ran = True
                 job.progressed_at = time.monotonic()
                 self._current.add(job)
                 self._generate(job)
@@ -142,7 +153,8 @@ class Engine:
             self._current.discard(job)
             with self._lock:
                 self._pending -= 1
-                self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.perf_counter() - started)
+                if ran:  # what a generation takes, for Retry-After
+                    self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.perf_counter() - started)
 
     def _generate(self, job: Job) -> None:
         tokens = self._prompt_tokens(job)
@@ -247,7 +259,10 @@ class PieceMaker:
         if piece.token in self.markers:
             made["text"] = self.markers[piece.token]
         if self.logprobs:
-            token_bytes = self.decoder.target.piece
+            target = self.decoder.target
+
+            def token_bytes(token: int) -> bytes:  # a control token prints nothing: its name, as OpenAI's
+                return target.piece(token) or target.token_text(token)
             top = [(token_bytes(token), value) for token, value in getattr(piece, "top_logprobs", ())]
             made["logprobs"] = logprob_entry(token_bytes(piece.token), getattr(piece, "logprob", None), top)
         return made

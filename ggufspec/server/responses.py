@@ -132,7 +132,8 @@ async def stream_events(job: Job, reply: Reply, include_usage: bool):
     try:
         if reply.chat:
             for state in reply.choices:
-                yield event(reply.chunk("", role=True, index=state.index))
+                # content null, as llama-server and OpenAI begin: an answer that only calls tools keeps it null
+                yield event(reply.chunk(None, role=True, index=state.index))
         while True:
             kind, value = await job.events.get()
             chunks = []

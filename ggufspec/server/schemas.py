@@ -41,6 +41,7 @@ class GenerationBody(Strict):
     model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens (chat)
+    n_predict: int | None = None  # llama.cpp's name (llama-server reads it on these routes too): over max_tokens
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -68,8 +69,12 @@ class GenerationBody(Strict):
 
 
 class CompletionBody(GenerationBody):
-    prompt: list[int] | str | list[str]  # ids first: a long list of ids is checked as ints at once
+    prompt: list[int] | str | list[str] | list[list[int]]  # ids first: a long list of ids is checked as ints at once
     logprobs: int | None = Field(None, ge=0, le=20)  # the legacy API: how many alternatives per token
+    # OpenAI's, refused rather than ignored (as llama-server does): an answer without them would look whole
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class ContentPart(Strict):
@@ -110,7 +115,7 @@ class ChatBody(GenerationBody):
 def request_options(body: GenerationBody, defaults: dict) -> dict:
     """The decoder's stream() keywords: the server's defaults, overridden by what the request sets."""
     options = dict(defaults)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = next((n for n in (body.n_predict, body.max_completion_tokens, body.max_tokens) if n is not None), None)
     if max_tokens is not None:
         options["n_predict"] = max_tokens
     for name in ("temperature", "top_k", "top_p", "min_p"):
@@ -144,11 +149,21 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def single_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
-    """/v1/completions' prompt: a text, token ids, or a list of one text."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+def single_prompt(body: CompletionBody) -> str | list[int]:
+    """/v1/completions' prompt: a text, token ids, or a list of one of them; what it cannot do, refused."""
+    if body.echo:
+        raise APIError(400, "echo is not supported: the prompt's log-probabilities are not computed",
+                       code="unsupported_parameter")
+    if body.suffix:
+        raise APIError(400, "suffix (fill in the middle) is not supported: put the whole text in prompt",
+                       code="unsupported_parameter")
+    if body.best_of is not None and body.best_of > 1:
+        raise APIError(400, "best_of is not supported: n gives several choices", code="unsupported_parameter")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of prompts
         if len(prompt) != 1:
-            raise APIError(400, f"one prompt per request, got {len(prompt)}")
+            raise APIError(400, f"one prompt per request, got {len(prompt)}: send each in a request of its own "
+                           "(n gives several answers to one)")
         return prompt[0]
     return prompt
 

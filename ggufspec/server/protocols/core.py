@@ -38,6 +38,7 @@ ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "c
 @dataclass(frozen=True)
 class Text:
     text: str
+    logprobs: tuple = ()  # its tokens' entries (OpenAI's chat shape), where the request asked for them
 
 
 @dataclass(frozen=True)
@@ -147,17 +148,21 @@ async def answer_events(job: Job, request: Request | None = None, splitter=None)
     """The job's answer as Text (and, through `splitter`, Thinking), Calls and End; an error from
     the engine raises APIError. With a `request`, a client that leaves cancels the job (ClientGone)."""
     state, splitter = ChoiceState(0, job.shape, chat=True), splitter or PlainText()
+    logprobs: list[dict] = []  # of pieces whose text has not gone out yet
     while True:
         kind, value = await (job.next_event(request) if request is not None else job.events.get())
         if kind == "pieces":
-            text = "".join(p["text"] for p in state.push(value[1]))
+            pieces = state.push(value[1])
+            logprobs += [p["logprobs"] for p in pieces if "logprobs" in p]
+            text = "".join(p["text"] for p in pieces)
             if text:  # a token that ends mid-character has no text: nothing to send yet
-                for event in splitter.push(text):
+                for event in with_logprobs(splitter.push(text), logprobs):
                     yield event
         elif kind == "choice":
             _, stats, _, estimate = value
-            _, content, calls = state.end()  # the text held back: content, or the calls and what is not them
-            for event in (splitter.push(content) if content else []) + splitter.flush():
+            held, content, calls = state.end()  # the text held back: content, or the calls and what is not them
+            logprobs += [p["logprobs"] for p in held if "logprobs" in p and not calls]
+            for event in with_logprobs((splitter.push(content) if content else []) + splitter.flush(), logprobs):
                 yield event
             if calls:
                 yield Calls([Call(c["function"]["name"], c["function"]["arguments"]) for c in calls])
@@ -166,6 +171,18 @@ async def answer_events(job: Job, request: Request | None = None, splitter=None)
             raise engine_error(value)
         elif kind == "done":
             return
+
+
+def with_logprobs(events: list, logprobs: list[dict]) -> list:
+    """The events, the first Text carrying the log-probabilities of the tokens its text came from
+    (`logprobs` emptied). Where the text was all thinking they are dropped: no API reports those."""
+    if not events:
+        return events
+    first = next((i for i, e in enumerate(events) if isinstance(e, Text)), None)
+    if first is not None and logprobs:
+        events = [*events[:first], Text(events[first].text, tuple(logprobs)), *events[first + 1:]]
+    logprobs.clear()
+    return events
 
 
 def end_reason(stats: Stats, called: bool) -> str:

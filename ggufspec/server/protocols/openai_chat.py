@@ -14,7 +14,7 @@ from .core import Serving, answer_or_stream
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):
-        return await answer(serving, request, body, chat=False, prompt=single_prompt(body.prompt))
+        return await answer(serving, request, body, chat=False, prompt=single_prompt(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatBody):

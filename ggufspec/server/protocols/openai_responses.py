@@ -60,7 +60,8 @@ class ResponsesBody(Strict):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # accepted, as chat's (whose limit it has); not computed
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, as chat's (whose limit it has)
+    include: list[str] | None = None  # "message.output_text.logprobs": each token's log-probability
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -72,6 +73,9 @@ class ResponsesBody(Strict):
 
 
 # ---------------------------------------------------------------- the request
+
+LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them
+
 
 def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
     if body.previous_response_id:
@@ -92,6 +96,8 @@ def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
             "name": form.get("name"), "schema": form.get("schema"), "strict": form.get("strict")}}
     elif form.get("type") != "text":
         translated["response_format"] = form
+    if body.top_logprobs is not None or LOGPROBS in (body.include or []):
+        translated.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     return serving.chat_body(translated, body.model_extra)
 
 
@@ -185,8 +191,10 @@ class ResponseState:
                 self.event("response.in_progress", response=self.response())]
 
     def on(self, event) -> list[dict]:
-        if isinstance(event, (Text, Thinking)):
-            return self.text(event.text, "message" if isinstance(event, Text) else "reasoning")
+        if isinstance(event, Text):
+            return self.text(event.text, "message", event.logprobs)
+        if isinstance(event, Thinking):
+            return self.text(event.text, "reasoning")
         if isinstance(event, Calls):
             return self.close() + [e for call in event.calls for e in self.function_call(call.name, call.arguments)]
         return self.end(event)
@@ -195,8 +203,9 @@ class ResponseState:
         self.output.append(item)
         return self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))
 
-    def text(self, text: str, kind: str = "message") -> list[dict]:
-        """More text of the answer (a message item) or of its reasoning (a reasoning item)."""
+    def text(self, text: str, kind: str = "message", logprobs: tuple = ()) -> list[dict]:
+        """More text of the answer (a message item, with its tokens' logprobs where asked for) or of its
+        reasoning (a reasoning item)."""
         events = []
         if self.open is None or self.open["type"] != kind:
             events += self.close()
@@ -211,23 +220,24 @@ class ResponseState:
                              "content": [{"type": "reasoning_text", "text": ""}]}
                 events.append(self.add(self.open))
         self.open["content"][0]["text"] += text
-        kind_event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        return events + [self.event(kind_event, **self.where(), delta=text,
-                                    **({"logprobs": []} if kind == "message" else {}))]
+        if kind == "reasoning":
+            return events + [self.event("response.reasoning_text.delta", **self.where(), delta=text)]
+        self.open["content"][0]["logprobs"] += logprobs
+        return events + [self.event("response.output_text.delta", **self.where(), delta=text, logprobs=list(logprobs))]
 
     def where(self) -> dict:
         return {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
 
-    def close(self) -> list[dict]:
-        """The open item, done."""
+    def close(self, status: str = "completed") -> list[dict]:
+        """The open item, done ("incomplete": cut short by max_output_tokens, as OpenAI marks it)."""
         if self.open is None:
             return []
         part, where, item = self.open["content"][0], self.where(), self.open
-        item["status"], self.open = "completed", None
+        item["status"], self.open = status, None
         if item["type"] == "reasoning":
             return [self.event("response.reasoning_text.done", **where, text=part["text"]),
                     self.event("response.output_item.done", output_index=where["output_index"], item=item)]
-        return [self.event("response.output_text.done", **where, text=part["text"], logprobs=[]),
+        return [self.event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
                 self.event("response.content_part.done", **where, part=part),
                 self.event("response.output_item.done", output_index=where["output_index"], item=item)]
 
@@ -244,11 +254,11 @@ class ResponseState:
             self.event("response.output_item.done", output_index=index, item=item)]
 
     def end(self, end: End) -> list[dict]:
-        events = self.close()
-        if not any(item["type"] != "reasoning" for item in self.output):  # an empty answer is still a message
-            events += self.text("") + self.close()
-        stats = end.stats
         self.status = "incomplete" if end.reason == "length" else "completed"
+        events = self.close(self.status)
+        if not any(item["type"] != "reasoning" for item in self.output):  # an empty answer is still a message
+            events += self.text("") + self.close(self.status)
+        stats = end.stats
         self.extra = {"timings": timings(stats), "ggufspec": {"stats": stats.to_dict(), "estimate": end.estimate},
                       "usage": {"input_tokens": stats.n_prompt,
                                 "input_tokens_details": {"cached_tokens": stats.n_prompt_cached},

@@ -1,0 +1,32 @@
+"""A generation's arguments checked before anything runs: one line naming what is wrong, and nothing
+computed (`SpeculativeDecoder.steps`, the server's jobs, and `generate_many` for every prompt at once)."""
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+from .errors import ContextFullError, GgufspecError
+
+
+def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: int) -> None:
+    for name, value in (("n_draft", n_draft), ("n_predict", n_predict)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise GgufspecError(f"{name} must be a whole number" + (" or 'auto'" if name == "n_draft" else "")
+                                + f", got {value!r}")
+    if n_draft < 0:
+        raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
+    if n_predict == 0 or n_predict < -1:
+        raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {n_predict}")
+    if n_prompt == 0:
+        raise GgufspecError("the prompt is empty")
+    if n_prompt >= n_ctx:
+        raise ContextFullError(f"the prompt is {n_prompt} tokens but the context holds {n_ctx}: "
+                               f"raise -c/--ctx-size or shorten the prompt")
+
+
+def check_token_ids(tokens: Sequence[int], n_vocab: int) -> None:
+    """A prompt given as token ids holds only the target's ids (llama_decode would fail on others)."""
+    bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < n_vocab),
+               None)
+    if bad is not None:
+        raise GgufspecError(f"token ids must be whole numbers in [0, {n_vocab}), got {bad!r}")
