@@ -233,11 +233,15 @@ def main() -> None:
     rep.add_argument("turns")
     rep.add_argument("--llama-bench", default=None, help="T(n) from this llama-bench JSON instead of the AMD table.")
     rep.add_argument("--depth", type=int, default=None, help="Which of its -d depths (default: the deepest).")
+    rep.add_argument("--ratios", default=None, help="T(n) / T(1) from this JSON ({n: ratio}: verify_cost.py's).")
     args = parser.parse_args()
     if args.command == "record":
         return record(args.session, args.out, args.threads)
     turns = json.loads(Path(args.turns).read_text())
-    ratios = ratios_from_llama_bench(args.llama_bench, args.depth) if args.llama_bench else AMD_RATIOS
+    if args.ratios:
+        ratios = {int(n): float(r) for n, r in json.loads(Path(args.ratios).read_text()).items()}
+    else:
+        ratios = ratios_from_llama_bench(args.llama_bench, args.depth) if args.llama_bench else AMD_RATIOS
     T = batch_time(ratios)
     alone = sum(len(t["answer"]) for t in turns) * T(1)
     from ggufspec import drafting
@@ -251,7 +255,7 @@ def main() -> None:
                      replay(turns, T, policy, policy.observe)))
         drafting.copy_limit = limit
     rows.append(("best K knowing the answer (auto's candidates)", oracle(turns, T)))
-    source = args.llama_bench or "the AMD table"
+    source = args.ratios or args.llama_bench or "the AMD table"
     print(f"{sum(len(t['answer']) for t in turns)} tokens in {len(turns)} turns; T(n) / T(1) from {source}: "
           + ", ".join(f"T({n}) {r:.2f}" for n, r in sorted(ratios.items()) if n > 1))
     for name, r in rows:
