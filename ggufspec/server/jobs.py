@@ -90,7 +90,7 @@ class Engine:
         self.slots = decoder.slots
         self.max_queue = max_queue
         self._executor = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # `waiting` takes it too, also from within `submit`
         self._pending = 0              # submitted and not finished, the running ones included
         self._queued: set[Job] = set()  # submitted and not started
         self._mean_seconds = 5.0       # a generation's duration, for Retry-After
@@ -102,11 +102,13 @@ class Engine:
     def waiting(self) -> int:
         """Jobs waiting for a slot. Those whose client left are not counted: they cost nothing when
         their turn comes (`_run`), so they do not hold a place in the queue (llama-server drops them too)."""
-        return sum(not job.cancelled.is_set() for job in list(self._queued))
+        with self._lock:  # the workers add and discard meanwhile
+            return sum(not job.cancelled.is_set() for job in self._queued)
 
     @property
     def running(self) -> int:
-        return self._pending - len(self._queued)
+        with self._lock:
+            return self._pending - len(self._queued)
 
     @property
     def busy(self) -> bool:
