@@ -10,9 +10,9 @@ cached by idle slots are dropped first.
 
 Where the cells can be shared (a KV cache), a prompt takes the longest prefix that any slot's sequence
 holds without evaluating it (`_share_prefixes`), and goes to the free slot whose cached conversation it
-cuts least (`_fit_sharing`). Elsewhere it goes to the slot whose conversation it continues, else to an
-empty slot, else to the free slot sharing the longest prefix with it (`_fit`). Either way a
-conversation's next turn finds its previous turns cached even with other clients in between.
+cuts least (`_fit_sharing`). Elsewhere it goes to the slot whose conversation it continues, else to
+one worth cutting back, else to an empty slot (`_fit`). Either way a conversation's next turn finds its
+previous turns cached even with other clients in between.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 from .bridge import VocabBridge
 from .checks import check_generation_args, check_token_ids
 from .costs import Costs
-from .errors import GgufspecError
+from .errors import CacheFullError, GgufspecError
 from .lockstep import Lockstep
 from .native import Context, common_prefix_length
 
@@ -114,29 +114,44 @@ class Slots:
         view.is_slot, view.id_slot, view._owned = True, slot.index, []
         return view
 
-    def generate_many(self, prompts: Sequence, **options) -> list:
+    def generate_many(self, prompts, **options) -> list:
         """Every prompt's Generation, in order: up to N at a time, each in a slot, batched together.
         Every prompt is checked first (`_checked`): one that cannot run costs the others nothing."""
         chat, system = options.pop("chat", False), options.pop("system", None)
         every_tokens = self._checked(prompts, chat, system)
 
         def one(tokens):
-            with self.use(tokens) as view:
-                return view.generate(tokens, **options)
+            while True:
+                try:
+                    with self.use(tokens) as view:
+                        return view.generate(tokens, **options)
+                except CacheFullError:  # its prompt found no room: again once another slot ends
+                    if not self.wait_for_room():  # False: none busy; None: still none ended after 10 minutes
+                        raise
         with ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot") as pool:
             return list(pool.map(one, every_tokens))
 
-    def _checked(self, prompts: Sequence, chat: bool, system: str | None) -> list[list[int]]:
+    def wait_for_room(self, timeout: float = 600.0) -> bool | None:
+        """After a prompt found no room in the unified cache (CacheFullError from its prefill): wait
+        until a busy slot ends, whose cells the next round may take (`_make_room`). False where none
+        is busy: nothing would free room, and the prompt cannot run; None: still waiting at `timeout`."""
+        with self._free:
+            busy = {slot for slot in self.slots if slot.busy}
+            if not busy:
+                return False
+            return self._free.wait_for(lambda: any(not slot.busy for slot in busy), timeout) or None
+
+    def _checked(self, prompts, chat: bool, system: str | None) -> list[list[int]]:
         """The prompts as tokens, each non-empty, within the context, of the target's ids."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
             raise GgufspecError(f"generate_many takes a list of prompts (texts or lists of token ids), got "
                                 f"{type(prompts).__name__}: for one prompt, pass [prompt] or call generate")
         decoder, checked = self.decoder, []
         for i, prompt in enumerate(prompts):
             try:
-                if isinstance(prompt, bytes) or not isinstance(prompt, (str, Sequence)):
+                if isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
                     raise GgufspecError(f"a prompt is a text or a list of token ids, got {type(prompt).__name__}")
-                tokens = decoder.tokenize(prompt, chat=chat, system=system)
+                tokens = decoder.tokenize(prompt if isinstance(prompt, str) else list(prompt), chat=chat, system=system)
                 if not isinstance(prompt, str):
                     check_token_ids(tokens, decoder.target.n_vocab)
                 check_generation_args(len(tokens), decoder.n_ctx, 0, -1)
@@ -176,20 +191,21 @@ SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity
 
 def _fit(slot: Slot, tokens: Sequence[int]) -> tuple:
     """How well a free slot suits a prompt (the greatest is taken). First the slot whose conversation
-    the prompt continues (it cuts a few tokens at most, where an answer came back tokenized otherwise),
-    then an empty slot, then llama-server's choice: the slot sharing the longest prefix, where that is
-    more than a tenth of the prompt, else the one used least recently.
+    the prompt continues (it shares the slot's whole last prompt), then a slot worth cutting back
+    (llama-server's rule: the prefix shared is over a tenth of the prompt; and it saves at least as many
+    tokens as it drops), by the tokens shared; then an empty slot, then the one used least recently.
 
-    An empty slot before llama-server's: two conversations with one system prompt otherwise took turns
-    in one slot, each cutting the other back to that prompt, while other slots stayed empty
-    (llama-server then restores a conversation from its RAM prompt cache; here it keeps its slot)."""
+    Not llama-server's rule alone, which cuts any conversation back to a shared prefix: an agent's
+    sub-agent with its 5,000-token system prompt would cut the agent's 20,000-token conversation to it,
+    and two conversations with one system prompt took turns in one slot while others stayed empty
+    (llama-server restores a conversation from its RAM prompt cache; here it keeps its slot)."""
     shared = common_prefix_length(slot.target.tokens, tokens)
     if slot.target.prefix_donors is not None:
         return _fit_sharing(slot, shared)
-    continues = shared >= 2 and slot.target.n_past - shared <= _tokenized_otherwise(slot.target.n_past)
-    similar = shared >= 2 and shared > SLOT_PROMPT_SIMILARITY * len(tokens)
-    return (continues, shared if continues else 0, slot.target.n_past == 0, similar, shared if similar else 0,
-            -slot.last_used)
+    last = slot.last_stats
+    continues = last is not None and shared >= max(2, last.n_prompt)
+    worth = shared >= 2 and shared > SLOT_PROMPT_SIMILARITY * len(tokens) and shared >= slot.target.n_past - shared
+    return continues, worth, shared if continues or worth else 0, slot.target.n_past == 0, -slot.last_used
 
 
 def _tokenized_otherwise(n_cached: int) -> int:

@@ -78,16 +78,27 @@ def test_two_conversations_with_one_system_prompt_keep_a_slot_each(tiny_pair, st
     """Turns alternate between two conversations that begin with one system prompt: each turn finds its
     whole conversation cached, with the cells shared or not (llama-server's rule, the slot sharing the
     longest prefix, had them take turns in one slot, each cutting the other back to the system prompt)."""
-    system = [1] + [259 + j % 22 for j in range(60)]
+    system = [1] + [259 + j % 22 for j in range(40)]
     histories = {0: system + [270, 271], 1: system + [272, 273]}
     with SpeculativeDecoder(*tiny_pair, n_ctx=1024, n_threads=1, strict=strict, n_parallel=4) as decoder:
         for turn in range(3):
             for c in (0, 1):
-                got = decoder.generate_many([histories[c]], n_predict=24, n_draft=0,
+                got = decoder.generate_many([histories[c]], n_predict=48, n_draft=0,
                                              constraints=Constraints(logit_bias={2: -100.0}))[0]
                 if turn:
                     assert got.stats.n_prompt_cached >= len(histories[c]) - 3, (turn, c)
                 histories[c] = histories[c] + got.tokens + [260 + turn, 261]
+
+
+def test_questions_on_one_document_reuse_it_under_strict(tiny_pair):
+    """Under --strict a slot's cells are its own: a second question on the same document goes to the
+    slot holding it (cutting the first question's short answer saves far more than it drops)."""
+    document = [1] + [259 + (7 * j) % 22 for j in range(200)]
+    with SpeculativeDecoder(*tiny_pair, n_ctx=1024, n_threads=1, strict=True, n_parallel=4) as decoder:
+        for question in range(3):
+            got = decoder.generate_many([document + [270 + question, 271]], n_predict=16, n_draft=0)[0]
+            if question:
+                assert got.stats.n_prompt_cached >= len(document), question
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +119,9 @@ def test_slots_that_fill_the_unified_cache_wait_or_end_early_never_wrong(endless
     round: llama.cpp keeps the logits of its last decode only, and slots decoded one after another read
     the last one's rows (wrong tokens, or none: "no logits"). Where none fits, the newest ends as at
     the context's end and its cells go to the others. Every answer is the start of its answer alone."""
-    prompts = [[1] + [259 + (3 * i + j) % 22 for j in range(40)] for i in range(3)]
+    prompts = [[1] + [259 + (3 * i + j) % 22 for j in range(40)] for i in range(5)]
     with SpeculativeDecoder(*endless_pair, n_ctx=128, n_threads=1, n_parallel=3) as decoder:
+        # the last two prompts find no room while three answers fill the cells: they wait for a slot to end
         answers = decoder.generate_many(prompts, n_predict=150, n_draft=n_draft)
     assert sum(a.stats.stop_reason == "n_predict" for a in answers) >= 1
     assert any(a.stats.stop_reason == "context" for a in answers)  # 3 x 191 tokens: not all at once

@@ -17,7 +17,7 @@ from fastapi import Request
 
 from .. import load
 from .. import tools as toolkit
-from ..errors import ContextFullError, GgufspecError
+from ..errors import CacheFullError, ContextFullError, GgufspecError
 from ..checks import check_token_ids
 from ..stats import Stats
 from ..stops import StopFilter
@@ -56,6 +56,8 @@ class Job:
         self._next_check = 0.0  # when next_event next asks whether the client is still there
         self.progressed_at = time.monotonic()  # the last token or event (a hung RPC worker stops them)
         self.stop_sequence: str | None = None  # the stop string that ended the last choice, if one did
+        self.started = False  # "started" sent (once: a prompt that found no room starts again)
+        self.choices_done = 0
 
     def emit(self, kind: str, value: Any = None) -> None:
         self.progressed_at = time.monotonic()
@@ -167,6 +169,23 @@ class Engine:
             options["constraints"] = constraints
         if job.shape.logprobs is not None:
             options["logprobs"] = job.shape.logprobs
+        while True:
+            try:
+                return self._generate_in_a_slot(job, tokens, options)
+            except CacheFullError:  # its prompt found no room in the unified cache: again once a slot ends
+                if not self._room_again(job):
+                    raise
+
+    def _room_again(self, job: Job) -> bool:
+        """After the job's prompt found no room: whether to try again, once a busy slot has ended (not
+        after a choice went out, nor for a client that left, nor where no slot is busy)."""
+        while not job.cancelled.is_set() and not job.choices_done:
+            ended = self.slots.wait_for_room(timeout=1.0)
+            if ended is not None:
+                return ended
+        return False
+
+    def _generate_in_a_slot(self, job: Job, tokens: list[int], options: dict) -> None:
         total = None
         with self.slots.use(tokens) as decoder:  # the slot caching most of the prompt, its turns begun
             pieces = PieceMaker(decoder, job, self._marker_texts(job.shape))
@@ -184,7 +203,8 @@ class Engine:
     def _choice(self, decoder, job: Job, tokens: list[int], options: dict, index: int, pieces: "PieceMaker") -> Stats:
         stream = decoder.stream(tokens, **options)  # checks the options before anything runs
         stats = decoder.last_stats
-        if index == 0:
+        if index == 0 and not job.started:
+            job.started = True
             job.emit("started", len(tokens))
         try:
             stopped = relay(stream, stats, job, index, pieces)
@@ -199,6 +219,7 @@ class Engine:
             result.stop_reason = "stop"
         # in the slot's turn, the only one that changes the decoder's measured costs
         estimate = time_estimate(decoder, options.get("drafter", "model"), result)
+        job.choices_done += 1
         job.emit("choice", (index, result, FINISH_REASONS.get(result.stop_reason, "stop"), estimate))
         return result
 
