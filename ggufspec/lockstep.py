@@ -98,7 +98,10 @@ class Lockstep:
             self._holder = None
             self._round_if_all_wait()
             self._cond.notify_all()
-            self._cond.wait_for(lambda: request.done)
+            self._cond.wait_for(lambda: request.done or self._closing)
+            if not request.done:  # closed while it waited (carried round after round for want of room)
+                self._waiting.remove(request)
+                return -1, 0
             self._take_turn(me)
         return request.rc, request.first_logit
 
