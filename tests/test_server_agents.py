@@ -266,6 +266,12 @@ def test_a_forced_tool_call_is_valid_and_the_same_speculating_or_not(server, too
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [calls[0][:2]]
     assert not "".join(d.get("content") or "" for d in deltas)  # the call's raw text never shows as content
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    # no delta says content "" either: the SDK's stream helper keeps it, where the whole answer has None
+    assert all(d.get("content") is None for d in deltas), deltas
+    with client.chat.completions.stream(model="target", messages=HI, tools=[UNIT], tool_choice=tool_choice,
+                                        max_tokens=64) as stream:
+        final = stream.get_final_completion().choices[0].message
+    assert final.content is None and final.tool_calls[0].function.arguments == calls[0][1]
 
 
 def test_json_schema_answers_parse_and_are_the_same_speculating_or_not(server):

@@ -84,8 +84,8 @@ class Reply:
         if not released and not prompt:
             return []
         extra = {"pieces": shown_pieces(released), **({"prompt": prompt} if prompt else {})}
-        return [self.chunk("".join(p["text"] for p in released), index=index, logprobs=state.logprobs(released),
-                           ggufspec=extra)]
+        text = "".join(p["text"] for p in released) if released else None  # the prompt's figures alone: no content
+        return [self.chunk(text, index=index, logprobs=state.logprobs(released), ggufspec=extra)]
 
     def choice_end_chunks(self, index: int, stats: Stats, finish: str, estimate: dict | None) -> list[dict]:
         """What the choice held back (content, or its tool calls), then its finish_reason."""
