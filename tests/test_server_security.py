@@ -198,6 +198,10 @@ def test_x_api_key_is_accepted_like_the_bearer_header(keyed):
         if status == 401:
             error = error_of(response)
             assert error["code"] == "invalid_api_key" and "x-api-key" in error["message"]
+    # a route added since (one model, by name) is behind the same key
+    one_model = httpx.get(keyed.url + "/v1/models/nope", timeout=10)
+    assert one_model.status_code == 401 and error_of(one_model)["code"] == "invalid_api_key"
+    assert httpx.get(keyed.url + "/v1/models/nope", headers={"x-api-key": KEY}, timeout=10).status_code == 404
     assert httpx.get(keyed.url + "/props", headers={"x-api-key": KEY}, timeout=10).status_code == 200
 
 

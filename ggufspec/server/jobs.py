@@ -276,16 +276,18 @@ class PieceMaker:
 
     def __init__(self, decoder, job: Job, markers: dict[int, str]):
         self.decoder, self.markers, self.logprobs = decoder, markers, job.shape.logprobs is not None
+        target = decoder.target
+
+        def token_bytes(token: int) -> bytes:  # a control token prints nothing: its name, as OpenAI's
+            return target.piece(token) or target.token_text(token)
+        self.token_bytes = token_bytes
 
     def __call__(self, piece, steps: StepTracker) -> dict:
         made = steps.annotate(piece)
         if piece.token in self.markers:
             made["text"] = self.markers[piece.token]
         if self.logprobs:
-            target = self.decoder.target
-
-            def token_bytes(token: int) -> bytes:  # a control token prints nothing: its name, as OpenAI's
-                return target.piece(token) or target.token_text(token)
+            token_bytes = self.token_bytes
             top = [(token_bytes(token), value) for token, value in getattr(piece, "top_logprobs", ())]
             made["logprobs"] = logprob_entry(token_bytes(piece.token), getattr(piece, "logprob", None), top)
         return made
