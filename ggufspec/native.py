@@ -443,6 +443,11 @@ class Context:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
+    def fim_tokens(self) -> dict[str, int | None]:
+        """The vocabulary's fill-in-the-middle control tokens (pre, suf, mid, rep, sep); None where it has none."""
+        ids = {name: getattr(llama_cpp, f"llama_vocab_fim_{name}")(self.vocab) for name in ("pre", "suf", "mid", "rep", "sep")}
+        return {name: int(token) if token >= 0 else None for name, token in ids.items()}  # LLAMA_TOKEN_NULL: -1
+
     def token_text(self, token: int) -> bytes:
         """The vocabulary entry as stored (what the compatibility check compares)."""
         return llama_cpp.llama_vocab_get_text(self.vocab, token) or b""

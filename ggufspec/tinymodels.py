@@ -19,12 +19,19 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
          "▁return", "▁if", "▁else", "▁for", "▁in", "▁x", "▁y", "(", ")", ":", "▁=", "▁+"]
 
 
-def vocabulary(extra_words: int = 0) -> tuple[list[str], list[int]]:
+FIM_TOKENS = {"<PRE>": gguf.Keys.Tokenizer.FIM_PRE_ID, "<SUF>": gguf.Keys.Tokenizer.FIM_SUF_ID,
+              "<MID>": gguf.Keys.Tokenizer.FIM_MID_ID}  # CodeLlama's fill-in-the-middle tokens, at the end
+
+
+def vocabulary(extra_words: int = 0, fim: bool = False) -> tuple[list[str], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     types += [gguf.TokenType.BYTE] * 256
     words = WORDS + [f"▁w{i}" for i in range(extra_words)]
-    return tokens + words, types + [gguf.TokenType.NORMAL] * len(words)
+    tokens, types = tokens + words, types + [gguf.TokenType.NORMAL] * len(words)
+    if fim:
+        tokens, types = tokens + list(FIM_TOKENS), types + [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
+    return tokens, types
 
 
 @dataclass
@@ -39,12 +46,13 @@ class Shape:
     weight_scale: float = 0.5
     eos_bias: float = 0.0
     tokens: list[str] = field(default_factory=list)
+    fim: bool = False  # with fill-in-the-middle tokens
 
 
 def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
     """Random weights, numpy shapes (rows = output features), as llama.cpp's llama arch wants."""
     rng = np.random.default_rng(seed)
-    n_vocab = len(vocabulary(shape.extra_words)[0])
+    n_vocab = len(vocabulary(shape.extra_words, shape.fim)[0])
     e, ff = shape.n_embd, shape.n_ff
     kv = e // shape.n_head * shape.n_head_kv
 
@@ -72,11 +80,13 @@ def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
 
 def write_model(path: Path, shape: Shape, weights: dict[str, np.ndarray],
                 chat_template: str | None = None, tokens: list[str] | None = None) -> Path:
-    vocab, types = vocabulary(shape.extra_words)
+    vocab, types = vocabulary(shape.extra_words, shape.fim)
     if tokens is not None:
         vocab = tokens
     writer = gguf.GGUFWriter(str(path), "llama")
     _write_common(writer, vocab, types, chat_template)
+    for text, key in FIM_TOKENS.items() if shape.fim else ():
+        writer.add_uint32(key, vocab.index(text))
     _write_transformer_dims(writer, shape)
     writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
     return _finish(writer, weights, path)

@@ -203,6 +203,11 @@ def test_x_api_key_is_accepted_like_the_bearer_header(keyed):
     assert one_model.status_code == 401 and error_of(one_model)["code"] == "invalid_api_key"
     assert httpx.get(keyed.url + "/v1/models/nope", headers={"x-api-key": KEY}, timeout=10).status_code == 404
     assert httpx.get(keyed.url + "/props", headers={"x-api-key": KEY}, timeout=10).status_code == 200
+    # and llama-server's own generation routes
+    for path in ("/completion", "/completions", "/infill"):
+        unkeyed = post(keyed, path, {"prompt": "the", "n_predict": 1})
+        assert unkeyed.status_code == 401 and error_of(unkeyed)["code"] == "invalid_api_key", path
+    assert post(keyed, "/completion", {"prompt": "the", "n_predict": 1}, **{"x-api-key": KEY}).status_code == 200
 
 
 def test_refusals_under_v1_messages_have_anthropics_shape(keyed, server):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .. import tools as toolkit
 from ..errors import GgufspecError
 from .errors import APIError
-from .schemas import ChatBody, CompletionBody, GenerationBody
+from .schemas import ChatBody, CompletionBody, GenerationBody, NativeBody
 
 NO_GRAMMAR = (None, False, ())
 
@@ -109,6 +109,8 @@ def logit_bias(bias: dict | list, n_vocab: int) -> dict[int, float]:
 
 
 def requested_logprobs(body: GenerationBody) -> int | None:
+    if isinstance(body, NativeBody):  # llama.cpp's n_probs: 0 is none
+        return body.n_probs or None
     if isinstance(body, CompletionBody):
         return body.logprobs
     if isinstance(body, ChatBody) and body.logprobs:

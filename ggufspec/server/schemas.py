@@ -77,6 +77,23 @@ class CompletionBody(GenerationBody):
     best_of: int | None = None
 
 
+class InfillFile(Strict):
+    text: str
+    filename: str | None = None
+
+
+class NativeBody(CompletionBody):
+    """llama.cpp's own /completion and /infill: llama-server's field names (n_predict, n_probs, stop,
+    cache_prompt... are GenerationBody's already); /infill's prompt is optional, the text typed after
+    input_prefix."""
+    prompt: list[int] | str | list[str] | list[list[int]] = ""
+    n_probs: int | None = Field(None, ge=0, le=20)  # the n likeliest tokens at each position, with the chosen one's
+    return_tokens: bool = False
+    input_prefix: str | None = None
+    input_suffix: str | None = None
+    input_extra: list[InfillFile] = Field(default_factory=list)
+
+
 class ContentPart(Strict):
     type: str
     text: str | None = None
@@ -153,9 +170,6 @@ def single_prompt(body: CompletionBody) -> str | list[int]:
     """/v1/completions' prompt: a text, token ids, or a list of one of them; what it cannot do, refused."""
     if body.echo:
         raise APIError(400, "echo is not supported: the prompt's log-probabilities are not computed",
-                       code="unsupported_parameter")
-    if body.suffix:
-        raise APIError(400, "suffix (fill in the middle) is not supported: put the whole text in prompt",
                        code="unsupported_parameter")
     if body.best_of is not None and body.best_of > 1:
         raise APIError(400, "best_of is not supported: n gives several choices", code="unsupported_parameter")

@@ -29,7 +29,7 @@ class StepTracker:
 def prompt_info(stats: Stats) -> dict:
     """The prompt as evaluated: how much of it the KV cache already held."""
     return {"n_prompt": stats.n_prompt, "cache_n": stats.n_prompt_cached,
-            "prompt_ms": stats.prompt_seconds * 1000}
+            "prompt_ms": stats.prompt_seconds * 1000, "id_slot": stats.id_slot}
 
 
 def time_estimate(decoder, drafter: str, stats: Stats) -> dict | None:

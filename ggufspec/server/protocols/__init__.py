@@ -8,13 +8,14 @@ end, which each protocol renders whole or as its own stream.
   their answers
 - anthropic.py: Anthropic's Messages API, `/v1/messages` and `/v1/messages/count_tokens` (Claude Code)
 - openai_responses.py: OpenAI's Responses API, `/v1/responses` (Codex)
+- llamacpp.py: llama-server's own `/completion` and `/infill` (its editor plugins' code completion)
 - reasoning.py: a reasoning model's `<think>` block, as thinking blocks and reasoning items
 """
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from . import anthropic, openai_chat, openai_responses
+from . import anthropic, llamacpp, openai_chat, openai_responses
 from .anthropic import model_fields as anthropic_model
 from .core import Serving
 from .reasoning import template_thinking
@@ -28,3 +29,4 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     openai_chat.add_routes(app, serving)
     anthropic.add_routes(app, serving)
     openai_responses.add_routes(app, serving)
+    llamacpp.add_routes(app, serving)

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
+from ... import fim
 from ... import tools as toolkit
 from ...stats import Stats
 from ..choices import ChoiceState
@@ -113,6 +114,15 @@ class Serving:
             raise
         self.engine.submit(job)
         return job
+
+    async def fim(self, prefix: str, suffix: str, *, status: int, **options) -> list[int]:
+        """A fill-in-the-middle prompt's tokens (`fim.fim_prompt`'s options), built off the event loop; a
+        model without FIM tokens is refused with `status` (llama-server's /infill: 501)."""
+        try:
+            return await asyncio.to_thread(fim.fim_prompt, self.decoder, prefix, suffix, **options)
+        except fim.FimUnsupportedError as exc:
+            kind = "not_supported_error" if status == 501 else "invalid_request_error"
+            raise APIError(status, str(exc), kind, "fim_not_supported") from None
 
     async def count_tokens(self, body: ChatBody, prefill: str = "") -> int:
         """The prompt's length in tokens, as the request would be rendered (its tools included)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
+from ..errors import APIError
 from ..responses import Reply, stream_events, whole_answer
 from ..schemas import ChatBody, CompletionBody, GenerationBody, single_prompt
 from .core import Serving, answer_or_stream
@@ -14,7 +15,12 @@ from .core import Serving, answer_or_stream
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):
-        return await answer(serving, request, body, chat=False, prompt=single_prompt(body))
+        prompt = single_prompt(body)
+        if body.suffix:  # insert text between the prompt and the suffix: a code model's fill in the middle
+            if not isinstance(prompt, str):
+                raise APIError(400, "suffix needs prompt as text, not token ids", code="invalid_value")
+            prompt = await serving.fim(prompt, body.suffix, status=400, trim=False)
+        return await answer(serving, request, body, chat=False, prompt=prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatBody):

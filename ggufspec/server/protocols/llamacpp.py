@@ -1,0 +1,139 @@
+"""llama.cpp's own routes, `/completion` (also `/completions`) and `/infill`, for the clients written
+against llama-server: its editor plugins' code completion (llama.vim, llama.vscode: /infill), and
+scripts that send `n_predict` and read `content`. The request is llama-server's (schemas.NativeBody);
+the answer is its native object, not OpenAI's: content, tokens, stop, stop_type, stopping_word,
+tokens_predicted / tokens_evaluated / tokens_cached, generation_settings, timings, and
+completion_probabilities where n_probs asks. Streamed, one `data:` object per step's pieces
+(stop: false), then the whole object with empty content and stop: true; no [DONE], as llama-server.
+
+/infill builds the fill-in-the-middle prompt (ggufspec.fim) from input_prefix, input_suffix,
+input_extra and prompt, as llama-server does, and is then a /completion of those tokens: drafted,
+constrained and cached like every answer."""
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+
+from ...stats import Stats
+from ..errors import APIError, engine_error
+from ..jobs import Job
+from ..responses import timings
+from ..schemas import NativeBody, single_prompt
+from .core import Serving, answer_or_stream
+
+STOP_TYPES = {"eos": "eos", "stop": "word", "n_predict": "limit", "context": "limit"}
+SETTINGS = ("n_predict", "temperature", "top_k", "top_p", "min_p", "seed", "n_draft", "draft_max", "draft_min",
+            "draft_p_min", "drafter", "cache_prompt")
+
+
+def add_routes(app: FastAPI, serving: Serving) -> None:
+    @app.post("/completion")
+    @app.post("/completions")
+    async def completion(request: Request, body: NativeBody):
+        return await answer(serving, request, body, single_prompt(body))
+
+    @app.post("/infill")
+    async def infill(request: Request, body: NativeBody):
+        for field in ("input_prefix", "input_suffix"):
+            if getattr(body, field) is None:
+                raise APIError(400, f"\"{field}\" is required", code="invalid_value")
+        prompt = single_prompt(body)
+        if not isinstance(prompt, str):
+            raise APIError(400, "/infill's prompt is the text typed after input_prefix: a string, not token ids",
+                           code="invalid_value")
+        tokens = await serving.fim(body.input_prefix, body.input_suffix, status=501, prompt=prompt,
+                                   extra=[chunk.model_dump() for chunk in body.input_extra],
+                                   n_predict=body.n_predict if body.n_predict is not None else -1)
+        return await answer(serving, request, body, tokens)
+
+
+async def answer(serving: Serving, request: Request, body: NativeBody, prompt: str | list[int]):
+    """llama-server's answer: n_predict as a ceiling the context lowers, not a demand it refuses."""
+    serving.check_model(body.model)
+    job = await serving.submit(body, prompt=prompt, fit_to_context=True)
+    reply = NativeReply(serving, job, body, prompt)
+    return await answer_or_stream(job, request, body.stream, lambda n_prompt: reply.whole(request, n_prompt),
+                                  reply.events)
+
+
+class NativeReply:
+    """llama-server's objects for one answer, built from the job's events."""
+
+    def __init__(self, serving: Serving, job: Job, body: NativeBody, prompt: str | list[int]):
+        self.serving, self.job, self.body, self.prompt = serving, job, body, prompt
+        self.pieces: list[dict] = []
+        self.n_prompt, self.id_slot = 0, -1
+
+    def chunk(self, pieces: list[dict]) -> dict:
+        """One step's pieces, streamed."""
+        self.pieces += pieces
+        return {"index": 0, "content": "".join(p["text"] for p in pieces), "tokens": self.token_ids(pieces),
+                "stop": False, "id_slot": self.id_slot, "tokens_predicted": len(self.pieces),
+                "tokens_evaluated": self.n_prompt, **self.probabilities(pieces)}
+
+    def final(self, stats: Stats, streamed: bool) -> dict:
+        """The whole answer (streamed: its content and tokens went out already)."""
+        content = "".join(p["text"] for p in self.pieces)
+        return {"index": 0, "content": "" if streamed else content,
+                "tokens": [] if streamed else self.token_ids(self.pieces), "id_slot": stats.id_slot,
+                "stop": True, "model": self.serving.model_name, "tokens_predicted": stats.n_predict,
+                "tokens_evaluated": stats.n_prompt, "generation_settings": self.settings(),
+                "prompt": self.prompt_text(), "has_new_line": "\n" in content, "truncated": False,
+                "stop_type": STOP_TYPES.get(stats.stop_reason, "none"), "stopping_word": self.job.stop_sequence or "",
+                "tokens_cached": stats.n_prompt + stats.n_predict, "timings": timings(stats),
+                **({} if streamed else self.probabilities(self.pieces))}
+
+    def token_ids(self, pieces: list[dict]) -> list[int]:
+        return [p["token"] for p in pieces] if self.body.return_tokens else []
+
+    def probabilities(self, pieces: list[dict]) -> dict:
+        """llama-server's completion_probabilities: each token's id, text, bytes, logprob and top_logprobs."""
+        if not self.body.n_probs:
+            return {}
+        return {"completion_probabilities": [{"id": p["token"], **p["logprobs"]} for p in pieces if "logprobs" in p]}
+
+    def settings(self) -> dict:
+        options = self.job.options
+        return {**{name: options[name] for name in SETTINGS if name in options}, "stop": self.job.stops,
+                "n_probs": self.body.n_probs or 0, "stream": self.body.stream}
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        text = self.serving.decoder.target_llm.detokenize(self.prompt, special=True)
+        return text.decode("utf-8", errors="replace")
+
+    async def whole(self, request: Request, n_prompt: int) -> dict:
+        self.n_prompt = n_prompt
+        while True:
+            kind, value = await self.job.next_event(request)
+            if kind == "pieces":
+                self.pieces += value[1]
+            elif kind == "done":
+                return self.final(value[0], streamed=False)
+            elif kind == "error":
+                raise engine_error(value)
+
+    async def events(self, n_prompt: int):
+        """SSE events; a client that goes away cancels the generation (`finally`)."""
+        self.n_prompt = n_prompt
+        try:
+            while True:
+                kind, value = await self.job.events.get()
+                if kind == "prompt":
+                    self.id_slot = value["id_slot"]
+                elif kind == "pieces":
+                    yield data(self.chunk(value[1]))
+                elif kind == "done":
+                    yield data(self.final(value[0], streamed=True))
+                    return
+                elif kind == "error":
+                    yield data(engine_error(value).body())
+                    return
+        finally:
+            self.job.cancel()
+
+
+def data(obj: dict) -> dict:
+    return {"data": json.dumps(obj, ensure_ascii=False)}

@@ -1,0 +1,143 @@
+"""Fill in the middle and llama-server's own routes: `/infill` (llama.vim's and llama.vscode's code
+completion), `/completion`, and the completions API's `suffix`, through the real server process.
+
+The tiny pair has CodeLlama's <PRE>/<SUF>/<MID> tokens. The middle the server writes, drafting K = 3, is
+the target alone's greedy one on the same prompt (plain llama-cpp-python, near-ties reported); the prompt
+is the one `ggufspec.fim` builds, as llama-server's format_prompt_infill does."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from ggufspec import SpeculativeDecoder, fim
+from ggufspec.tinymodels import Shape, make_pair
+from reference import differs_at_near_tie, target_alone
+from serverproc import serving
+
+N_CTX = 1024
+PREFIX, SUFFIX = "def the cat sat on the mat\n    if x", "\n    return y and the dog"
+EXTRA = [{"filename": "dog.py", "text": "def the dog ran\n    return x + y"}]
+
+
+@pytest.fixture(scope="module")
+def fim_pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("fim-pair"), seed=3, shape=Shape(fim=True, eos_bias=1.0))
+
+
+@pytest.fixture(scope="module")
+def server(fim_pair, tmp_path_factory):
+    target, draft = fim_pair
+    with serving(tmp_path_factory.mktemp("fim-server"), "-m", str(target), "-md", str(draft), "-c", str(N_CTX),
+                 "--draft", "3") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def decoder(fim_pair):
+    target, _ = fim_pair
+    with SpeculativeDecoder(target, None, n_ctx=N_CTX, n_threads=1) as running:
+        yield running
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def stream(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] != "data: [DONE]"  # llama-server's: no [DONE]
+    return [json.loads(line[len("data: "):]) for line in lines]
+
+
+def test_the_prompt_is_llama_servers_format(decoder):
+    fim_ids = decoder.target.fim_tokens()
+    tokens = fim.fim_prompt(decoder, PREFIX, SUFFIX, prompt=" and")
+
+    def text(s):
+        return decoder.target_llm.tokenize(s.encode(), add_bos=False, special=False)
+    assert tokens == ([decoder.target_llm.token_bos(), fim_ids["pre"]] + text(PREFIX) + text(" and")
+                      + [fim_ids["suf"]] + text(SUFFIX) + [fim_ids["mid"]])
+    # a text holding the model's control tokens stays text: it cannot end the prefix early
+    assert fim_ids["mid"] not in fim.fim_prompt(decoder, "x <MID> y", "<SUF>")[2:-1]
+    # the window keeps what is nearest the cursor: the prefix's end, the suffix's start
+    long_prefix, long_suffix = "the cat " * 2000, "the dog " * 2000
+    trimmed = fim.fim_prompt(decoder, long_prefix, long_suffix)
+    assert len(trimmed) <= N_CTX + 3
+    middle = trimmed.index(fim_ids["suf"])
+    assert trimmed[2:middle] == text(long_prefix)[-(3 * N_CTX // 4):]
+    # other files go first, as far as the context has room past the window (none at this context)
+    assert fim.fim_prompt(decoder, PREFIX, SUFFIX, extra=EXTRA) == fim.fim_prompt(decoder, PREFIX, SUFFIX)
+
+
+def test_infill_is_the_target_alones_middle_whole_and_streamed(server, decoder, fim_pair):
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": EXTRA, "prompt": " and",
+            "n_predict": 32, "temperature": 0, "return_tokens": True}
+    prompt = fim.fim_prompt(decoder, PREFIX, SUFFIX, prompt=" and", extra=EXTRA, n_predict=32)
+    expected, margins, _ = target_alone(fim_pair[0], prompt, 32, N_CTX)
+    answer = post(server, "/infill", body).json()
+    if not differs_at_near_tie(answer["tokens"], expected, margins):
+        assert answer["tokens"] == expected
+    assert answer["stop"] is True and answer["tokens_evaluated"] == len(prompt)
+    assert answer["tokens_predicted"] == len(answer["tokens"]) and answer["content"]
+    assert answer["stop_type"] in ("eos", "limit") and answer["generation_settings"]["n_predict"] == 32
+    assert answer["timings"]["draft_n"] > 0 and answer["prompt"].startswith("<s><PRE>")
+    chunks = stream(server, "/infill", body)
+    assert all(c["stop"] is False for c in chunks[:-1]) and chunks[-1]["stop"] is True
+    assert "".join(c["content"] for c in chunks) == answer["content"]
+    assert sum((c["tokens"] for c in chunks[:-1]), []) == answer["tokens"]
+    assert chunks[-1]["timings"]["cache_n"] == len(prompt) - 1  # the same prompt again: all of it cached
+
+
+def test_suffix_in_the_completions_api_is_the_same_middle(server):
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    answer = client.completions.create(model="target", prompt=PREFIX, suffix=SUFFIX, max_tokens=24, temperature=0)
+    infill = post(server, "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 24,
+                                       "temperature": 0}).json()
+    assert answer.choices[0].text == infill["content"]
+    assert answer.usage.prompt_tokens == infill["tokens_evaluated"]
+
+
+def test_completion_speaks_llama_servers_fields(server, decoder):
+    expected = decoder.generate("the cat", n_predict=16, n_draft=0, temperature=0)
+    for path in ("/completion", "/completions"):
+        answer = post(server, path, {"prompt": "the cat", "n_predict": 16, "temperature": 0}).json()
+        assert answer["content"] == expected.text and answer["tokens"] == []
+        assert answer["tokens_predicted"] == len(expected.tokens) and answer["model"] == "target"
+    stop_word = expected.text[len(expected.text) // 2:][:3]
+    stopped = post(server, "/completion", {"prompt": "the cat", "n_predict": 16, "stop": [stop_word]}).json()
+    assert stopped["stop_type"] == "word" and stopped["stopping_word"] == stop_word
+    assert stopped["content"] == expected.text[:expected.text.index(stop_word)]
+    probs = post(server, "/completion", {"prompt": "the cat", "n_predict": 4, "n_probs": 2}).json()
+    entries = probs["completion_probabilities"]
+    assert len(entries) == probs["tokens_predicted"] and all(len(e["top_logprobs"]) == 2 for e in entries)
+    assert all(e["logprob"] <= 0 and isinstance(e["id"], int) for e in entries)
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/infill", {"input_prefix": "x"}, 400, "input_suffix"),
+    ("/infill", {"input_prefix": "x", "input_suffix": "y", "prompt": [1, 2]}, 400, "string"),
+    ("/infill", {"input_prefix": "x", "input_suffix": "y", "input_extra": [{"filename": "a"}]}, 400, "text"),
+    ("/completion", {"prompt": "the", "n_probs": 99}, 400, "n_probs"),
+    ("/completion", {"prompt": "the", "n_predict": "many"}, 400, "n_predict"),
+])
+def test_bad_native_requests_get_openai_shaped_errors(server, path, body, status, words):
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    assert set(response.json()) == {"error"} and words in response.json()["error"]["message"]
+
+
+def test_a_model_without_fim_tokens_says_so(chat_pair, tmp_path):
+    target, _ = chat_pair
+    with serving(tmp_path, "-m", str(target), "--no-draft", "-c", "256") as running:
+        infill = post(running, "/infill", {"input_prefix": "x", "input_suffix": "y"})
+        assert infill.status_code == 501 and infill.json()["error"]["type"] == "not_supported_error"
+        assert "fill in the middle is not supported" in infill.json()["error"]["message"]
+        suffix = post(running, "/v1/completions", {"prompt": "x", "suffix": "y", "max_tokens": 2})
+        assert suffix.status_code == 400 and suffix.json()["error"]["code"] == "fim_not_supported"
+        plain = post(running, "/v1/completions", {"prompt": "x", "suffix": "", "max_tokens": 2})
+        assert plain.status_code == 200  # an empty suffix asks for nothing
