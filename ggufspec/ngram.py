@@ -160,10 +160,17 @@ class NgramDrafter:
     context = None          # no draft model: nothing to catch up or rewind
     catch_up_seconds = 0.0
 
-    def __init__(self, n_vocab: int, pool: NgramPool | None = None, orders: tuple[int, ...] = SEQUENCE_ORDERS):
+    def __init__(self, n_vocab: int, pool: NgramPool | None = None, orders: tuple[int, ...] = SEQUENCE_ORDERS,
+                 is_end=None):
         self.n_vocab = n_vocab
         self.index = SequenceIndex(orders)
         self.pool = pool
+        # The target's end-of-generation test: a copy stops at its source's end of turn, that token
+        # included. Nothing past it can be kept: the answer ends there, or it goes on where the copied
+        # one ended, so the copy has broken. (In an agent session an answer that added a method where the
+        # previous one closed its code block used to verify 33 tokens past that answer's <|im_end|>.)
+        self.is_end = is_end
+        self._ends: dict[int, bool] = {}  # is_end's answers: a native call once per token id
 
     def remember(self, tokens: list[int]) -> None:
         """Index what is new in the sequence, and add it to the pool."""
@@ -179,7 +186,19 @@ class NgramDrafter:
         if self.pool is not None and (found is None or found.match_length < self.pool.orders[0]):
             pooled = self.pool.candidate(tokens, k)
             if pooled is not None and pooled.tokens and (found is None or pooled.match_length > found.match_length):
-                return pooled
+                found = pooled
+        return self._to_the_end(found)
+
+    def _to_the_end(self, found: Candidate | None) -> Candidate | None:
+        """The candidate up to its first end-of-generation token, included."""
+        if found is None or self.is_end is None:
+            return found
+        for j, token in enumerate(found.tokens):
+            end = self._ends.get(token)
+            if end is None:
+                end = self._ends[token] = bool(self.is_end(token))
+            if end:
+                return Candidate(found.tokens[:j + 1], found.match_length, found.source)
         return found
 
     def match(self, tokens: list[int], k: int) -> list[int]:

@@ -430,7 +430,7 @@ class SpeculativeDecoder:
             if getattr(self, "ngram_pool", None) is None:
                 from .ngram import NgramPool
                 self.ngram_pool = NgramPool()  # the default size; a session sets its own (--lookup-pool)
-            return LookupDrafter(self.target.n_vocab, self.ngram_pool)
+            return LookupDrafter(self.target.n_vocab, self.ngram_pool, is_end=self.target.is_end_of_generation)
         if self.draft is None:
             raise GgufspecError(f"the {kind} drafter needs a draft model: give -md, or use --lookup alone")
         from .mtp import MtpContext, MtpDrafter

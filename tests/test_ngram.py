@@ -30,6 +30,22 @@ def test_the_longest_agreeing_place_wins():
     assert index.candidate(loop, 5).tokens == [4, 5, 4, 5, 4]
 
 
+def test_a_copy_ends_at_its_sources_end_of_turn():
+    # an earlier answer (30 31 32 33) ended with the end-of-turn token 2, then the user spoke (40 41);
+    # the new answer repeats it: the copy stops after the 2, where the earlier turn's text went on
+    tokens = [1, 30, 31, 32, 33, 2, 40, 41, 1, 30, 31]
+    asked = []
+
+    def is_end(token):
+        asked.append(token)
+        return token == 2
+    drafter = NgramDrafter(500, None, is_end=is_end)
+    assert drafter.candidate(tokens, 6).tokens == [32, 33, 2]
+    assert NgramDrafter(500, None).candidate(tokens, 6).tokens == [32, 33, 2, 40, 41, 1]  # without the test
+    drafter.candidate(tokens, 6)
+    assert sorted(asked) == [2, 32, 33]  # each token asked once: the native call is cached
+
+
 def test_the_pool_drafts_what_an_earlier_request_said():
     pool = NgramPool(1 << 12)
     earlier = [1] + list(range(300, 340))
