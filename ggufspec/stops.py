@@ -73,3 +73,50 @@ class StopFilter:
             break
         self.sent = position
         return released
+
+
+class LineLimits:
+    """llama-server's two limits for code completion, applied to pieces as they go out (`apply`):
+
+    - `n_indent`: a line that begins less indented than this ends the answer, its text from the first
+      character that is not a space or a tab cut off (an editor asked for the rest of a block; the first
+      line is not checked, as the cursor may be anywhere in it);
+    - `time_limit_s` (`t_max_predict_ms`): past this long since the first piece, the answer ends at the
+      next piece that holds a newline, that piece included (it ends with a whole line)."""
+
+    def __init__(self, n_indent: int = 0, time_limit_s: float | None = None, clock=None):
+        import time
+        self.n_indent, self.time_limit_s, self.clock = n_indent, time_limit_s, clock or time.monotonic
+        self.started: float | None = None
+        self.line: str | None = None  # the text of the line under way; None before the first newline
+        self.stopped = False
+
+    def apply(self, pieces: list[dict]) -> list[dict]:
+        """The pieces that go out: all of them, or up to the one where a limit ends the answer."""
+        if self.started is None and pieces:
+            self.started = self.clock()
+        out = []
+        for piece in pieces:
+            piece = self._indent_checked(piece)
+            out.append(piece)
+            if self.stopped:
+                break
+            if "\n" in piece["text"] and self.time_limit_s is not None and self.clock() - self.started > self.time_limit_s:
+                self.stopped = True
+                break
+        return out
+
+    def _indent_checked(self, piece: dict) -> dict:
+        text, start = piece["text"], 0
+        while True:
+            if self.line is not None and self.n_indent > 0:
+                line = self.line + text[start:].split("\n", 1)[0]
+                code = len(line) - len(line.lstrip(" \t"))
+                if code < len(line) and code < self.n_indent:  # the line's first character is less indented
+                    self.stopped = True
+                    return {**piece, "text": text[:start + code - len(self.line)]}
+            newline = text.find("\n", start)
+            if newline < 0:
+                self.line = None if self.line is None else self.line + text[start:]
+                return piece
+            self.line, start = "", newline + 1

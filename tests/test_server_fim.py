@@ -141,3 +141,35 @@ def test_a_model_without_fim_tokens_says_so(chat_pair, tmp_path):
         assert suffix.status_code == 400 and suffix.json()["error"]["code"] == "fim_not_supported"
         plain = post(running, "/v1/completions", {"prompt": "x", "suffix": "", "max_tokens": 2})
         assert plain.status_code == 200  # an empty suffix asks for nothing
+
+
+def test_line_limits_cut_where_llama_server_does():
+    from ggufspec.stops import LineLimits
+    now = [0.0]
+
+    def out(texts, **limits):
+        line_limits, kept = LineLimits(clock=lambda: now[0], **limits), []
+        for text in texts:
+            kept += [p["text"] for p in line_limits.apply([{"text": text}])]
+            now[0] += 1.0
+            if line_limits.stopped:
+                break
+        return "".join(kept), line_limits.stopped
+    # a line less indented than n_indent ends it, its indentation kept; the first line is never checked
+    assert out(["x = 1", "\n    y", " = 2\n", "  \n", "z = 3\n"], n_indent=4) == ("x = 1\n    y = 2\n  \n", True)
+    assert out(["    a\n    b\nc\n"], n_indent=4) == ("    a\n    b\n", True)
+    assert out(["    a\n", "\t\t\tb\n"], n_indent=2) == ("    a\n\t\t\tb\n", False)
+    # past the time limit, at the next piece holding a newline, that piece included
+    assert out(["a", "b\n", "c", "d", "e\nf", "g\n"], time_limit_s=2.5) == ("ab\ncde\nf", True)
+
+
+def test_infill_follows_the_editor_plugins_limits(server):
+    indented = post(server, "/infill", {"input_prefix": "x", "input_suffix": "y", "n_predict": 30, "n_indent": 4,
+                                        "grammar": 'root ::= "    a\\n    b\\nc\\n"'}).json()
+    assert (indented["content"], indented["stop_type"]) == ("    a\n    b\n", "limit")
+    timed = post(server, "/infill", {"input_prefix": "x", "input_suffix": "y", "n_predict": 200, "t_max_predict_ms": 1,
+                                     "grammar": 'root ::= ("ab\\n")+'}).json()
+    assert timed["stop_type"] == "limit" and timed["content"].endswith("\n") and timed["tokens_predicted"] < 200
+    whole = post(server, "/infill", {"input_prefix": "x", "input_suffix": "y", "n_predict": 12,
+                                     "grammar": 'root ::= ("ab\\n")+'}).json()
+    assert whole["tokens_predicted"] == 12  # no limits asked: none applied

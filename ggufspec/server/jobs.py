@@ -20,7 +20,7 @@ from .. import tools as toolkit
 from ..errors import CacheFullError, ContextFullError, GgufspecError
 from ..checks import check_token_ids
 from ..stats import Stats
-from ..stops import StopFilter
+from ..stops import LineLimits, StopFilter
 from .choices import logprob_entry
 from .constraints import Shaping, engine_constraints
 from .errors import APIError
@@ -43,7 +43,7 @@ class Job:
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                  options: dict, stops: list[str], shape: Shaping | None = None, n: int = 1,
-                 fit_to_context: bool = False, prefill: str = ""):
+                 fit_to_context: bool = False, prefill: str = "", line_limits: dict | None = None):
         self.prompt, self.messages, self.options, self.stops = prompt, messages, options, stops
         self.prefill = prefill  # the start of the assistant's answer, which it continues (Anthropic's prefill)
         # max_tokens as a ceiling that the context lowers, not a demand it refuses (Anthropic's
@@ -57,6 +57,7 @@ class Job:
         self.progressed_at = time.monotonic()  # the last token or event (a hung RPC worker stops them)
         self.stop_sequence: str | None = None  # the stop string that ended the last choice, if one did
         self.started = False  # "started" sent (once: a prompt that found no room starts again)
+        self.line_limits = line_limits  # stops.LineLimits' keywords (/infill's n_indent, t_max_predict_ms)
         self.choices_done = 0
 
     def emit(self, kind: str, value: Any = None) -> None:
@@ -207,7 +208,7 @@ class Engine:
             job.started = True
             job.emit("started", len(tokens))
         try:
-            stopped = relay(stream, stats, job, index, pieces)
+            ended_by = relay(stream, stats, job, index, pieces)
         finally:
             stream.close()  # the engine keeps its caches consistent; the next prompt reuses them
         if self._stopping and job.cancelled.is_set():
@@ -215,8 +216,8 @@ class Engine:
             # (a stream has its tokens already; an answer not streamed is a 503 to retry elsewhere)
             raise shutting_down()
         result = dataclasses.replace(stats)
-        if stopped:
-            result.stop_reason = "stop"
+        if ended_by:  # a stop string, or a line limit (llama-server's stop_type "limit")
+            result.stop_reason = {"stop": "stop", "limit": "n_predict"}[ended_by]
         # in the slot's turn, the only one that changes the decoder's measured costs
         estimate = time_estimate(decoder, options.get("drafter", "model"), result)
         job.choices_done += 1
@@ -293,10 +294,11 @@ class PieceMaker:
         return made
 
 
-def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> bool:
-    """The decoder's pieces to the job's events until a stop string, the end, or a cancel; whether
-    a stop string ended it."""
+def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> str | None:
+    """The decoder's pieces to the job's events until a stop string, a line limit, the end, or a
+    cancel; "stop" where a stop string ended it, "limit" where a line limit did (`job.line_limits`)."""
     stop_filter, steps = StopFilter(job.stops), StepTracker(stats)
+    limits = LineLimits(**job.line_limits) if job.line_limits else None
     make = make or (lambda piece, tracker: tracker.annotate(piece))
     for n_pieces, piece in enumerate(stream):
         job.progressed_at = time.monotonic()  # a token, whether or not a stop string holds it back
@@ -305,15 +307,20 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> bool:
         if n_pieces == 0 and index == 0:  # the first token: the prompt has been evaluated
             job.emit("prompt", prompt_info(stats))
         released = stop_filter.push(make(piece, steps))
+        if limits is not None:
+            released = limits.apply(released)
         if released:
             job.emit("pieces", (index, released))
+        if limits is not None and limits.stopped:
+            return "limit"
         if stop_filter.stopped:
             job.stop_sequence = stop_filter.matched
-            break
+            return "stop"
     else:
         if stop_filter.pending:
-            job.emit("pieces", (index, stop_filter.flush()))
-    return stop_filter.stopped
+            held = stop_filter.flush()
+            job.emit("pieces", (index, limits.apply(held) if limits is not None else held))
+    return None
 
 
 def chat_prompt(decoder, messages: list[dict], shape: Shaping) -> str:

@@ -92,6 +92,8 @@ class NativeBody(CompletionBody):
     input_prefix: str | None = None
     input_suffix: str | None = None
     input_extra: list[InfillFile] = Field(default_factory=list)
+    n_indent: int = Field(0, ge=0)  # a line less indented than this ends the answer (stops.LineLimits)
+    t_max_predict_ms: int | None = None  # past this, the answer ends at the next newline (<= 0: no limit)
 
 
 class ContentPart(Strict):

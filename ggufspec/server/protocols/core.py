@@ -95,7 +95,8 @@ class Serving:
         return shaping(body, self.tool_format, self.decoder.target.n_vocab)
 
     async def submit(self, body: GenerationBody, prefill: str = "", names: dict | None = None, *,
-                     prompt: str | list[int] | None = None, n: int = 1, fit_to_context: bool = True) -> Job:
+                     prompt: str | list[int] | None = None, n: int = 1, fit_to_context: bool = True,
+                     line_limits: dict | None = None) -> Job:
         """The request as a job on the engine; a bad value raises APIError 400, the fields it names
         renamed by `names` (chat's to the protocol's). The job renders `body.messages` through the chat
         template, or takes `prompt` as it is (/v1/completions); `n` choices one after another (OpenAI's
@@ -107,7 +108,8 @@ class Serving:
             return {"options": request_options(body, self.defaults), "stops": stop_strings(body.stop),
                     "shape": self.shape(body), **source}
         try:
-            job = Job(**await asyncio.to_thread(prepared), n=n, fit_to_context=fit_to_context, prefill=prefill)
+            job = Job(**await asyncio.to_thread(prepared), n=n, fit_to_context=fit_to_context, prefill=prefill,
+                      line_limits=line_limits)
         except APIError as exc:
             for chat_name, name in (names or {}).items():
                 exc.message = exc.message.replace(chat_name, name)

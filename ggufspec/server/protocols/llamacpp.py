@@ -5,6 +5,7 @@ the answer is its native object, not OpenAI's: content, tokens, stop, stop_type,
 tokens_predicted / tokens_evaluated / tokens_cached, generation_settings, timings, and
 completion_probabilities where n_probs asks. Streamed, one `data:` object per step's pieces
 (stop: false), then the whole object with empty content and stop: true; no [DONE], as llama-server.
+Its editor plugins' limits hold too: `n_indent` and `t_max_predict_ms` (stops.LineLimits).
 
 /infill builds the fill-in-the-middle prompt (ggufspec.fim) from input_prefix, input_suffix,
 input_extra and prompt, as llama-server does, and is then a /completion of those tokens: drafted,
@@ -51,7 +52,10 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
 async def answer(serving: Serving, request: Request, body: NativeBody, prompt: str | list[int]):
     """llama-server's answer: n_predict as a ceiling the context lowers, not a demand it refuses."""
     serving.check_model(body.model)
-    job = await serving.submit(body, prompt=prompt, fit_to_context=True)
+    limits = {"n_indent": body.n_indent,
+              "time_limit_s": body.t_max_predict_ms / 1000 if body.t_max_predict_ms and body.t_max_predict_ms > 0 else None}
+    job = await serving.submit(body, prompt=prompt, fit_to_context=True,
+                               line_limits=limits if body.n_indent or limits["time_limit_s"] else None)
     reply = NativeReply(serving, job, body, prompt)
     return await answer_or_stream(job, request, body.stream, lambda n_prompt: reply.whole(request, n_prompt),
                                   reply.events)
