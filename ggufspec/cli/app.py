@@ -32,6 +32,32 @@ def friendly_errors(command):
     return wrapper
 
 
+def utf8_text(option: str, text: str | None) -> str | None:
+    """`text` as given, refused in one line when it is no UTF-8: argv bytes that are not UTF-8 reach
+    Python as lone surrogates (surrogateescape), which would fail later, as a traceback, at tokenizing."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GgufspecError(f"{option} is not UTF-8 text ({_bad_byte(text[exc.start])}); give it in UTF-8 (iconv "
+                            f"-f latin1 -t utf-8 converts Latin-1)") from None
+    return text
+
+
+def not_utf8_file(option: str, name: str, exc: UnicodeDecodeError) -> GgufspecError:
+    """The one-line error for a file that is no UTF-8 text."""
+    return GgufspecError(f"{option}: {name} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); save it as "
+                         f"UTF-8 (iconv -f latin1 -t utf-8 FILE converts Latin-1)")
+
+
+def _bad_byte(char: str) -> str:
+    try:
+        return f"byte 0x{char.encode('utf-8', 'surrogateescape').hex()}"
+    except UnicodeEncodeError:  # a lone surrogate that no byte stands for
+        return f"character U+{ord(char):04X}"
+
+
 def os_error_line(exc: OSError) -> str:
     from ..home import home
     paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)

@@ -11,6 +11,7 @@ import click
 
 from ..errors import GgufspecError
 from ..processing import Constraints
+from .app import not_utf8_file, utf8_text
 
 _BIAS = re.compile(r"^(\d+)([+-].+)$")  # llama.cpp's TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 2-inf
 
@@ -61,10 +62,13 @@ def _grammar(grammar: str | None, grammar_file, json_schema: str | None) -> str 
     if len(given) > 1:
         raise GgufspecError(f"choose one of {', '.join(given)}")
     if grammar_file is not None:
-        return Path(grammar_file).read_text(encoding="utf-8")
+        try:
+            return Path(grammar_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise not_utf8_file("--grammar-file", grammar_file, exc) from None
     if json_schema is not None:
-        return schema_grammar(json_schema, "--json-schema")
-    return grammar
+        return schema_grammar(utf8_text("--json-schema", json_schema), "--json-schema")
+    return utf8_text("--grammar", grammar)
 
 
 def schema_grammar(schema: str, where: str) -> str:

@@ -10,7 +10,7 @@ import click
 
 from ..errors import GgufspecError
 from ..terminal import shown
-from .app import friendly_errors, main
+from .app import friendly_errors, main, utf8_text
 from .options import (RenamedOption, check_defaults, generation_options, model_options, open_session, parse_draft,
                       read_prompt, stream_options)
 
@@ -31,6 +31,7 @@ def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
     text = read_prompt(prompt, prompt_file, escape)
     if system is not None and not chat:
         raise GgufspecError("--system is the chat template's system message: give --chat too")
+    utf8_text("--system", system)
     check_defaults(opts)  # a bad --draft, --temp or constraint fails before loading anything
     with open_session(opts) as session:
         decoder = session.decoder
@@ -305,6 +306,7 @@ def chat(system, color, **opts):
     A statistics line per answer goes to stderr.
     """
     from ..terminal import chat_session
+    utf8_text("--system", system)
     check_defaults(opts)
     with open_session(opts) as session:
         chat_session(session.decoder, stream_options(opts), system, color)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -111,6 +112,7 @@ def list_(remote, as_json):
     """Pairs and models in models.toml, their sizes, and whether they are on disk."""
     from .. import store
     from ..registry import load_registry
+    from . import stored
     registry = load_registry()
     sizes = _sizes(registry, remote)
     models = {name: {"repo": m.repo, "files": list(m.files), "size": sizes[name],
@@ -122,8 +124,11 @@ def list_(remote, as_json):
                     "default": name == registry.default,
                     "on_disk": models[p.target]["on_disk"] and models[p.draft]["on_disk"]}
              for name, p in registry.pairs.items()}
+    others, partial = stored.other_models(registry), stored.partial_downloads(registry)
     if as_json:
-        click.echo(json.dumps({"default": registry.default, "pairs": pairs, "models": models}, indent=2))
+        click.echo(json.dumps({"default": registry.default, "pairs": pairs, "models": models, "other_models": others,
+                               "partial_downloads": {"bytes": sum(p["bytes"] for p in partial), "files": partial}},
+                              indent=2))
         return
     click.echo("PAIRS")
     for name, p in pairs.items():
@@ -134,41 +139,116 @@ def list_(remote, as_json):
     for name, m in models.items():
         size = store.human_size(m["size"]) if m["size"] else store.size_label(registry.models[name])
         click.echo(f"  {name:<38} {size:>20}  {'on disk' if m['on_disk'] else ''}")
+    _print_unlisted(others, partial)
     click.echo("\n* default pair")
+
+
+def _print_unlisted(others: dict, partial: list[dict]) -> None:
+    """The files no registry entry names (pulled by hub reference), and the downloads left unfinished."""
+    from .. import store
+    if others:
+        click.echo("\nOTHER MODELS (pulled by hub reference; not in models.toml)")
+        for ref, m in others.items():
+            click.echo(f"  {ref:<38} {store.human_size(m['size']):>20}  on disk")
+    if partial:
+        click.echo(f"\nPARTIAL DOWNLOADS ({store.human_size(sum(p['bytes'] for p in partial))}: `ggufspec pull NAME` "
+                   f"resumes, `ggufspec rm NAME` deletes)")
+        for p in partial:
+            click.echo(f"  {p['name']:<38} {store.human_size(p['bytes']):>20}")
 
 
 @main.command()
 @click.argument("name")
 @friendly_errors
 def rm(name):
-    """Delete a pair's or model's files from the cache."""
+    """Delete a pair's or model's files from the cache (what `list` shows). A model another pair on disk
+    also uses is kept when a pair is removed; named alone, it is removed."""
     from .. import store
-    on_disk = [entry for entry in _model_entries(name) if store.files_on_disk(entry)]
-    if not on_disk:
-        raise GgufspecError(f"{name}: nothing of it is on disk, so nothing was removed (`ggufspec list` shows what is)")
-    for entry in on_disk:
+    from ..registry import load_registry
+    from . import stored
+    registry = load_registry()
+    others = stored.other_models(registry)
+    if name in others and not name.startswith("hf://"):  # a file put there by hand, named by its path as in `list`
+        return _remove_paths(name, [Path(p) for p in others[name]["files"]])
+    entries = list({entry.name: entry for entry in _model_entries(name)}.values())  # a pair may be one model twice
+    on_disk = [entry for entry in entries if store.files_on_disk(entry)]
+    removable = on_disk
+    if name in registry.pairs:  # a model that another pair on disk uses is not this pair's alone
+        removable = [entry for entry in on_disk if not _kept(registry, name, entry.name)]
+    if not removable:
+        kept = " but what other pairs use" if on_disk else ""
+        raise GgufspecError(f"{name}: nothing of it is on disk{kept}, so nothing was removed "
+                            f"(`ggufspec list` shows what is)")
+    for entry in removable:
         freed = store.remove(entry)
         click.echo(f"{entry.name}: removed {store.human_size(freed)}")
+        if name not in registry.pairs:
+            for pair, role in stored.pairs_using(registry, entry.name):
+                click.echo(f"ggufspec: note: {pair} has no {role} on disk now (`ggufspec pull {pair}` brings it back)",
+                           err=True)
+
+
+def _kept(registry, pair: str, model: str) -> bool:
+    """Whether `rm PAIR` keeps `model`, because another pair on disk uses it (said on stderr)."""
+    from . import stored
+    users = stored.pairs_using(registry, model, besides=pair)
+    if users:
+        click.echo(stored.kept_line(model, users), err=True)
+    return bool(users)
+
+
+def _remove_paths(name: str, paths: list[Path]) -> None:
+    from .. import store
+    freed = 0
+    for path in paths:
+        freed += path.stat().st_size
+        path.unlink()
+    click.echo(f"{name}: removed {store.human_size(freed)}")
 
 
 def _shapes_for(pair, model, model_draft):
-    """Model shapes from local files, or from registry entries (headers over HTTP when not on disk)."""
-    from .. import plan as planner
-    from .. import store
-    if model is not None:
-        return planner.read_shape(model), (planner.read_shape(model_draft) if model_draft else None)
+    """(target shape, draft shape or None, (target path, draft path) where both are on disk, else
+    (None, None)): from -m/-md (paths or hub references, as `run` takes them) or a registry pair.
+    What is not on disk is read from its header over HTTP (range requests), never downloaded."""
+    from ..plan import speculation as S
+    if model is None:
+        if model_draft is not None:  # as run and bench refuse it, not a silent plan of the default pair
+            raise GgufspecError("-md needs -m (the target it drafts for); a PAIR name brings its own draft")
+        return (*_pair_shapes(pair), S.local_pair_paths(pair, None, None))
+    if pair is not None:
+        raise GgufspecError("give a PAIR name or -m/-md files, not both")
+    target, target_path = _given_shape(model)
+    draft, draft_path = _given_shape(model_draft) if model_draft else (None, None)
+    return target, draft, (target_path, draft_path) if target_path and draft_path else (None, None)
+
+
+def _pair_shapes(pair):
     from ..registry import load_registry
     registry = load_registry()
     p = registry.pair(pair)
-    shapes = []
-    for name in (p.target, p.draft):
-        entry = registry.model(name)
-        if store.is_complete(entry):
-            shapes.append(planner.read_shape(store.final_path(entry, entry.first_file), name))
-        else:
-            remote = store.remote_files(entry)[0]
-            shapes.append(planner.read_remote_shape(remote.url, remote.size or entry.size, name))
-    return shapes[0], shapes[1]
+    return tuple(_entry_shape(registry.model(name), name)[0] for name in (p.target, p.draft))
+
+
+def _given_shape(arg: str):
+    """A -m/-md model's (shape, local path or None): a GGUF path, or a hub reference resolved as
+    `run -m` resolves it (`store.entry_from_reference`), its header read where the file is."""
+    from .. import plan as planner
+    from .. import store
+    entry = None if Path(arg).exists() else store.entry_from_reference(arg)
+    if entry is None:
+        return planner.read_shape(arg), arg
+    return _entry_shape(entry, arg)
+
+
+def _entry_shape(entry, name: str):
+    """A store entry's (shape, local path or None): from the cache, else its header over HTTP."""
+    from .. import plan as planner
+    from .. import store
+    if store.is_complete(entry):
+        path = str(store.final_path(entry, entry.first_file))
+        return planner.read_shape(path, name), path
+    remote = store.remote_files(entry)[0]
+    return planner.read_remote_shape(remote.url, remote.size or entry.size, name), None
 
 
 @main.command(name="plan")
@@ -201,11 +281,11 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     from ..simulate import merged
     if rpc_mem and not rpc:
         raise GgufspecError("--rpc-mem declares the memory of --rpc's workers: give --rpc too")
-    target, draft = _shapes_for(pair, model, model_draft)
+    target, draft, local_paths = _shapes_for(pair, model, model_draft)
     if rpc:
         return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
     gpu, host = memory_devices(vram, ram)
-    target_path, draft_path = S.local_pair_paths(pair, model, model_draft) if draft is not None else (None, None)
+    target_path, draft_path = local_paths if draft is not None else (None, None)
     traces = S.pair_traces(target_path, draft_path, trace_files) if draft is not None else []
     warnings: list[str] = []
     measured = None

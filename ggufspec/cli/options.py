@@ -9,6 +9,7 @@ import click
 from ..errors import GgufspecError
 from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import SamplingParams  # the sampling defaults, in one place
+from .app import not_utf8_file, utf8_text
 from .constraint_options import constraint_options, constraints_from
 
 
@@ -86,7 +87,7 @@ def generation_options(n_predict: int):
         click.option("--top-k", default=SamplingParams.top_k, help="Top-k (0: off)."),
         click.option("--top-p", default=SamplingParams.top_p, help="Top-p (1: off)."),
         click.option("--min-p", default=SamplingParams.min_p, help="Min-p (0: off)."),
-        click.option("-s", "--seed", type=int, default=None, help="Sampling seed [default: random]."),
+        click.option("-s", "--seed", type=int, default=None, help="Sampling seed (-1: random) [default: random]."),
         *constraint_options(),
     )
 
@@ -124,7 +125,14 @@ def stream_options(opts: dict) -> dict:
             "draft_max": opts.pop("draft_max"), "draft_min": opts.pop("draft_min"),
             "draft_p_min": opts.pop("draft_p_min"), "drafter": "lookup" if lookup else "hybrid" if hybrid else "model",
             "temperature": opts.pop("temperature"), "top_k": opts.pop("top_k"), "top_p": opts.pop("top_p"),
-            "min_p": opts.pop("min_p"), "seed": opts.pop("seed"), "constraints": constraints_from(opts)}
+            "min_p": opts.pop("min_p"), "seed": parse_seed(opts.pop("seed")), "constraints": constraints_from(opts)}
+
+
+def parse_seed(seed: int | None) -> int | None:
+    """-s: a fixed seed, or None (random per generation) for -1, as llama.cpp and serve's requests take it."""
+    if seed is not None and seed < -1:
+        raise GgufspecError(f"-s/--seed must be >= 0 (or -1 for a random one), got {seed}")
+    return None if seed == -1 else seed
 
 
 def parse_draft(value: str):
@@ -138,24 +146,42 @@ def parse_draft(value: str):
 
 def check_defaults(opts: dict) -> None:
     """Sampling and draft defaults that would fail every request fail at start instead."""
-    SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], opts["seed"])
+    SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], parse_seed(opts["seed"]))
     if opts.get("lookup") and opts.get("hybrid"):
         raise GgufspecError("choose one of --lookup and --hybrid")
     constraints_from(dict(opts))  # a bad bias, penalty or grammar flag (the grammar itself is parsed at load)
     n_draft = parse_draft(opts["n_draft"])
     if n_draft != "auto" and n_draft < 0:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
+    check_draft_flags(opts, n_draft)
     if opts["n_predict"] == 0 or opts["n_predict"] < -1:
         raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {opts['n_predict']}")
+
+
+def check_draft_flags(opts: dict, n_draft) -> None:
+    """Drafting flags that contradict each other fail in one line, rather than one silently winning."""
+    if opts.get("no_draft") and n_draft not in ("auto", 0):
+        raise GgufspecError(f"--no-draft runs the target alone, --draft {n_draft} drafts: give one of them")
+    largest, flag = (opts["draft_max"], "--spec-draft-n-max") if n_draft == "auto" else (n_draft, "--draft")
+    if n_draft != 0 and opts["draft_min"] > largest:
+        raise GgufspecError(f"--spec-draft-n-min {opts['draft_min']} is above {flag} {largest}: no draft would "
+                            f"ever be verified; lower --spec-draft-n-min or raise {flag}")
 
 
 def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:
     if prompt is not None and prompt_file is not None:
         raise GgufspecError("give the prompt with -p or -f, not both")
-    text = prompt_file.read() if prompt_file is not None else prompt
+    text = _read_file(prompt_file) if prompt_file is not None else utf8_text("-p/--prompt", prompt)
     if text is None:
         raise GgufspecError("no prompt: give one with -p TEXT or -f FILE")
     return process_escapes(text) if escape else text
+
+
+def _read_file(prompt_file) -> str:
+    try:
+        return prompt_file.read()
+    except UnicodeDecodeError as exc:
+        raise not_utf8_file("-f/--file", prompt_file.name, exc) from None
 
 
 def process_escapes(text: str) -> str:

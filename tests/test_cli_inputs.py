@@ -1,0 +1,99 @@
+"""Input the command line refuses in one line (exit code 2) instead of a traceback or a silent choice:
+text that is no UTF-8, -s below -1, contradictory drafting flags; and -s -1 as llama.cpp means it."""
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ggufspec.cli import main
+from ggufspec.speculate import SpeculativeDecoder
+
+
+def run(tiny_pair, *flags):
+    target, draft = tiny_pair
+    return CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-n", "4", "-c", "128", "-t", "1",
+                                     *flags])
+
+
+def one_line_error(result, *words):
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    line = result.stderr.strip()
+    assert line.startswith("ggufspec: error:") and "\n" not in line, result.stderr
+    for word in words:
+        assert word in line, line
+
+
+def test_a_prompt_file_that_is_not_utf8(tiny_pair, tmp_path):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"caf\xe9\n")
+    one_line_error(run(tiny_pair, "-f", str(latin1)), "-f/--file", "latin1.txt", "not UTF-8", "0xe9")
+
+
+def test_a_grammar_file_that_is_not_utf8(tiny_pair, tmp_path):
+    grammar = tmp_path / "bad.gbnf"
+    grammar.write_bytes(b'root ::= "\xe9"\n')
+    one_line_error(run(tiny_pair, "-p", "hi", "--grammar-file", str(grammar)), "--grammar-file", "not UTF-8")
+
+
+@pytest.mark.parametrize("flags, option", [
+    (["-p", "caf\udce9"], "-p/--prompt"),                     # how Python hands over argv bytes that are no UTF-8
+    (["-p", "hi", "--chat", "--system", "\udce9"], "--system"),
+    (["-p", "hi", "--grammar", 'root ::= "\udce9"'], "--grammar"),
+    (["-p", "hi", "-j", '{"const": "\udce9"}'], "--json-schema"),
+])
+def test_argv_text_that_is_not_utf8(tiny_pair, flags, option):
+    one_line_error(run(tiny_pair, *flags), option, "not UTF-8", "0xe9")
+
+
+def test_argv_bytes_that_are_not_utf8_from_a_shell(tiny_pair):
+    """The real thing: a shell passing -p $'caf\\xe9' to the command."""
+    target, draft = tiny_pair
+    done = subprocess.run([sys.executable, "-m", "ggufspec.cli", "run", "-m", str(target), "-md", str(draft),
+                           "-n", "2", "-t", "1", "-p", b"caf\xe9"], capture_output=True,
+                          env={**os.environ, "LC_ALL": "C.UTF-8"}, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.decode(errors="replace").strip().count("\n") == 0
+    assert b"-p/--prompt is not UTF-8 text" in done.stderr
+
+
+def test_chat_system_that_is_not_utf8(tiny_pair):
+    target, draft = tiny_pair
+    result = CliRunner().invoke(main, ["chat", "-m", str(target), "-md", str(draft), "--system", "\udce9"], input="")
+    one_line_error(result, "--system", "not UTF-8")
+
+
+def test_seed_minus_one_is_random(tiny_pair, monkeypatch):
+    seeds = []
+    stream = SpeculativeDecoder.stream
+
+    def recording(self, prompt, **options):
+        seeds.append(options.get("seed"))
+        return stream(self, prompt, **options)
+    monkeypatch.setattr(SpeculativeDecoder, "stream", recording)
+    for seed in ("-1", "7"):
+        result = run(tiny_pair, "-p", "hi", "-s", seed, "--temp", "1.5", "--json")
+        assert result.exit_code == 0, result.output
+    assert seeds == [None, 7]  # None: a random seed per generation, as without -s
+
+
+def test_seed_below_minus_one_is_refused(tiny_pair):
+    one_line_error(run(tiny_pair, "-p", "hi", "-s", "-2"), "-s/--seed", "-1 for a random one")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--no-draft", "--draft", "3"], ["--no-draft", "--draft 3"]),
+    (["--spec-draft-n-min", "5", "--spec-draft-n-max", "2"], ["--spec-draft-n-min 5", "--spec-draft-n-max 2"]),
+    (["--draft", "2", "--draft-min", "3"], ["--spec-draft-n-min 3", "--draft 2"]),
+])
+def test_contradictory_drafting_flags(tiny_pair, flags, words):
+    one_line_error(run(tiny_pair, "-p", "hi", *flags), *words)
+
+
+@pytest.mark.parametrize("flags", [["--no-draft"], ["--no-draft", "--draft", "0"],
+                                   ["--spec-draft-n-min", "2", "--spec-draft-n-max", "2"]])
+def test_consistent_drafting_flags_still_run(tiny_pair, flags):
+    result = run(tiny_pair, "-p", "hi", "--json", *flags)
+    assert result.exit_code == 0, result.output
