@@ -56,7 +56,8 @@ def record(session_id: str, out: str, threads: int) -> None:
                 messages.append({"role": "user", "content": turn["user"]})
             prompt = load.render_chat(decoder.target_llm, messages, tools=script["tools"])
             answer = decoder.generate(prompt, n_predict=turn["max_tokens"], n_draft="auto", drafter="lookup")
-            turns.append({"prompt": decoder.tokenize(prompt), "answer": answer.tokens})
+            turns.append({"prompt": decoder.tokenize(prompt), "answer": answer.tokens, "max_tokens": turn["max_tokens"],
+                          "ended": answer.stats.stop_reason == "eos"})
             messages.append({"role": "assistant", "content": answer.text})
     Path(out).write_text(json.dumps(turns))
 
@@ -153,9 +154,9 @@ class NgramMod:
 # Qwen2.5's <|im_end|>: a recorded answer that ended on its own ended with it. The replay appends it, so
 # that a draft running past an answer's end is verified and rejected as it is live (a replay that cut
 # proposals at the answer's end, telling the policy where the answer ends, flattered every policy by
-# 2-7%); and the policy's room is max_tokens, not what is left of the answer.
+# 2-7%); and the policy's room is what max_tokens leaves, not what is left of the answer.
 END_OF_TURN = 151645
-ROOM = 512
+ROOM = 512  # a recording without its turns' max_tokens
 
 
 def ended(turns: list[dict]) -> list[dict]:
@@ -169,7 +170,8 @@ def replay(turns: list[dict], T, propose, observe=lambda k, kept, seconds, state
         sequence, answer, i = list(turn["prompt"]), turn["answer"], 0
         start = propose.start() if hasattr(propose, "start") else None
         while i < len(answer):
-            proposals = propose(sequence, ROOM - i - 1, start)[:ROOM - i - 1]
+            room = max(0, turn.get("max_tokens", ROOM) - i - 1)  # what the engine would allow
+            proposals = propose(sequence, room, start)[:room]
             kept = 0
             while kept < len(proposals) and i + kept < len(answer) and proposals[kept] == answer[i + kept]:
                 kept += 1

@@ -15,8 +15,8 @@ def check_generation_args(n_prompt: int, n_ctx: int, n_draft: int, n_predict: in
                                 + f", got {value!r}")
     if n_draft < 0:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
-    if n_predict == 0 or n_predict < -1:
-        raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {n_predict}")
+    if n_predict < -1:  # 0: the prompt alone, into the cache (llama-server's n_predict 0)
+        raise GgufspecError(f"-n/--n-predict must be >= 0 (0: the prompt only; -1: no limit), got {n_predict}")
     if n_prompt == 0:
         raise GgufspecError("the prompt is empty")
     if n_prompt >= n_ctx:

@@ -378,7 +378,10 @@ def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy, process:
     drafter, controller = draft, FixedK(policy.k)
     if policy.auto:
         process = process or Process(curve)
-        ngram = LookupDrafter(1 << 31, process.pool if process.pool is not None else NgramPool())
+        # copies end at an end of turn as the engine's do; the trace knows one end marker: its own last token
+        ends = {trace.tokens[-1]} if trace.eos and trace.tokens else set()
+        ngram = LookupDrafter(1 << 31, process.pool if process.pool is not None else NgramPool(),
+                              is_end=ends.__contains__)
         drafter = controller = AutoDrafting(ngram, draft, process.costs, policy.k_max)
     params, out = SamplingParams(temperature=0.0), Replay()
     # the prompt's own batch decides the first token (speculate._prefill): the steps start after it

@@ -58,6 +58,10 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     draft_ctx = drafter.context if drafter is not None else None
     guide = judge.draft_guide()  # the request's constraints over the proposals too (more of them kept)
     _prefill(target, draft_ctx, tokens, stats, reuse_cache)
+    if max_tokens == 0:  # the prompt alone, into the caches (an editor warming them): nothing decided
+        stats.stop_reason = "n_predict"
+        judge.close()
+        return
     started = time.perf_counter()
     n_generated = 0
     try:
@@ -402,7 +406,7 @@ class SpeculativeDecoder:
                                 placement=dict(self.placement or {}), id_slot=getattr(self, "id_slot", 0))
         if adaptive and chosen is not None:
             self.last_stats.costs = costs.summary()
-        max_tokens = n_predict if n_predict > 0 else self.n_ctx
+        max_tokens = n_predict if n_predict >= 0 else self.n_ctx
         judge = TargetJudge(self.target, params, constraints, logprobs)
         return speculative_steps(self.target, chosen, tokens, controller=controller, judge=judge,
                                  max_tokens=max_tokens, stats=self.last_stats, reuse_cache=cache_prompt)

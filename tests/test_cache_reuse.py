@@ -34,6 +34,19 @@ def test_a_growing_conversation_evaluates_only_what_is_new(tiny_pair):
         assert again.tokens == out3.tokens
 
 
+def test_n_predict_0_puts_the_prompt_alone_into_the_caches(tiny_pair):
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1, strict=True) as decoder:
+        prompt = prompts(1, seed=5)[0]
+        warm = decoder.generate(prompt, n_predict=0, n_draft=3)
+        assert (warm.tokens, warm.stats.stop_reason, warm.stats.n_prompt) == ([], "n_predict", len(prompt))
+        after = decoder.generate(prompt, n_predict=16, n_draft=3)
+        assert after.stats.n_prompt_cached == len(prompt) - 1
+        check_identity(target, prompt, after, decoder.n_ctx)
+        with pytest.raises(GgufspecError, match="n-predict must be >= 0"):
+            decoder.generate(prompt, n_predict=-2)
+
+
 def test_cache_prompt_false_evaluates_the_prompt_whole_and_answers_the_same(tiny_pair):
     target, draft = tiny_pair
     with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1, strict=True) as decoder:

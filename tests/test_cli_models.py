@@ -94,6 +94,14 @@ def test_rm_the_shared_model_by_name_removes_it(ggufspec_home):
     assert not on_disk(registry, "d")
 
 
+def test_rm_a_registry_models_file_by_hub_reference_says_which_pair_it_breaks(ggufspec_home):
+    registry = shared_draft_home(ggufspec_home, "t1", "d")
+    result = CliRunner().invoke(main, ["rm", "hf://org/d-GGUF/d.gguf"])
+    assert result.exit_code == 0, result.output
+    assert "removed" in result.stdout and "p1 has no draft on disk now" in result.stderr
+    assert not on_disk(registry, "d")
+
+
 def test_list_shows_models_pulled_by_hub_reference_and_partial_downloads(hub, ggufspec_home, tiny_pair, tmp_path):
     data = tiny_pair[0].read_bytes()
     hub.state.add("org/tiny-GGUF", "tiny-F32.gguf", data)

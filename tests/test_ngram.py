@@ -44,6 +44,11 @@ def test_a_copy_ends_at_its_sources_end_of_turn():
     assert NgramDrafter(500, None).candidate(tokens, 6).tokens == [32, 33, 2, 40, 41, 1]  # without the test
     drafter.candidate(tokens, 6)
     assert sorted(asked) == [2, 32, 33]  # each token asked once: the native call is cached
+    # a copy from the pool (an earlier request's text) ends there too
+    pool = NgramPool(1 << 12)
+    NgramDrafter(500, pool).candidate(list(range(300, 310)) + [2] + list(range(400, 410)), 4)
+    found = NgramDrafter(500, pool, is_end=lambda t: t == 2).candidate([1, 7] + list(range(300, 308)), 8)
+    assert found.source == "pool" and found.tokens == [308, 309, 2]
 
 
 def test_the_pool_drafts_what_an_earlier_request_said():

@@ -66,11 +66,41 @@ def test_the_prompt_is_llama_servers_format(decoder):
     # the window keeps what is nearest the cursor: the prefix's end, the suffix's start
     long_prefix, long_suffix = "the cat " * 2000, "the dog " * 2000
     trimmed = fim.fim_prompt(decoder, long_prefix, long_suffix)
-    assert len(trimmed) <= N_CTX + 3
+    assert len(trimmed) <= N_CTX - 2 * fim.MIDDLE_ROOM  # the middle keeps its room
+    window = N_CTX - 2 * fim.MIDDLE_ROOM - 4
     middle = trimmed.index(fim_ids["suf"])
-    assert trimmed[2:middle] == text(long_prefix)[-(3 * N_CTX // 4):]
+    assert trimmed[2:middle] == text(long_prefix)[-(3 * (window // 4)):]
     # other files go first, as far as the context has room past the window (none at this context)
     assert fim.fim_prompt(decoder, PREFIX, SUFFIX, extra=EXTRA) == fim.fim_prompt(decoder, PREFIX, SUFFIX)
+
+
+class StubDecoder:
+    """A decoder with a big context and a model's FIM tokens (a character a token), for fim_prompt alone."""
+
+    def __init__(self, n_ctx: int, repository: bool):
+        self.n_ctx = n_ctx
+        ids = {"pre": -1, "suf": -2, "mid": -3, "rep": -4 if repository else None, "sep": -5 if repository else None}
+        self.target = type("Target", (), {"fim_tokens": lambda _: ids})()
+        model = type("Model", (), {"add_bos_token": lambda _: False})()
+        self.target_llm = type("Llm", (), {"tokenize": lambda _, b, add_bos, special: list(b), "_model": model})()
+
+
+@pytest.mark.parametrize("repository", [True, False])
+def test_other_files_fill_what_the_window_and_the_middle_leave(repository):
+    decoder = StubDecoder(8192, repository)
+    extra = [{"filename": "a.py", "text": "A" * 3000}, {"filename": "b.py", "text": "B" * 3000}]
+    tokens = fim.fim_prompt(decoder, "p" * 5000, "s" * 1000, prompt="q", extra=extra)
+    others, rest = tokens[:tokens.index(-1)], tokens[tokens.index(-1):]
+    room = 8192 - (2 * fim.MIDDLE_ROOM + 4) - fim.FIM_WINDOW
+    whole = (([-4, *b"myproject\n"] if repository else []) + sum(
+        (([-5, *f"{c['filename']}\n".encode()] if repository else list(fim.SNIPPET_SEPARATOR.encode())) + list(c["text"].encode())
+         for c in extra), []) + ([-5, *b"filename\n"] if repository else []))
+    assert others == whole[-room:]  # kept from the end: the files nearest the one being edited
+    assert rest == [-1, *b"p" * 1536, ord("q"), -2, *b"s" * (512 - 3), -3]
+    assert len(tokens) <= 8192 - 2 * fim.MIDDLE_ROOM
+    # the same other files whatever the cursor: a moved cursor reuses their cache
+    moved = fim.fim_prompt(decoder, "p" * 4000 + "x", "s" * 10, extra=extra)
+    assert moved[:len(others)] == others
 
 
 def test_infill_is_the_target_alones_middle_whole_and_streamed(server, decoder, fim_pair):
@@ -102,6 +132,20 @@ def test_suffix_in_the_completions_api_is_the_same_middle(server):
     assert answer.usage.prompt_tokens == infill["tokens_evaluated"]
 
 
+def test_n_predict_0_warms_the_cache_as_llama_vim_does(server, decoder):
+    body = {"input_prefix": "def the dog\n", "input_suffix": "x + y\n", "input_extra": EXTRA, "prompt": ""}
+    warm = post(server, "/infill", {**body, "n_predict": 0}).json()
+    assert (warm["content"], warm["tokens_predicted"], warm["stop_type"]) == ("", 0, "limit")
+    prompt = fim.fim_prompt(decoder, body["input_prefix"], body["input_suffix"], extra=EXTRA)
+    assert warm["tokens_evaluated"] == len(prompt)
+    answer = post(server, "/infill", {**body, "n_predict": 8}).json()
+    assert answer["timings"]["cache_n"] == len(prompt) - 1 and answer["tokens_predicted"] > 0
+    fields = post(server, "/infill", {**body, "n_predict": 2, "response_fields": ["content", "timings/prompt_n", "nope"]})
+    assert set(fields.json()) == {"content", "timings/prompt_n"}
+    refused = post(server, "/v1/completions", {"prompt": "the", "max_tokens": 0})  # OpenAI's API: at least 1
+    assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
+
+
 def test_completion_speaks_llama_servers_fields(server, decoder):
     expected = decoder.generate("the cat", n_predict=16, n_draft=0, temperature=0)
     for path in ("/completion", "/completions"):
@@ -116,6 +160,8 @@ def test_completion_speaks_llama_servers_fields(server, decoder):
     entries = probs["completion_probabilities"]
     assert len(entries) == probs["tokens_predicted"] and all(len(e["top_logprobs"]) == 2 for e in entries)
     assert all(e["logprob"] <= 0 and isinstance(e["id"], int) for e in entries)
+    assert all(isinstance(top["id"], int) for e in entries for top in e["top_logprobs"])
+    assert entries[0]["top_logprobs"][0]["id"] == entries[0]["id"]  # greedy: the likeliest is the one chosen
 
 
 @pytest.mark.parametrize("path, body, status, words", [

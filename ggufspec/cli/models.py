@@ -183,9 +183,20 @@ def rm(name):
         freed = store.remove(entry)
         click.echo(f"{entry.name}: removed {store.human_size(freed)}")
         if name not in registry.pairs:
-            for pair, role in stored.pairs_using(registry, entry.name):
-                click.echo(f"ggufspec: note: {pair} has no {role} on disk now (`ggufspec pull {pair}` brings it back)",
-                           err=True)
+            _note_pairs_left_without(registry, entry)
+
+
+def _note_pairs_left_without(registry, entry) -> None:
+    """After removing a model by name or by hub reference: the pairs on disk it leaves without it (a
+    reference may name a registry model's file)."""
+    from .. import store
+    from . import stored
+    files = stored.registry_files(registry)
+    models = {files[path] for path in (store.final_path(entry, f) for f in entry.files) if path in files}
+    for model in sorted(models | {entry.name}):
+        for pair, role in stored.pairs_using(registry, model):
+            click.echo(f"ggufspec: note: {pair} has no {role} on disk now (`ggufspec pull {pair}` brings it back)",
+                       err=True)
 
 
 def _kept(registry, pair: str, model: str) -> bool:

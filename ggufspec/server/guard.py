@@ -7,7 +7,7 @@ through untouched).
 - Origins: browsers get CORS headers only for loopback origins (any port), the server's own page and
   --cors-origins; a POST from any other origin is refused (403), so that a page cannot run the model
   with a "simple" request that needs no preflight either, and so is its preflight (a JSON 403).
-- The key (--api-key) on /v1/*, /props, /slots, /tokenize, /detokenize: `Authorization: Bearer KEY` or
+- The key (--api-key) on /v1/*, llama-server's /completion(s) and /infill, /props, /slots, /tokenize, /detokenize: `Authorization: Bearer KEY` or
   `x-api-key: KEY`, compared in constant time.
 - Bodies: at most --max-body bytes, refused from Content-Length before anything is read, and while
   reading a body sent without one (chunked): 413. Below the cap, `OffLoopRoute` parses and validates

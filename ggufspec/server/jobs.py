@@ -291,6 +291,7 @@ class PieceMaker:
             token_bytes = self.token_bytes
             top = [(token_bytes(token), value) for token, value in getattr(piece, "top_logprobs", ())]
             made["logprobs"] = logprob_entry(token_bytes(piece.token), getattr(piece, "logprob", None), top)
+            made["top_ids"] = [token for token, _ in getattr(piece, "top_logprobs", ())]  # llama-server's n_probs
         return made
 
 
@@ -320,6 +321,8 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> str | No
         if stop_filter.pending:
             held = stop_filter.flush()
             job.emit("pieces", (index, limits.apply(held) if limits is not None else held))
+            if limits is not None and limits.stopped:
+                return "limit"
     return None
 
 

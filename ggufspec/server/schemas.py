@@ -94,6 +94,7 @@ class NativeBody(CompletionBody):
     input_extra: list[InfillFile] = Field(default_factory=list)
     n_indent: int = Field(0, ge=0)  # a line less indented than this ends the answer (stops.LineLimits)
     t_max_predict_ms: int | None = None  # past this, the answer ends at the next newline (<= 0: no limit)
+    response_fields: list[str] | None = None  # the answer's fields to send ("timings/prompt_n": one inside)
 
 
 class ContentPart(Strict):
@@ -136,6 +137,8 @@ def request_options(body: GenerationBody, defaults: dict) -> dict:
     options = dict(defaults)
     max_tokens = next((n for n in (body.n_predict, body.max_completion_tokens, body.max_tokens) if n is not None), None)
     if max_tokens is not None:
+        if max_tokens == 0 and not isinstance(body, NativeBody):  # llama-server's own routes: the prompt alone
+            raise APIError(400, "max_tokens must be >= 1, got 0", code="invalid_value")
         options["n_predict"] = max_tokens
     for name in ("temperature", "top_k", "top_p", "min_p"):
         if getattr(body, name) is not None:

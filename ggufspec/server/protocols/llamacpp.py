@@ -45,7 +45,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
                            code="invalid_value")
         tokens = await serving.fim(body.input_prefix, body.input_suffix, status=501, prompt=prompt,
                                    extra=[chunk.model_dump() for chunk in body.input_extra],
-                                   n_predict=body.n_predict if body.n_predict is not None else -1)
+                                   n_predict=serving.defaults.get("n_predict", -1))  # the server's: see fim_prompt
         return await answer(serving, request, body, tokens)
 
 
@@ -95,7 +95,10 @@ class NativeReply:
         """llama-server's completion_probabilities: each token's id, text, bytes, logprob and top_logprobs."""
         if not self.body.n_probs:
             return {}
-        return {"completion_probabilities": [{"id": p["token"], **p["logprobs"]} for p in pieces if "logprobs" in p]}
+        return {"completion_probabilities": [
+            {"id": p["token"], **p["logprobs"],
+             "top_logprobs": [{"id": token, **top} for token, top in zip(p["top_ids"], p["logprobs"]["top_logprobs"])]}
+            for p in pieces if "logprobs" in p]}
 
     def settings(self) -> dict:
         options = self.job.options
@@ -115,7 +118,7 @@ class NativeReply:
             if kind == "pieces":
                 self.pieces += value[1]
             elif kind == "done":
-                return self.final(value[0], streamed=False)
+                return picked(self.final(value[0], streamed=False), self.body.response_fields)
             elif kind == "error":
                 raise engine_error(value)
 
@@ -137,6 +140,21 @@ class NativeReply:
                     return
         finally:
             self.job.cancel()
+
+
+def picked(answer: dict, fields: list[str] | None) -> dict:
+    """llama-server's `response_fields`: only these fields, "a/b" naming b inside a (the key stays
+    "a/b", as llama-server's json_get_nested_values keeps it); a field the answer lacks is left out."""
+    if not fields:
+        return answer
+    found = {}
+    for path in fields:
+        value = answer
+        for key in path.split("/"):
+            value = value.get(key, KeyError) if isinstance(value, dict) else KeyError
+        if value is not KeyError:
+            found[path] = value
+    return found
 
 
 def data(obj: dict) -> dict:
