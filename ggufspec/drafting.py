@@ -252,19 +252,20 @@ class AutoDrafting:
         self._model_choice = self.model_k.choose(max_k) if self.model_k is not None else 0
         return min(max(self.k_max, self._model_choice), max_k)
 
-    def alternative_rate(self) -> float:
-        """Tokens per second without an n-gram draft this step: the draft model's K, or the target alone."""
+    def alternative_rate(self, model_ready: bool = True) -> float:
+        """Tokens per second without an n-gram draft this step: the draft model's K where it may draft
+        now (`model_ready`), else the target alone."""
         alone = 1.0 / self.costs.batch_model()(1)
-        if self._model_choice > 0:
+        if self._model_choice > 0 and model_ready:
             return max(alone, self.model_k.rates(self._model_choice)[self._model_choice])
         return alone
 
-    def ngram_k(self, candidate, bucket: str) -> int:
+    def ngram_k(self, candidate, bucket: str, model_ready: bool = True) -> int:
         """How many of the candidate's tokens to propose: the K with the best expected rate, 0 when
         none beats the alternative (then 1 now and then, as a probe)."""
         batch = self.costs.batch_model()
         a = min(self.tallies.acceptance(bucket), 0.999)
-        alternative = self.alternative_rate()
+        alternative = self.alternative_rate(model_ready)
         best_k, best_rate = 0, alternative
         for k in range(1, min(len(candidate.tokens), copy_limit(self.evidence(candidate))) + 1):
             rate = expected_tokens(a, k) / batch(k + 1)
@@ -314,16 +315,21 @@ class AutoDrafting:
         # searched even where no K seems to pay (a long copy is still probed): replayed over an agent's
         # 1,000-token session, the whole search and indexing took 0.1 s
         candidate = self.ngram.candidate(tokens, k_max)
+        # a copy competes with the draft model only where the model may draft now: one that lags far
+        # behind (a new prompt it has not seen, its catch-up not yet bought) leaves the target alone as
+        # the alternative (a code completion's copies from the suffix, priced against a model that then
+        # did not draft either, were never proposed: nothing was drafted at all)
+        model_ready = self._model_choice > 0 and self._model_may_draft(tokens)
         if candidate is not None and candidate.tokens:
             bucket = bucket_of(candidate)
-            k_ngram = self.ngram_k(candidate, bucket)
+            k_ngram = self.ngram_k(candidate, bucket, model_ready)
             if k_ngram:
                 self._source = bucket
                 proposals = candidate.tokens[:k_ngram]
                 if guide is not None:
                     proposals = proposals[:guide.allowed_prefix(proposals)]
                 return proposals
-        self._source = "model" if self._model_choice > 0 and self._model_may_draft(tokens) else None
+        self._source = "model" if model_ready else None
         if self._source is None:
             # rent is paid only where the draft model was expected to pay (its K > 0): a step where
             # the target alone was the best choice anyway costs nothing the catch-up would save

@@ -280,6 +280,35 @@ def test_a_draft_model_far_behind_catches_up_only_once_the_target_alone_has_cost
     assert fresh.propose(prompt, 4, GREEDY, None) and nearly.calls == 1
 
 
+def test_a_copy_is_priced_against_the_target_alone_while_the_draft_model_lags():
+    """A new prompt the draft model has not seen (a code completion's: the cursor moved): until its
+    catch-up is bought the model does not draft, so a copy that beats the target alone is proposed,
+    though it would not beat the model's rate. Priced against the model, nothing was drafted."""
+    costs = memory_bound_costs()
+    for _ in range(3):
+        costs.draft_times.append(0.2e-3)
+    # a short match (2 tokens agree: 5 6) that copies 7 8 9 ..., each token kept 1 time in 5 so far
+    prompt = [1] + list(range(300, 1800)) + [4, 5, 6, 7, 8, 9, 10, 11, 12] + list(range(2000, 2100)) + [5, 6]
+    model = FakeDraftModel(n_past=10)
+    auto = AutoDrafting(NgramDrafter(4000, NgramPool(1 << 10)), model, costs, k_max=4)
+    candidate = auto.ngram.candidate(prompt, 8)
+    bucket = bucket_of(candidate)
+    for _ in range(40):
+        auto.tallies.observe(bucket, 1, 0)
+        auto.tallies.observe(bucket, 1, 0)
+        auto.tallies.observe(bucket, 1, 0)
+        auto.tallies.observe(bucket, 1, 0)
+        auto.tallies.observe(bucket, 1, 1)
+    assert 0.15 < auto.tallies.acceptance(bucket) < 0.25
+    auto.choose(4)
+    assert auto._model_choice > 0 and not auto._model_may_draft(prompt)  # the model would pay, but lags
+    a = auto.tallies.acceptance(bucket)
+    best_copy = max((1 - a ** (k + 1)) / (1 - a) / costs.batch_model()(k + 1) for k in range(1, 9))
+    assert auto.alternative_rate(model_ready=True) > best_copy > auto.alternative_rate(model_ready=False)
+    proposals = auto.propose(prompt, 8, GREEDY, None)
+    assert proposals and proposals == candidate.tokens[:len(proposals)] and model.calls == 0
+
+
 def test_steps_where_the_draft_model_was_not_expected_to_pay_pay_no_rent():
     """The catch-up's rent counts only the steps where the draft model's K was above 0: where the
     target alone was the better choice anyway, drafting would have saved nothing."""
