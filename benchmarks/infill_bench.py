@@ -106,6 +106,25 @@ def run_variant(variant: str, chosen: list[dict], args, target: Path, draft: Pat
     return record
 
 
+def strict_check(chosen: list[dict], args, target: Path, draft: Path) -> None:
+    """Lossless without batch rounding: one `serve --strict` (a token per batch), each cursor asked with
+    `"draft": "auto"` and then `"draft": 0`; the tokens must be the same."""
+    port = free_port()
+    env = {**os.environ, "GGUFSPEC_HOME": tempfile.mkdtemp(prefix="infill-bench-home-"), "PYTHONPATH": str(ROOT)}
+    cmd = command("gs-auto", target, draft, args.threads, port) + ["--strict"]
+    same = drafted = 0
+    with ServerWithEnv("gs-strict", cmd, port, LOG_DIR / "gs-strict.log", env) as server:
+        for case in chosen:
+            body = {"input_prefix": case["input_prefix"], "input_suffix": case["input_suffix"], "n_predict": N_PREDICT,
+                    "temperature": 0, "return_tokens": True}
+            auto = httpx.post(server.url + "/infill", json={**body, "draft": "auto"}, timeout=600).json()
+            alone = httpx.post(server.url + "/infill", json={**body, "draft": 0}, timeout=600).json()
+            same += auto["tokens"] == alone["tokens"]
+            drafted += auto["timings"]["draft_n"]
+    print(f"--strict: auto's tokens are the target alone's for {same} of {len(chosen)} cursors "
+          f"({drafted} tokens drafted)")
+
+
 def decode_tps(c: list[dict]) -> float:
     return sum(x["predicted_n"] for x in c) / max(sum(x["predicted_ms"] for x in c) / 1000, 1e-9)
 
@@ -135,6 +154,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--strict-check", action="store_true",
+                        help="Only check that auto's tokens are the target alone's under serve --strict.")
     args = parser.parse_args()
     variants = args.variants.split(",")
     if set(variants) - set(VARIANTS):
@@ -144,6 +165,8 @@ def main() -> None:
     chosen = cases(args.cases)
     target, draft = demo_pair()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
+    if args.strict_check:
+        return strict_check(chosen, args, target, draft)
     records = []
     for round_index in range(args.rounds):
         order = variants if round_index % 2 == 0 else variants[::-1]
