@@ -13,6 +13,7 @@ the file's (`announced_size`), a listing padded with thousands of names (`listin
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -168,3 +169,15 @@ class HubServer:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+@contextlib.contextmanager
+def hub_for(monkeypatch):
+    """A HubServer that huggingface_hub (and so the store) talks to: HF_ENDPOINT set to it, no
+    telemetry, short timeouts (a test of an unreachable hub fails fast)."""
+    with HubServer() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
+        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "2")
+        yield server

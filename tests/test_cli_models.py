@@ -11,7 +11,7 @@ from ggufspec import store
 from ggufspec.cli import main
 from ggufspec.errors import StoreError
 from ggufspec.registry import load_registry
-from hfserver import HubServer
+from hfserver import hub_for
 
 SHARED = """
     [models.t1]
@@ -40,11 +40,7 @@ SHARED = """
 
 @pytest.fixture
 def hub(monkeypatch):
-    with HubServer() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
-        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "2")
+    with hub_for(monkeypatch) as server:
         yield server
 
 

@@ -9,7 +9,7 @@ from ggufspec import hubdraft, store
 from ggufspec.cli import main
 from ggufspec.registry import ModelEntry
 from ggufspec.tinymodels import CHAT_TEMPLATE, Shape, make_pair, make_weights, write_model
-from hfserver import HubServer
+from hfserver import hub_for
 
 TARGET = "hf://org/Tiny-7B-GGUF/tiny-7b-F32.gguf"
 
@@ -32,11 +32,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture
 def hub(monkeypatch, ggufspec_home):
-    with HubServer() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
-        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "2")
+    with hub_for(monkeypatch) as server:
         monkeypatch.setattr(hubdraft, "FIRST_BYTES", 4096)  # small prefixes: the reads grow past them
         yield server
 

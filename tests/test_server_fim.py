@@ -7,6 +7,7 @@ is the one `ggufspec.fim` builds, as llama-server's format_prompt_infill does.""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -219,3 +220,17 @@ def test_infill_follows_the_editor_plugins_limits(server):
     whole = post(server, "/infill", {"input_prefix": "x", "input_suffix": "y", "n_predict": 12,
                                      "grammar": 'root ::= ("ab\\n")+'}).json()
     assert whole["tokens_predicted"] == 12  # no limits asked: none applied
+
+
+def test_a_native_stream_left_early_frees_the_server(server):
+    body = {"prompt": "the cat", "n_predict": 400, "stream": True, "grammar": 'root ::= ("ab\\n")+'}
+    with httpx.stream("POST", server.url + "/completion", json=body, timeout=60) as response:
+        first = next(line for line in response.iter_lines() if line)
+        assert json.loads(first[len("data: "):])["stop"] is False  # then the client goes away
+    for _ in range(100):  # the generation stops at its next token once the server sees the client gone
+        if not server.health()["busy"]:
+            break
+        time.sleep(0.05)
+    assert not server.health()["busy"]
+    again = post(server, "/completion", {"prompt": "the cat", "n_predict": 4})
+    assert again.status_code == 200 and again.json()["tokens_predicted"] == 4

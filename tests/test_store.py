@@ -13,7 +13,7 @@ from ggufspec import store
 from ggufspec.cli import main
 from ggufspec.errors import StoreError
 from ggufspec.registry import ModelEntry, load_registry
-from hfserver import HubServer
+from hfserver import hub_for
 
 DATA = b"GGUF" + os.urandom(3_000_000)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -21,13 +21,9 @@ SHA = hashlib.sha256(DATA).hexdigest()
 
 @pytest.fixture
 def hub(monkeypatch):
-    with HubServer() as server:
+    with hub_for(monkeypatch) as server:
         server.state.add("org/model-GGUF", "model-Q4_K_M.gguf", DATA)
         server.state.add("org/model-GGUF", "model-Q8_0.gguf", DATA[::-1])
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
-        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "2")
         yield server
 
 

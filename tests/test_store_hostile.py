@@ -12,7 +12,7 @@ from ggufspec.cli import main
 from ggufspec.errors import BadReferenceError, StoreError, UnsafeNameError
 from ggufspec.hubnames import contained, unsafe_file_reason
 from ggufspec.registry import ModelEntry, RegistryError, load_registry
-from hfserver import HubServer
+from hfserver import HubServer, hub_for
 
 DATA = b"GGUF" + os.urandom(200_000)
 REPO = "owner/repo"
@@ -20,11 +20,7 @@ REPO = "owner/repo"
 
 @pytest.fixture
 def hub(monkeypatch):
-    with HubServer() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
-        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "2")
+    with hub_for(monkeypatch) as server:
         yield server
 
 

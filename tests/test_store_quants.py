@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from ggufspec import store
 from ggufspec.cli import main
 from ggufspec.errors import BadReferenceError, StoreError
-from hfserver import HubServer
+from hfserver import hub_for
 
 REPO = "org/m-GGUF"
 QUANTS = ("IQ4_K_M", "Q4_K_M", "Q4_K_L", "Q4_K_S")
@@ -16,13 +16,9 @@ QUANTS = ("IQ4_K_M", "Q4_K_M", "Q4_K_L", "Q4_K_S")
 
 @pytest.fixture
 def hub(monkeypatch):
-    with HubServer() as server:
+    with hub_for(monkeypatch) as server:
         for quant in QUANTS:
             server.state.add(REPO, f"m-{quant}.gguf", b"GGUF" + quant.encode() * 1000)
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
-        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "2")
         yield server
 
 
