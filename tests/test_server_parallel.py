@@ -164,3 +164,71 @@ def test_clients_arriving_with_one_system_prompt_evaluate_it_once(sharing_server
     assert cached[0] < len(system) and cached[1:] == [len(system)] * 2, results
     assert sorted(t["prompt_n"] for t in results)[:2] == [2, 2], results
     assert sorted(t["id_slot"] for t in results) == [0, 1, 2]
+
+
+def streamed_choices(url: str, body: dict) -> dict[int, dict]:
+    """A streamed /v1/completions of several choices: each index's text and when its first and last
+    text came."""
+    choices: dict[int, dict] = {}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                seen = choices.setdefault(choice["index"], {"text": "", "first": None})
+                if choice["text"]:
+                    seen["text"] += choice["text"]
+                    seen["first"] = seen["first"] or time.monotonic()
+                    seen["last"] = time.monotonic()
+    return choices
+
+
+def test_a_list_of_prompts_is_answered_in_the_slots_at_once_each_as_alone(server, alone):
+    """OpenAI's list of prompts: a choice each (index = the prompt's place), generated in three slots
+    at once, each the answer its prompt gets alone; the usage counts every prompt."""
+    body = {"prompt": PROMPTS[:3], "max_tokens": N_TOKENS, "temperature": 0}
+    choices = streamed_choices(server.url, body)
+    assert [choices[i]["text"] for i in range(3)] == [alone[p] for p in PROMPTS[:3]]
+    assert max(c["first"] for c in choices.values()) < min(c["last"] for c in choices.values())
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in whole["choices"]] == [alone[p] for p in PROMPTS[:3]]
+    singles = [httpx.post(server.url + "/v1/completions", timeout=120, json={**body, "prompt": p, "max_tokens": 1})
+               .json()["usage"]["prompt_tokens"] for p in PROMPTS[:3]]
+    assert whole["usage"]["prompt_tokens"] == sum(singles)
+    assert whole["usage"]["completion_tokens"] == 3 * N_TOKENS
+
+
+def test_n_choices_run_at_once_and_each_seed_reproduces_alone(server):
+    """`n` sampled choices with a seed: choice j is the answer to the same request with seed + j
+    and n 1, bit for bit (--strict), though the three ran in one batch."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 48, "temperature": 1.0, "seed": 7}
+    choices = streamed_choices(server.url, {**body, "n": 3})
+    assert max(c["first"] for c in choices.values()) < min(c["last"] for c in choices.values())
+    singles = [httpx.post(server.url + "/v1/completions", json={**body, "seed": 7 + j}, timeout=120)
+               .json()["choices"][0]["text"] for j in range(3)]
+    assert [choices[j]["text"] for j in range(3)] == singles
+    assert len(set(singles)) > 1  # the seeds differ, so do the samples
+
+
+def test_a_list_of_prompts_with_n_and_the_openai_client(server, alone):
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    result = client.completions.create(model="slow", prompt=PROMPTS[:2], n=2, max_tokens=24, temperature=0)
+    texts = [c.text for c in sorted(result.choices, key=lambda c: c.index)]
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # prompt i's choices are indexes 2i and 2i + 1
+    for text, prompt in zip(texts[::2], PROMPTS[:2]):  # the start of its prompt's answer alone
+        assert alone[prompt].startswith(text.rstrip("\ufffd")), (text, alone[prompt])
+    assert texts[0] != texts[2]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": ["a", [1, 2]]}, "prompt[1] must be a string"),
+    ({"prompt": ["a"] * 65, "n": 2}, "more than the 128 choices"),
+    ({"prompt": ["a", "a " * 5000]}, "context holds 1024"),
+])
+def test_a_list_of_prompts_that_cannot_run_is_one_400_before_any_runs(server, body, message):
+    response = httpx.post(server.url + "/v1/completions", json={"max_tokens": 8, **body}, timeout=60)
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    assert server.health()["slots_processing"] == 0

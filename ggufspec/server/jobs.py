@@ -1,7 +1,8 @@
 """Generations at once, one per slot: the `Engine` owns the decoder and a worker thread per slot
 (`--parallel`), where every llama.cpp call runs; the slots take turns and their decodes meet in one
 batch per step (`ggufspec.slots`). A `Job` is one request's generation, handing its pieces to the
-event loop through an asyncio queue. Beyond --max-queue requests waiting for a slot: 429."""
+event loop through an asyncio queue; a request for several choices (OpenAI's `n`, a list of prompts)
+runs them in up to as many slots at once, in `Part`s. Beyond --max-queue parts waiting for a slot: 429."""
 from __future__ import annotations
 
 import asyncio
@@ -36,20 +37,24 @@ class ClientGone(Exception):
 
 
 class Job:
-    """One request's generation, `n` choices one after another. The worker thread fills `events`; the
-    request's task reads them: ("started", n_prompt), ("prompt", {cache_n...}) before the first pieces,
-    ("pieces", (index, [piece, ...])), ("choice", (index, stats, finish_reason, estimate)) as each
-    choice ends, then ("done", (stats of them all, estimate)) or ("error", exc)."""
+    """One request's generation: `n` choices of each prompt (`prompts`, /v1/completions' list; else
+    `prompt`, or `messages` through the chat template), choice `i * n + j` being prompt i's j-th. The
+    worker threads fill `events`; the request's task reads them: ("started", n_prompt), ("prompt",
+    {cache_n...}) before the first pieces, ("pieces", (index, [piece, ...])), ("choice", (index, stats,
+    finish_reason, estimate)) as each choice ends, then ("done", (stats of them all, estimate)) or
+    ("error", exc), once whichever part of it fails first."""
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                 options: dict, stops: list[str], shape: Shaping | None = None, n: int = 1,
-                 fit_to_context: bool = False, prefill: str = "", line_limits: dict | None = None):
-        self.prompt, self.messages, self.options, self.stops = prompt, messages, options, stops
+                 prompts: list | None = None, options: dict, stops: list[str], shape: Shaping | None = None,
+                 n: int = 1, fit_to_context: bool = False, prefill: str = "", line_limits: dict | None = None):
+        self.prompts = prompts if prompts is not None else [prompt]
+        self.messages, self.options, self.stops = messages, options, stops
         self.prefill = prefill  # the start of the assistant's answer, which it continues (Anthropic's prefill)
         # max_tokens as a ceiling that the context lowers, not a demand it refuses (Anthropic's
         # max_tokens is required, and agents ask for tens of thousands whatever the context)
         self.fit_to_context = fit_to_context
         self.shape, self.n = shape or Shaping(), n
+        self.n_choices = n * len(self.prompts)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -58,7 +63,56 @@ class Job:
         self.stop_sequence: str | None = None  # the stop string that ended the last choice, if one did
         self.started = False  # "started" sent (once: a prompt that found no room starts again)
         self.line_limits = line_limits  # stops.LineLimits' keywords (/infill's n_indent, t_max_predict_ms)
-        self.choices_done = 0
+        self._lock = threading.Lock()  # the parts' shared state below
+        self._tokens: list | Exception | None = None  # every prompt's tokens (or why they cannot run)
+        self._results: dict[int, Stats] = {}  # each ended choice's statistics, by index
+        self._parts_left = 0
+        self.failed = False  # an "error" went out: the other parts stop, and "done" never comes
+
+    def parts(self, n_slots: int) -> list["Part"]:
+        """The choices shared among up to `n_slots` parts, round robin, so that the first ones end first."""
+        n_parts = max(1, min(n_slots, self.n_choices))
+        self._parts_left = n_parts
+        return [Part(self, list(range(p, self.n_choices, n_parts))) for p in range(n_parts)]
+
+    def start(self, n_prompt: int) -> None:
+        with self._lock:  # "started" before any part's pieces
+            if not self.started:
+                self.started = True
+                self.emit("started", n_prompt)
+
+    def prompt_tokens(self, tokenize) -> list[list[int]]:
+        """Every prompt's tokens, made once by the first part that asks (`tokenize(job, prompt)`),
+        so that a prompt that cannot run fails the request before any choice is generated."""
+        with self._lock:
+            if self._tokens is None:
+                try:
+                    self._tokens = [tokenize(self, prompt) for prompt in self.prompts]
+                except Exception as exc:
+                    self._tokens = exc
+        if isinstance(self._tokens, Exception):
+            raise self._tokens
+        return self._tokens
+
+    def choice_ended(self, index: int, stats: Stats) -> None:
+        with self._lock:
+            self._results[index] = stats
+
+    def part_ended(self) -> Stats | None:
+        """A part has ended; the statistics of every choice where it was the last and none failed."""
+        with self._lock:
+            self._parts_left -= 1
+            if self._parts_left or self.failed or not self._results:
+                return None
+            return summed(self._results, self.n)
+
+    def fail(self, exc: Exception) -> None:
+        with self._lock:
+            if self.failed:
+                return
+            self.failed = True
+        self.cancelled.set()  # the other parts stop at their next token
+        self.emit("error", exc)
 
     def emit(self, kind: str, value: Any = None) -> None:
         self.progressed_at = time.monotonic()
@@ -85,6 +139,13 @@ class Job:
                 pass
 
 
+@dataclasses.dataclass(eq=False)
+class Part:
+    """Some of a job's choices, generated one after another in one slot."""
+    job: Job
+    choices: list[int]
+
+
 class Engine:
     """The decoder's slots and a worker thread each. Jobs start in arrival order as slots free up."""
 
@@ -95,18 +156,18 @@ class Engine:
         self._executor = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot")
         self._lock = threading.RLock()  # `waiting` takes it too, also from within `submit`
         self._pending = 0              # submitted and not finished, the running ones included
-        self._queued: set[Job] = set()  # submitted and not started
+        self._queued: set[Part] = set()  # submitted and not started
         self._mean_seconds = 5.0       # a generation's duration, for Retry-After
-        self._current: set[Job] = set()
+        self._current: set[Part] = set()
         self.last: Stats | None = None   # the last finished generation's statistics (/health shows them)
         self._stopping = False
 
     @property
     def waiting(self) -> int:
-        """Jobs waiting for a slot. Those whose client left are not counted: they cost nothing when
+        """Parts waiting for a slot. Those whose client left are not counted: they cost nothing when
         their turn comes (`_run`), so they do not hold a place in the queue (llama-server drops them too)."""
         with self._lock:  # the workers add and discard meanwhile
-            return sum(not job.cancelled.is_set() for job in self._queued)
+            return sum(not part.job.cancelled.is_set() for part in self._queued)
 
     @property
     def running(self) -> int:
@@ -122,47 +183,59 @@ class Engine:
         """How long a running generation has gone without a token (0 when none runs): what `serve
         --rpc`'s supervisor compares with --rpc-timeout to find a hung worker."""
         now = time.monotonic()
-        return max((now - job.progressed_at for job in list(self._current)), default=0.0)
+        return max((now - part.job.progressed_at for part in list(self._current)), default=0.0)
 
     def submit(self, job: Job) -> None:
+        """The job's parts, each to wait for a slot; a 429 where they would not all find a place."""
+        parts = job.parts(len(self.slots))
         with self._lock:
             if self._stopping:
                 raise shutting_down()
-            if self.running + self.waiting >= len(self.slots) + self.max_queue:  # every slot busy, max_queue waiting
-                retry = max(1, math.ceil(self._mean_seconds * (self.waiting + 1) / len(self.slots)))
+            if self.running + self.waiting + len(parts) > len(self.slots) + self.max_queue:
+                retry = max(1, math.ceil(self._mean_seconds * (self.waiting + len(parts)) / len(self.slots)))
                 raise APIError(429, f"the server is busy: {self.waiting} requests are waiting for one of "
                                f"{len(self.slots)} slots (--max-queue {self.max_queue}); retry later",
                                "rate_limit_error", "queue_full", headers={"Retry-After": str(retry)})
-            self._pending += 1
-            self._queued.add(job)
-        self._executor.submit(self._run, job)
+            self._pending += len(parts)
+            self._queued.update(parts)
+        for part in parts:
+            self._executor.submit(self._run, part)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, part: Part) -> None:
+        job = part.job
         with self._lock:
-            self._queued.discard(job)
+            self._queued.discard(part)
         started, ran = time.perf_counter(), False
         try:
             if self._stopping:
-                job.emit("error", shutting_down())
+                job.fail(shutting_down())
             elif not job.cancelled.is_set():  # a client that left while waiting costs nothing
                 ran = True
                 job.progressed_at = time.monotonic()
-                self._current.add(job)
-                self._generate(job)
+                self._current.add(part)
+                self._generate(part)
         # GgufspecError, APIError: the client's mistake or the shutdown; anything else: ours, logged
         except Exception as exc:
             if not isinstance(exc, (GgufspecError, APIError)):
                 log.exception("generation failed")
-            job.emit("error", exc)
+            job.fail(exc)
         finally:
-            self._current.discard(job)
+            self._current.discard(part)
             with self._lock:
                 self._pending -= 1
                 if ran:  # what a generation takes, for Retry-After
                     self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.perf_counter() - started)
+            self._part_ended(job)
 
-    def _generate(self, job: Job) -> None:
-        tokens = self._prompt_tokens(job)
+    def _part_ended(self, job: Job) -> None:
+        total = job.part_ended()
+        if total is not None:  # the job's last part: its answer is whole
+            self.last = total
+            job.emit("done", (total, time_estimate(self.decoder, job.options.get("drafter", "model"), total)))
+
+    def _generate(self, part: Part) -> None:
+        job = part.job
+        every_tokens = job.prompt_tokens(self._prompt_tokens)
         options = dict(job.options)
         constraints = engine_constraints(job.shape, self._single_tokens(job.shape.triggers),
                                          options.pop("constraints", None))
@@ -170,43 +243,41 @@ class Engine:
             options["constraints"] = constraints
         if job.shape.logprobs is not None:
             options["logprobs"] = job.shape.logprobs
-        while True:
+        while part.choices and not job.cancelled.is_set():
+            prompt_index = part.choices[0] // job.n
             try:
-                return self._generate_in_a_slot(job, tokens, options)
+                self._generate_in_a_slot(part, prompt_index, every_tokens[prompt_index], options)
             except CacheFullError:  # its prompt found no room in the unified cache: again once a slot ends
                 if not self._room_again(job):
                     raise
 
     def _room_again(self, job: Job) -> bool:
-        """After the job's prompt found no room: whether to try again, once a busy slot has ended (not
-        after a choice went out, nor for a client that left, nor where no slot is busy)."""
-        while not job.cancelled.is_set() and not job.choices_done:
+        """After a prompt found no room: whether to try again, once a busy slot has ended (not for a
+        client that left, nor where no slot is busy)."""
+        while not job.cancelled.is_set():
             ended = self.slots.wait_for_room(timeout=1.0)
             if ended is not None:
                 return ended
         return False
 
-    def _generate_in_a_slot(self, job: Job, tokens: list[int], options: dict) -> None:
-        total = None
+    def _generate_in_a_slot(self, part: Part, prompt_index: int, tokens: list[int], options: dict) -> None:
+        """The part's choices of one prompt, one after another in the slot caching most of it (the
+        choices after the first find it cached), until they are done or the job is cancelled."""
+        job = part.job
         with self.slots.use(tokens) as decoder:  # the slot caching most of the prompt, its turns begun
             pieces = PieceMaker(decoder, job, self._marker_texts(job.shape))
-            for index in range(job.n):
-                if index and job.options.get("seed") is not None:  # each choice its own seed
-                    options["seed"] = job.options["seed"] + index
-                result = self._choice(decoder, job, tokens, options, index, pieces)
-                total = result if total is None else combined(total, result)
-                if job.cancelled.is_set():
-                    break
-            estimate = time_estimate(decoder, job.options.get("drafter", "model"), total)
-        self.last = total
-        job.emit("done", (total, estimate))
+            while part.choices and part.choices[0] // job.n == prompt_index and not job.cancelled.is_set():
+                index = part.choices[0]
+                choice_options = dict(options)
+                if job.options.get("seed") is not None:  # each of a prompt's choices its own seed
+                    choice_options["seed"] = job.options["seed"] + index % job.n
+                self._choice(decoder, job, tokens, choice_options, index, pieces)
+                part.choices.pop(0)
 
-    def _choice(self, decoder, job: Job, tokens: list[int], options: dict, index: int, pieces: "PieceMaker") -> Stats:
+    def _choice(self, decoder, job: Job, tokens: list[int], options: dict, index: int, pieces: "PieceMaker") -> None:
         stream = decoder.stream(tokens, **options)  # checks the options before anything runs
         stats = decoder.last_stats
-        if index == 0 and not job.started:
-            job.started = True
-            job.emit("started", len(tokens))
+        job.start(len(tokens))
         try:
             ended_by = relay(stream, stats, job, index, pieces)
         finally:
@@ -215,19 +286,19 @@ class Engine:
             # cut short by the shutdown: an error, not a finish_reason that says the answer is whole
             # (a stream has its tokens already; an answer not streamed is a 503 to retry elsewhere)
             raise shutting_down()
+        if job.failed:  # another part failed: its error is the answer
+            return
         result = dataclasses.replace(stats)
         if ended_by:  # a stop string, or a line limit (llama-server's stop_type "limit")
             result.stop_reason = {"stop": "stop", "limit": "n_predict"}[ended_by]
         # in the slot's turn, the only one that changes the decoder's measured costs
         estimate = time_estimate(decoder, options.get("drafter", "model"), result)
-        job.choices_done += 1
+        job.choice_ended(index, result)
         job.emit("choice", (index, result, FINISH_REASONS.get(result.stop_reason, "stop"), estimate))
-        return result
 
-    def _prompt_tokens(self, job: Job) -> list[int]:
-        """The job's prompt (or conversation, through the chat template) as tokens that fit the context."""
+    def _prompt_tokens(self, job: Job, prompt) -> list[int]:
+        """A prompt of the job (or its conversation, through the chat template) as tokens that fit the context."""
         decoder = self.decoder
-        prompt = job.prompt
         if job.messages is not None:
             prompt = chat_prompt(decoder, job.messages, job.shape) + job.prefill
         n_predict = job.options.get("n_predict", -1)
@@ -263,8 +334,8 @@ class Engine:
         sent, then an error event says the answer was cut short), waiting ones get 503. Safe to call
         from a signal handler."""
         self._stopping = True
-        for job in list(self._current):
-            job.cancel()
+        for part in list(self._current):
+            part.job.cancel()
 
     def close(self) -> None:
         self.stop()
@@ -333,12 +404,16 @@ def chat_prompt(decoder, messages: list[dict], shape: Shaping) -> str:
     return load.render_chat(decoder.target_llm, prepared, tools=plan.tools if fmt.native else None)
 
 
-def combined(first: Stats, then: Stats) -> Stats:
-    """Two choices' statistics as one answer's: the prompt once, the generated tokens and times summed."""
-    summed = {name: getattr(first, name) + getattr(then, name)
+def summed(results: dict[int, Stats], n: int) -> Stats:
+    """The choices' statistics (by index; `n` per prompt) as one answer's: each prompt once (its
+    first choice's figures: the later ones find it cached), the generated tokens and times summed."""
+    ordered = [results[index] for index in sorted(results)]
+    firsts = {index // n: results[index] for index in sorted(results, reverse=True)}  # each prompt's first
+    totals = {name: sum(getattr(stats, name) for stats in ordered)
               for name in ("n_predict", "decode_seconds", "n_drafted", "n_accept", "n_steps", "draft_seconds",
                            "target_seconds", "prompt_seconds")}
-    return dataclasses.replace(then, n_prompt=first.n_prompt, n_prompt_cached=first.n_prompt_cached, **summed)
+    return dataclasses.replace(ordered[-1], n_prompt=sum(s.n_prompt for s in firsts.values()),
+                               n_prompt_cached=sum(s.n_prompt_cached for s in firsts.values()), **totals)
 
 
 def shutting_down() -> APIError:

@@ -48,7 +48,7 @@ class GenerationBody(Strict):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)  # choices, generated one after another
+    n: int = Field(1, ge=1, le=16)  # choices, in as many slots at once as are free
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = None
@@ -171,20 +171,33 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def single_prompt(body: CompletionBody) -> str | list[int]:
-    """/v1/completions' prompt: a text, token ids, or a list of one of them; what it cannot do, refused."""
+MAX_CHOICES = 128  # prompts x n in one /v1/completions request
+
+
+def completion_prompts(body: CompletionBody) -> list[str | list[int]]:
+    """/v1/completions' prompts: a text or token ids, or a list of them (each answered by `n`
+    choices, all in the slots at once); what it cannot do, refused."""
     if body.echo:
         raise APIError(400, "echo is not supported: the prompt's log-probabilities are not computed",
                        code="unsupported_parameter")
     if body.best_of is not None and body.best_of > 1:
         raise APIError(400, "best_of is not supported: n gives several choices", code="unsupported_parameter")
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of prompts
-        if len(prompt) != 1:
-            raise APIError(400, f"one prompt per request, got {len(prompt)}: send each in a request of its own "
-                           "(n gives several answers to one)")
-        return prompt[0]
-    return prompt
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [prompt]  # one text, or one prompt's ids
+    if len(prompt) * body.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompt)} prompts x n {body.n} is more than the {MAX_CHOICES} choices one "
+                       "request may ask for: send them in several requests", code="invalid_value")
+    return prompt  # all texts or all lists of ids: the body's checks saw to that
+
+
+def single_prompt(body: CompletionBody) -> str | list[int]:
+    """llama-server's /completion prompt: a text, token ids, or a list of one of them."""
+    prompts = completion_prompts(body)
+    if len(prompts) != 1:
+        raise APIError(400, f"one prompt per request here, got {len(prompts)}: send each in a request of its "
+                       "own, or a list of them to /v1/completions")
+    return prompts[0]
 
 
 MEDIA_PARTS = ("image_url", "input_audio", "file")

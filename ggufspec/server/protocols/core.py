@@ -95,16 +95,20 @@ class Serving:
         return shaping(body, self.tool_format, self.decoder.target.n_vocab)
 
     async def submit(self, body: GenerationBody, prefill: str = "", names: dict | None = None, *,
-                     prompt: str | list[int] | None = None, n: int = 1, fit_to_context: bool = True,
-                     line_limits: dict | None = None) -> Job:
+                     prompt: str | list[int] | None = None, prompts: list | None = None, n: int = 1,
+                     fit_to_context: bool = True, line_limits: dict | None = None) -> Job:
         """The request as a job on the engine; a bad value raises APIError 400, the fields it names
         renamed by `names` (chat's to the protocol's). The job renders `body.messages` through the chat
-        template, or takes `prompt` as it is (/v1/completions); `n` choices one after another (OpenAI's
-        `n`). With `fit_to_context` its max_tokens is lowered to what the context has room for (agents
-        ask for more than it holds; OpenAI's chat API refuses such a request instead, as it always did).
+        template, or takes `prompt` (or each of `prompts`) as it is (/v1/completions); `n` choices of
+        each (OpenAI's `n`), in as many slots at once as are free. With `fit_to_context` its max_tokens
+        is lowered to what the context has room for (agents ask for more than it holds; OpenAI's chat
+        API refuses such a request instead, as it always did).
         `prefill`: the answer's start, written after the template's assistant turn, which it continues."""
         def prepared() -> dict:  # off the event loop: thousands of messages take a while
-            source = {"prompt": prompt} if prompt is not None else {"messages": message_dicts(body.messages)}
+            if prompts is not None or prompt is not None:
+                source = {"prompts": prompts if prompts is not None else [prompt]}
+            else:
+                source = {"messages": message_dicts(body.messages)}
             return {"options": request_options(body, self.defaults), "stops": stop_strings(body.stop),
                     "shape": self.shape(body), **source}
         try:

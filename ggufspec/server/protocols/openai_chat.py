@@ -8,31 +8,32 @@ from fastapi import FastAPI, Request
 
 from ..errors import APIError
 from ..responses import Reply, stream_events, whole_answer
-from ..schemas import ChatBody, CompletionBody, GenerationBody, single_prompt
+from ..schemas import ChatBody, CompletionBody, GenerationBody, completion_prompts
 from .core import Serving, answer_or_stream
 
 
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):
-        prompt = single_prompt(body)
-        if body.suffix:  # insert text between the prompt and the suffix: a code model's fill in the middle
-            if not isinstance(prompt, str):
+        prompts = completion_prompts(body)
+        if body.suffix:  # insert text between each prompt and the suffix: a code model's fill in the middle
+            if not all(isinstance(prompt, str) for prompt in prompts):
                 raise APIError(400, "suffix needs prompt as text, not token ids", code="invalid_value")
-            prompt = await serving.fim(prompt, body.suffix, status=400, trim=False)
-        return await answer(serving, request, body, chat=False, prompt=prompt)
+            prompts = [await serving.fim(prompt, body.suffix, status=400, trim=False) for prompt in prompts]
+        return await answer(serving, request, body, chat=False, prompts=prompts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatBody):
         return await answer(serving, request, body, chat=True)
 
 
-async def answer(serving: Serving, request: Request, body: GenerationBody, chat: bool, prompt=None):
-    """The body as a job on the engine (its messages, or /v1/completions' prompt), answered whole or as
-    OpenAI's chunks. A max_tokens beyond the context is refused, as OpenAI's API does, not lowered."""
+async def answer(serving: Serving, request: Request, body: GenerationBody, chat: bool, prompts=None):
+    """The body as a job on the engine (its messages, or /v1/completions' prompts, `n` choices each,
+    index i * n + j for prompt i's j-th, in the slots at once), answered whole or as OpenAI's chunks.
+    A max_tokens beyond the context is refused, as OpenAI's API does, not lowered."""
     serving.check_model(body.model)
-    job = await serving.submit(body, prompt=prompt, n=body.n, fit_to_context=False)
-    reply = Reply(serving.model_name, chat, job.shape, body.n)
+    job = await serving.submit(body, prompts=prompts, n=body.n, fit_to_context=False)
+    reply = Reply(serving.model_name, chat, job.shape, job.n_choices)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await answer_or_stream(job, request, body.stream, lambda n_prompt: whole_answer(job, reply, request),
                                   lambda n_prompt: stream_events(job, reply, include_usage))
