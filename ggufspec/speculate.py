@@ -265,6 +265,7 @@ class SpeculativeDecoder:
         self.last_stats: Stats | None = None
         self._said_no_rollback = False  # a memory that cannot roll back is reported once, not every call
         self.placement: dict[str, int] | None = None  # target layers per host, when placed across RPC workers
+        self.verification = "strict" if strict else "exact" if exact else "batch"  # what rounding answers have
         self.n_gpu_layers = n_gpu_layers  # as loaded, for reports (bench passes them to llama.cpp's tools)
         self.n_gpu_layers_draft = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
         target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict,

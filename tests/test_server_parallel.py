@@ -232,3 +232,21 @@ def test_a_list_of_prompts_that_cannot_run_is_one_400_before_any_runs(server, bo
     response = httpx.post(server.url + "/v1/completions", json={"max_tokens": 8, **body}, timeout=60)
     assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
     assert server.health()["slots_processing"] == 0
+
+
+def test_the_system_fingerprint_names_the_backend_and_changes_with_the_rounding(server, sharing_server):
+    """OpenAI's system_fingerprint, in every completion object and chunk and in /props: the same for
+    every answer of one server, another where the verification rounds otherwise (--strict or not)."""
+    seen = set()
+    for url in [server.url] * 2:
+        body = {"prompt": "the cat", "max_tokens": 2, "temperature": 0}
+        seen.add(httpx.post(url + "/v1/completions", json=body, timeout=60).json()["system_fingerprint"])
+        seen.add(httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()["system_fingerprint"])
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            seen |= {json.loads(line[6:])["system_fingerprint"] for line in response.iter_lines()
+                     if line.startswith("data: {")}
+    assert seen == {httpx.get(server.url + "/props", timeout=10).json()["system_fingerprint"]}
+    fingerprint = seen.pop()
+    assert fingerprint.startswith("fp_") and len(fingerprint) == 15
+    assert httpx.get(sharing_server.url + "/props", timeout=10).json()["system_fingerprint"] != fingerprint

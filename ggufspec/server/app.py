@@ -18,7 +18,7 @@ from . import protocols
 from .errors import add_error_handlers
 from .guard import Exposure, Guard, OffLoopRoute
 from .jobs import Engine
-from .props import chat_props, pair_props
+from .props import chat_props, pair_props, system_fingerprint
 from .tokens import DetokenizeBody, TokenizeBody, detokenize_tokens, tokenize_text
 
 
@@ -55,7 +55,9 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     add_error_handlers(app)
 
     # OpenAI's chat and completions, Anthropic's Messages, OpenAI's Responses: the same requests to the same engine
-    serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models)
+    fingerprint = system_fingerprint(decoder)
+    serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models,
+                                fingerprint=fingerprint)
     protocols.add_routes(app, serving)
 
     @app.get("/health")
@@ -72,7 +74,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         return engine.slots.describe()
 
     props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
-             **chat_props(template, tool_format, session, decoder)}
+             **chat_props(template, tool_format, session, decoder), "system_fingerprint": fingerprint}
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

@@ -2,6 +2,8 @@
 request defaults, with the fields of llama-server's endpoint of that name for its clients."""
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -63,3 +65,24 @@ def chat_props(template, tool_format, session, decoder) -> dict:
     return {"chat_template": template.text, "chat_template_fallback": template.fallback,
             "chat_template_tool_format": tool_format.name, "chat_template_tools": tool_format.native,
             "draft_choice": draft_choice}
+
+
+def system_fingerprint(decoder) -> str:
+    """OpenAI's `system_fingerprint`: a hash of what decides an answer's bits besides the request (the
+    builds, the CPU features llama.cpp uses, the model files, their placement, the verification's
+    rounding), so that a client comparing seeded answers sees when the backend changed."""
+    import llama_cpp
+    files = [(Path(llm.model_path).name, file_size(llm.model_path))
+             for llm in (decoder.target_llm, getattr(decoder, "draft_llm", None)) if llm is not None]
+    config = {"ggufspec": __version__, "llama_cpp": llama_cpp.__version__, "files": files,
+              "system": llama_cpp.llama_print_system_info().decode(errors="replace"),
+              "gpu_layers": [load.offloaded_layers(decoder.target_llm), decoder.n_gpu_layers_draft],
+              "placement": decoder.placement, "verification": getattr(decoder, "verification", "batch")}
+    return "fp_" + hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def file_size(path) -> int | None:
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return None

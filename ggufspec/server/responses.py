@@ -38,15 +38,16 @@ class Reply:
     """The JSON objects of one answer, chat or text completion, whole or in chunks, its choices
     (`n` of them) filled as their pieces come."""
 
-    def __init__(self, model: str, chat: bool, shape: Shaping | None = None, n: int = 1):
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, shape: Shaping | None = None, n: int = 1,
+                 fingerprint: str | None = None):
+        self.model, self.chat, self.fingerprint = model, chat, fingerprint
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.choices = [ChoiceState(i, shape or Shaping(), chat) for i in range(n)]
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+                "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
     def whole(self, stats: Stats, estimate: dict | None = None) -> dict:
         choices = []

@@ -72,6 +72,7 @@ class Serving:
     model_name: str
     accepted_models: set = field(default_factory=set)
     thinking: tuple[bool, bool] = (False, False)  # reasoning.template_thinking: the template's <think> block
+    fingerprint: str | None = None  # OpenAI's system_fingerprint (props.system_fingerprint)
 
     def check_model(self, requested: str | None) -> None:
         # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.

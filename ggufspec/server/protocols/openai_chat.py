@@ -33,7 +33,7 @@ async def answer(serving: Serving, request: Request, body: GenerationBody, chat:
     A max_tokens beyond the context is refused, as OpenAI's API does, not lowered."""
     serving.check_model(body.model)
     job = await serving.submit(body, prompts=prompts, n=body.n, fit_to_context=False)
-    reply = Reply(serving.model_name, chat, job.shape, job.n_choices)
+    reply = Reply(serving.model_name, chat, job.shape, job.n_choices, serving.fingerprint)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await answer_or_stream(job, request, body.stream, lambda n_prompt: whole_answer(job, reply, request),
                                   lambda n_prompt: stream_events(job, reply, include_usage))
