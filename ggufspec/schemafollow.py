@@ -24,6 +24,7 @@ import json
 import math
 from dataclasses import dataclass
 
+import llama_cpp.llama_grammar
 from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
 from .errors import ToolError
@@ -230,6 +231,57 @@ class BoundedConverter(SchemaConverter):
             return super().visit(schema, name)
         rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
         return self._add_rule(rule_name, f"({int_range_rule(*bounds)}) space")
+
+
+# ---------------------------------------------------------------- repetitions: {m,n} that llama.cpp parses
+# llama-cpp-python writes x{0,n} as n nested groups, "(x (x (x ...)?)?)?": llama.cpp's grammar parser
+# recurses once per group, so a maxLength of 2,000 was refused as a grammar that does not parse and one
+# of 20,000 (an agent's write_file tool) overflowed the server's stack. llama.cpp's own converter
+# writes x{m,n}, which its parser expands into a chain of rules without recursing; but it takes at most
+# REPEAT_LIMIT repetitions (a larger maximum it silently drops, a larger minimum it refuses). Larger
+# bounds are written here in blocks of BLOCK items, exactly, whatever their size.
+REPEAT_LIMIT = 2000
+BLOCK = 1000
+
+
+def repetition(item: str, least: int, most: int | None, separator_rule: str | None = None,
+               item_rule_is_literal: bool = False) -> str:
+    """GBNF for `least` to `most` (None: any number) of `item`, `separator_rule` between them
+    (llama_grammar._build_repetition's signature; it is replaced by this one)."""
+    for bound in (least, most):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise ToolError(f"a JSON schema's length or item bound must be a whole number >= 0, got {bound!r}")
+    if most is not None and most < least:
+        raise ToolError(f"a JSON schema's bounds leave no length (at least {least}, at most {most})")
+    if separator_rule:  # item (sep item){least-1,most-1}, all of it optional where least is 0
+        if most == 0:
+            return ""
+        rest = repetition(f"({separator_rule} {item})", max(least - 1, 0), None if most is None else most - 1)
+        return f"{item} {rest}" if least else f"({item} {rest})?"
+    if most is None:
+        return f"{exactly(item, least)} {item}*".strip()
+    return f"{exactly(item, least)} {up_to(item, most - least)}".strip()
+
+
+def exactly(item: str, n: int) -> str:
+    if n <= REPEAT_LIMIT:
+        return "" if n == 0 else item if n == 1 else f"{item}{{{n}}}"
+    blocks, rest = divmod(n, BLOCK)
+    return f"{exactly(f'({item}{{{BLOCK}}})', blocks)} {exactly(item, rest)}".strip()
+
+
+def up_to(item: str, n: int) -> str:
+    """0 to n items, unambiguously enough for a grammar sampler: fewer than `blocks` whole blocks and
+    then under a block, or all of them and then at most the rest (two parses at most share a prefix)."""
+    if n <= REPEAT_LIMIT:
+        return "" if n == 0 else f"{item}?" if n == 1 else f"{item}{{0,{n}}}"
+    blocks, rest = divmod(n, BLOCK)
+    block = f"({item}{{{BLOCK}}})"
+    fewer = f"{up_to(block, blocks - 1)} {up_to(item, BLOCK - 1)}".strip()
+    return f"(({fewer}) | ({exactly(block, blocks)} {up_to(item, rest)}".rstrip() + "))"
+
+
+llama_cpp.llama_grammar._build_repetition = repetition  # the converter's strings, arrays and patterns
 
 
 def grammar_for(schema: dict) -> str:

@@ -1,13 +1,15 @@
 """Integer bounds in JSON schemas, followed by the grammar (schemafollow.int_range_rule, ported from
 llama.cpp's build_min_max_int): the rule matches exactly the integers in range, written as JSON writes
 them (no leading zeros), checked against every integer in a window around the bounds; and a
-served answer under such a schema is one of them."""
+served answer under such a schema is one of them. Lengths and item counts of any size, written as
+llama.cpp's parser takes them (schemafollow.repetition): exactly the counts in range, and a server
+given an agent's write_file tool (maxLength 100,000) answers instead of overflowing its stack."""
 import json
 import re
 
 import pytest
 
-from ggufspec.schemafollow import INT64_MAX, INT64_MIN, int_range_rule
+from ggufspec.schemafollow import INT64_MAX, INT64_MIN, int_range_rule, repetition
 
 
 def as_regex(rule: str) -> re.Pattern:
@@ -64,3 +66,43 @@ def test_greedy_under_a_bounded_schema_is_the_target_alones(tiny_pair):
             for k in (2, "auto"):
                 drafted = decoder.generate(prompt, n_predict=48, n_draft=k, constraints=Constraints(grammar=grammar))
                 assert drafted.tokens == alone.tokens, (prompt, k)
+
+
+@pytest.mark.parametrize("least, most", [(0, 3), (2, 2), (0, 2000), (0, 2001), (1999, 2001), (0, 4999),
+                                         (2500, 2500), (1000, 3000), (3, None), (2003, None), (0, 20000)])
+def test_a_repetition_matches_exactly_the_counts_in_range(least, most):
+    rule = repetition('"a"', least, most)
+    assert "{" not in rule or max(int(n) for n in re.findall(r"\d+", rule)) <= 2000  # what llama.cpp parses
+    pattern = as_regex(rule.replace("?", "{0,1}").replace("*", "{0,}"))
+    top = (most or least) + 3
+    for n in sorted({*range(0, 12), *range(max(0, least - 3), least + 4), *range(max(0, top - 6), top + 1),
+                     *range(995, 1006), *range(1995, 2006)}):
+        assert bool(pattern.fullmatch("a" * n)) == (least <= n and (most is None or n <= most)), (least, most, n)
+
+
+def test_a_separated_repetition_counts_items():
+    pattern = as_regex(repetition('"a"', 0, 2500, separator_rule='","').replace("?", "{0,1}"))
+    for n in (0, 1, 2, 1000, 2500, 2501):
+        assert bool(pattern.fullmatch(",".join(["a"] * n))) == (n <= 2500), n
+
+
+@pytest.mark.parametrize("least, most", [(-1, 3), (3, 2), (1.5, 4), (0, True)])
+def test_a_bad_bound_is_a_tool_error(least, most):
+    from ggufspec.errors import ToolError
+    with pytest.raises(ToolError):
+        repetition('"a"', least, most)
+
+
+def test_a_long_string_is_followed_to_its_exact_length(tiny_pair):
+    """A pattern's a{2003,2005} (blocks of 1,000 in the grammar): the answer's string is within it,
+    through llama.cpp's own grammar sampler (the tiny model's byte tokens make other characters
+    that Python decodes otherwise than the grammar counts them: hence a pattern of one letter)."""
+    from ggufspec import SpeculativeDecoder
+    from ggufspec.processing import Constraints
+    from ggufspec.tools import schema_grammar
+    target, _ = tiny_pair
+    grammar = schema_grammar({"type": "string", "pattern": "^a{2003,2005}$"})
+    with SpeculativeDecoder(target, n_ctx=4096, n_threads=1) as decoder:
+        out = decoder.generate("the", n_predict=4000, n_draft=0, temperature=0, constraints=Constraints(grammar=grammar))
+    assert out.stats.stop_reason == "eos", out.stats
+    assert re.fullmatch("a{2003,2005}", json.loads(out.text)), out.text

@@ -72,7 +72,7 @@ def test_tokenize_and_detokenize(server, reference):
 
 # ---------------------------------------------------------------- n choices
 
-def test_n_choices_one_after_another_each_its_own_seed(server, reference):
+def test_n_choices_each_its_own_seed(server, reference):
     client = server.client()
     answer = client.completions.create(model="target", prompt="the cat", max_tokens=12, n=3, temperature=0.9,
                                        seed=7, extra_body={"draft": 3})
@@ -272,6 +272,26 @@ def test_a_forced_tool_call_is_valid_and_the_same_speculating_or_not(server, too
                                         max_tokens=64) as stream:
         final = stream.get_final_completion().choices[0].message
     assert final.content is None and final.tool_calls[0].function.arguments == calls[0][1]
+
+
+WRITE_FILE = {"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "required": ["path", "content"], "additionalProperties": False,
+    "properties": {"path": {"type": "string", "maxLength": 4096}, "content": {"type": "string", "maxLength": 100000}}}}}
+
+
+def test_long_length_bounds_are_followed_not_fatal(server):
+    """An agent's write_file tool (content up to 100,000 characters) and a schema's 20,000-item array:
+    once a stack overflow that took the server down, now grammars llama.cpp parses (schemafollow.repetition)."""
+    client = server.client()
+    answer = client.chat.completions.create(model="target", messages=HI, tools=[WRITE_FILE], max_tokens=24,
+                                            tool_choice={"type": "function", "function": {"name": "write_file"}})
+    assert answer.choices[0].finish_reason in ("tool_calls", "length")
+    items = {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 20000}
+    response = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 16, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "flags", "schema": items}}})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"].startswith("[")
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_json_schema_answers_parse_and_are_the_same_speculating_or_not(server):
