@@ -159,6 +159,19 @@ def test_an_empty_or_non_object_body_says_so(server):
         assert "the request body is empty" in anthropic_error(post(server, path, b""))["message"]
 
 
+def test_a_large_body_is_parsed_as_a_small_one(server):
+    """Bodies from 64 KiB are parsed apart from their validation (`guard.validated`): a lone surrogate
+    (a JavaScript client cutting an emoji in two) and a deep nesting are malformed JSON there too, 400s,
+    not 500s once the text reached the tokenizer."""
+    padding = "x" * 70_000
+    surrogate = ('{"prompt": "%s \\ud800", "max_tokens": 1}' % padding).encode()
+    nested = ('{"prompt": "%s", "max_tokens": 1, "extra": %s%s}' % (padding, "[" * 40_000, "]" * 40_000)).encode()
+    for body in (surrogate, nested, surrogate[:200] + b"}"):
+        for path in ("/v1/completions", "/tokenize"):
+            assert "JSON" in openai_error(post(server, path, body))["message"]
+    assert "JSON" in anthropic_error(post(server, "/v1/messages", surrogate))["message"]
+
+
 # ---------------------------------------------------------------- JSON schemas the grammar cannot enforce
 
 BOUNDED = {"type": "number", "minimum": 5, "maximum": 9}  # an integer's bounds are followed, a number's not

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+import pydantic_core
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.middleware.cors import CORSMiddleware
 
@@ -373,8 +374,8 @@ def validated(model: type[BaseModel], body: bytes) -> BaseModel:
     the cost of checking that its items are instances already)."""
     if len(body) < 64 * 1024:
         return model.model_validate_json(body)
-    try:
-        data = json.loads(body)
+    try:  # pydantic's own parser, as for a small body: a lone surrogate or a deep nesting is malformed JSON
+        data = pydantic_core.from_json(body)
     except ValueError:
         return model.model_validate_json(body)  # pydantic's own message for malformed JSON
     return validated_data(model, data)
