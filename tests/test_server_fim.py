@@ -7,6 +7,7 @@ is the one `ggufspec.fim` builds, as llama-server's format_prompt_infill does.""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import httpx
@@ -163,6 +164,30 @@ def test_completion_speaks_llama_servers_fields(server, decoder):
     assert all(e["logprob"] <= 0 and isinstance(e["id"], int) for e in entries)
     assert all(isinstance(top["id"], int) for e in entries for top in e["top_logprobs"])
     assert entries[0]["top_logprobs"][0]["id"] == entries[0]["id"]  # greedy: the likeliest is the one chosen
+
+
+def test_llama_servers_other_names_and_fields(server, decoder):
+    """post_sampling_probs (prob / top_probs), a stream's token ids whatever return_tokens says,
+    /apply-template, /chat/completions without /v1, and a trailing slash a JSON 404 (QA against
+    llama-server)."""
+    body = {"prompt": "the cat", "n_predict": 4, "n_probs": 2, "temperature": 0}
+    logprobs = post(server, "/completion", body).json()["completion_probabilities"]
+    probs = post(server, "/completion", {**body, "post_sampling_probs": True}).json()["completion_probabilities"]
+    for with_logs, with_probs in zip(logprobs, probs):
+        assert set(with_probs) == {"id", "token", "bytes", "prob", "top_probs"}
+        assert with_probs["prob"] == pytest.approx(math.exp(with_logs["logprob"]))
+        assert [top["prob"] for top in with_probs["top_probs"]] == pytest.approx(
+            [math.exp(top["logprob"]) for top in with_logs["top_logprobs"]])
+    chunks = stream(server, "/completion", {"prompt": "the cat", "n_predict": 8, "temperature": 0})
+    streamed = [token for chunk in chunks if not chunk["stop"] for token in chunk["tokens"]]
+    assert streamed == decoder.generate("the cat", n_predict=8, n_draft=0, temperature=0).tokens
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    prompt = post(server, "/apply-template", chat).json()["prompt"]
+    assert decoder.tokenize(prompt) == decoder.tokenize("hi", chat=True)
+    answer = post(server, "/chat/completions", chat).json()
+    assert answer["object"] == "chat.completion" and answer["usage"]["prompt_tokens"] == len(decoder.tokenize(prompt))
+    slashed = post(server, "/v1/chat/completions/", chat)
+    assert slashed.status_code == 404 and "error" in slashed.json()
 
 
 @pytest.mark.parametrize("path, body, status, words", [

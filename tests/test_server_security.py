@@ -257,6 +257,18 @@ def test_the_agents_apis_and_the_pages_scripts_are_behind_the_same_guard(server,
     assert httpx.get(keyed.url + script, timeout=10).status_code == 200  # like the page: no key
 
 
+def test_every_path_but_the_page_and_health_needs_the_key(keyed):
+    """Deny by default: llama-server's other names for the APIs (/chat/completions, /apply-template)
+    and paths no route has are behind the key, not only /v1 and a list that a new route could miss."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path in ("/chat/completions", "/apply-template", "/v1/chat/completions/", "/no-such-path"):
+        assert post(keyed, path, chat).status_code == 401, path
+    for path in ("/chat/completions", "/apply-template"):
+        assert post(keyed, path, chat, Authorization=f"Bearer {KEY}").status_code == 200, path
+    for path in ("/", "/health", "/static/marked.umd.js"):
+        assert httpx.get(keyed.url + path, timeout=10).status_code == 200, path
+
+
 # ---------------------------------------------------------------- bodies
 
 def test_a_body_over_the_cap_is_413_at_once_and_the_next_request_is_answered(server):

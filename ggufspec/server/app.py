@@ -49,6 +49,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         await asyncio.to_thread(engine.close)  # stops the running generation within a step
 
     app = FastAPI(title="ggufspec", lifespan=lifespan)
+    app.router.redirect_slashes = False  # a path with a trailing slash is a 404 in the API's shape, not a bare 307
     app.state.engine = engine
     app.add_middleware(Guard, exposure=exposure or Exposure(api_key=api_key))  # Host, CORS, origin, key, body cap
     app.router.route_class = OffLoopRoute  # request bodies parsed and validated off the event loop

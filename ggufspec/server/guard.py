@@ -40,16 +40,16 @@ from .errors import error_body
 MIB = 1 << 20
 # A context of 128k tokens as JSON (its text escaped, or its ids) fits with room to spare.
 DEFAULT_MAX_BODY = 4 * MIB
-KEYED_PATHS = ("/props", "/slots", "/tokenize", "/detokenize", "/completion", "/completions", "/infill")
+OPEN_PATHS = ("/", "/health")  # and the chat page's scripts under /static/: all else needs the key
 WITH_BODY = ("POST", "PUT", "PATCH", "DELETE")  # methods that change things (and may carry a body)
 # http(s)://localhost, *.localhost, 127.0.0.0/8 and [::1], any port: pages served from this machine
 LOOPBACK_ORIGIN = r"https?://(localhost|[a-z0-9.-]+\.localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?"
 
 
 def is_guarded(path: str) -> bool:
-    """The paths that need the key: the APIs and what names the model's files. The page at / and
-    /health do not."""
-    return path.startswith("/v1") or path in KEYED_PATHS
+    """The paths that need the key: every one but the page at /, its scripts and /health, so that a
+    route added later (llama-server's names for the APIs...) is behind the key from the start."""
+    return path not in OPEN_PATHS and not path.startswith("/static/")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,6 +89,7 @@ class NativeBody(CompletionBody):
     prompt: list[int] | str | list[str] | list[list[int]] = ""
     n_probs: int | None = Field(None, ge=0, le=20)  # the n likeliest tokens at each position, with the chosen one's
     return_tokens: bool = False
+    post_sampling_probs: bool = False  # n_probs' entries as prob / top_probs instead of logprob / top_logprobs
     input_prefix: str | None = None
     input_suffix: str | None = None
     input_extra: list[InfillFile] = Field(default_factory=list)

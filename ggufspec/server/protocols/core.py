@@ -131,15 +131,20 @@ class Serving:
             kind = "not_supported_error" if status == 501 else "invalid_request_error"
             raise APIError(status, str(exc), kind, "fim_not_supported") from None
 
-    async def count_tokens(self, body: ChatBody, prefill: str = "") -> int:
-        """The prompt's length in tokens, as the request would be rendered (its tools included)."""
-        def count() -> int:  # off the event loop
+    async def render(self, body: ChatBody, prefill: str = "") -> str:
+        """The prompt as the request would be rendered through the chat template (its tools included)."""
+        def rendered() -> str:  # off the event loop
             shape, messages = self.shape(body), message_dicts(body.messages)
             try:
-                return len(self.decoder.tokenize(chat_prompt(self.decoder, messages, shape) + prefill))
+                return chat_prompt(self.decoder, messages, shape) + prefill
             except Exception as exc:  # the template refusing the messages: the client's mistake
                 raise engine_error(exc) from None
-        return await asyncio.to_thread(count)
+        return await asyncio.to_thread(rendered)
+
+    async def count_tokens(self, body: ChatBody, prefill: str = "") -> int:
+        """The prompt's length in tokens, as the request would be rendered (its tools included)."""
+        prompt = await self.render(body, prefill)
+        return len(await asyncio.to_thread(self.decoder.tokenize, prompt))
 
 
 async def started(job: Job, request: Request) -> int:

@@ -13,6 +13,7 @@ constrained and cached like every answer."""
 from __future__ import annotations
 
 import json
+import math
 
 from fastapi import FastAPI, Request
 
@@ -72,7 +73,7 @@ class NativeReply:
     def chunk(self, pieces: list[dict]) -> dict:
         """One step's pieces, streamed."""
         self.pieces += pieces
-        return {"index": 0, "content": "".join(p["text"] for p in pieces), "tokens": self.token_ids(pieces),
+        return {"index": 0, "content": "".join(p["text"] for p in pieces), "tokens": [p["token"] for p in pieces],
                 "stop": False, "id_slot": self.id_slot, "tokens_predicted": len(self.pieces),
                 "tokens_evaluated": self.n_prompt, **self.probabilities(pieces)}
 
@@ -92,12 +93,14 @@ class NativeReply:
         return [p["token"] for p in pieces] if self.body.return_tokens else []
 
     def probabilities(self, pieces: list[dict]) -> dict:
-        """llama-server's completion_probabilities: each token's id, text, bytes, logprob and top_logprobs."""
+        """llama-server's completion_probabilities: each token's id, text, bytes, logprob and top_logprobs
+        (with post_sampling_probs, prob and top_probs: the same distribution's probabilities)."""
         if not self.body.n_probs:
             return {}
+        entry = probability_entry if self.body.post_sampling_probs else (lambda e: e)
         return {"completion_probabilities": [
-            {"id": p["token"], **p["logprobs"],
-             "top_logprobs": [{"id": token, **top} for token, top in zip(p["top_ids"], p["logprobs"]["top_logprobs"])]}
+            {"id": p["token"], **entry({**p["logprobs"], "top_logprobs": [
+                entry({"id": token, **top}) for token, top in zip(p["top_ids"], p["logprobs"]["top_logprobs"])]})}
             for p in pieces if "logprobs" in p]}
 
     def settings(self) -> dict:
@@ -140,6 +143,13 @@ class NativeReply:
                     return
         finally:
             self.job.cancel()
+
+
+def probability_entry(entry: dict) -> dict:
+    """An entry with logprob (and top_logprobs) as llama-server's post_sampling_probs writes it: prob
+    (and top_probs)."""
+    renamed = {"logprob": "prob", "top_logprobs": "top_probs"}
+    return {renamed.get(key, key): math.exp(value) if key == "logprob" else value for key, value in entry.items()}
 
 
 def picked(answer: dict, fields: list[str] | None) -> dict:

@@ -23,8 +23,14 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         return await answer(serving, request, body, chat=False, prompts=prompts)
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")  # as llama-server, for a client whose base URL lacks /v1
     async def chat_completions(request: Request, body: ChatBody):
         return await answer(serving, request, body, chat=True)
+
+    @app.post("/apply-template")
+    async def apply_template(body: ChatBody):
+        """llama-server's: the prompt the chat template makes of the messages (and tools), not run."""
+        return {"prompt": await serving.render(body)}
 
 
 async def answer(serving: Serving, request: Request, body: GenerationBody, chat: bool, prompts=None):
