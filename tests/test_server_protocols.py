@@ -142,6 +142,29 @@ def test_a_client_that_leaves_a_stream_stops_its_generation(server, path, body):
 
 # ---------------------------------------------------------------- Anthropic: tools
 
+def test_a_call_cut_off_by_max_tokens_shows_no_markup_in_any_api(server, claude):
+    """A forced call that max_tokens cuts off: the template's <tool_call> markup is neither the answer's
+    text nor a streamed delta, in any of the three APIs (QA); the stop reason says max_tokens."""
+    ask = {"model": "target", "max_tokens": 6, "messages": HI, "tools": [ANTHROPIC_TOOL],
+           "tool_choice": {"type": "any"}}
+    message = claude.messages.create(**ask)
+    assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "text" and b.text]
+    with claude.messages.stream(**ask) as stream:
+        assert not [b for b in stream.get_final_message().content if b.type == "text" and b.text]
+    tool = {"type": "function", "function": {"name": "set_unit", "parameters": SCHEMA}}
+    body = {"messages": HI, "tools": [tool], "tool_choice": "required", "max_tokens": 6}
+    answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert answer["finish_reason"] == "length" and not answer["message"]["content"], answer
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        streamed = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                           for line in r.iter_lines() if line.startswith("data: {") and '"choices":[{' in line)
+    assert "<tool_call>" not in streamed and not streamed.strip()
+    response = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": "required", "max_output_tokens": 6}).json()
+    assert response["status"] == "incomplete"
+    assert not any(part.get("text") for item in response["output"] for part in item.get("content") or []), response
+
+
 def test_a_forced_tool_call_gives_a_parsed_input_whole_and_streamed(server, claude):
     ask = {"model": "target", "max_tokens": 64, "messages": HI, "tools": [ANTHROPIC_TOOL],
            "tool_choice": {"type": "tool", "name": "set_unit"}}
@@ -377,6 +400,7 @@ BAD_MESSAGES = [
     ({"max_tokens": 8, "messages": []}, "messages"),
     ({"max_tokens": 8, "messages": "hi"}, "messages"),
     ({"max_tokens": 8}, "messages"),
+    ({"messages": HI}, "max_tokens is required"),
     ({"max_tokens": 8, "messages": [{"role": "system", "content": "hi"}]}, "role"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": 5}]}, "content"),
     ({"max_tokens": 0, "messages": HI}, "max_tokens"),
@@ -421,6 +445,8 @@ BAD_RESPONSES = [
     ({}, "input"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation: this server keeps no"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt: this server keeps no"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "role"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),

@@ -77,27 +77,40 @@ class ChoiceState:
         self.sent_text += "".join(p["text"] for p in released)
         return released
 
-    def end(self) -> tuple[list[dict], str | None, list[dict]]:
-        """The choice ended: (held pieces, their content or None, tool calls) for the last chunks."""
+    def end(self, cut_short: bool = False) -> tuple[list[dict], str | None, list[dict]]:
+        """The choice ended (`cut_short`: by max_tokens or the context): (held pieces, their content or
+        None, tool calls) for the last chunks."""
         held, self.held = self.held, []
         text = "".join(p["text"] for p in held)
         if not self.parsing or not held:
             return held, text or None, []
         content, calls = toolkit.parse_calls(text, self.shape.fmt, self.shape.plan.names)
         if not calls:
+            text = self.without_a_cut_call(self.sent_text + text, cut_short)[len(self.sent_text):]
             return held, text, []
         return held, (content if content and content.strip() else None), self.tool_calls(calls)
+
+    def without_a_cut_call(self, text: str, cut_short: bool) -> str:
+        """The text without the start of a call that max_tokens cut off: the template's markup
+        (`<tool_call>\n{"name": ...`) is no answer to show, nor to send back as the next turn's history."""
+        if not cut_short:
+            return text
+        if self.shape.plan.forced:  # the answer is calls only: all of it was the call's
+            return ""
+        found = [i for marker in toolkit.CALL_MARKERS if (i := text.find(marker)) >= 0]
+        return text[:min(found)] if found else text  # a text that merely starts with "{" stays
 
     def tool_calls(self, calls: list[toolkit.ToolCall]) -> list[dict]:
         return toolkit.openai_tool_calls(calls, self.shape.fmt)
 
-    def message(self) -> tuple[dict, bool]:
+    def message(self, cut_short: bool = False) -> tuple[dict, bool]:
         """The whole answer's message (chat) and whether it called tools."""
         text = "".join(p["text"] for p in self.pieces)
         if self.parsing:
             content, calls = toolkit.parse_calls(text, self.shape.fmt, self.shape.plan.names)
             if calls:
                 return {"role": "assistant", "content": content, "tool_calls": self.tool_calls(calls)}, True
+            text = self.without_a_cut_call(text, cut_short)
         return {"role": "assistant", "content": text}, False
 
     def logprobs(self, pieces: list[dict]) -> dict | None:

@@ -53,7 +53,7 @@ class Reply:
         choices = []
         for state in self.choices:
             if self.chat:
-                message, called = state.message()
+                message, called = state.message(cut_short=state.finish == "length")
                 choice = {"index": state.index, "message": message}
                 finish = "tool_calls" if called else state.finish
             else:
@@ -91,7 +91,7 @@ class Reply:
     def choice_end_chunks(self, index: int, stats: Stats, finish: str, estimate: dict | None) -> list[dict]:
         """What the choice held back (content, or its tool calls), then its finish_reason."""
         state = self.choices[index]
-        held, content, calls = state.end()
+        held, content, calls = state.end(cut_short=finish == "length")
         chunks = []
         if held:
             chunks.append(self.chunk(content if content is not None or calls else "", index=index,

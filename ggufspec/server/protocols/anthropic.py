@@ -83,7 +83,7 @@ class CountTokensBody(Strict):
 
 
 class MessagesBody(CountTokensBody):
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int = Field(ge=1)  # required, as Anthropic's API has it
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = None

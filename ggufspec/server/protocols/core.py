@@ -182,7 +182,8 @@ async def answer_events(job: Job, request: Request | None = None, splitter=None)
                     yield event
         elif kind == "choice":
             _, stats, _, estimate = value
-            held, content, calls = state.end()  # the text held back: content, or the calls and what is not them
+            # the text held back: content, or the calls and what is not them
+            held, content, calls = state.end(cut_short=stats.stop_reason in ("n_predict", "context"))
             logprobs += [p["logprobs"] for p in held if "logprobs" in p and not calls]
             for event in with_logprobs((splitter.push(content) if content else []) + splitter.flush(), logprobs):
                 yield event

@@ -69,6 +69,8 @@ class ResponsesBody(Strict):
     text: TextOptions | None = None
     stream: bool = False
     previous_response_id: str | None = None
+    conversation: str | dict | None = None  # a stored conversation (refused: nothing is stored)
+    prompt: dict | None = None              # a stored prompt template (refused likewise)
     metadata: dict | None = None
 
 
@@ -78,9 +80,10 @@ LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them
 
 
 def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
-    if body.previous_response_id:
-        raise APIError(400, "previous_response_id: this server keeps no responses (it is stateless); send the "
-                            "whole conversation in input", code="invalid_value")
+    for stored in ("previous_response_id", "conversation", "prompt"):  # what the server would have kept
+        if getattr(body, stored, None):
+            raise APIError(400, f"{stored}: this server keeps no responses, conversations or prompts (it is "
+                                "stateless); send the whole conversation in input", code="invalid_value")
     translated: dict[str, Any] = {"messages": conversation(body), "max_tokens": body.max_output_tokens,
                                   "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                                   "stop": body.stop, "parallel_tool_calls": body.parallel_tool_calls}
