@@ -10,6 +10,7 @@ import sys
 import threading
 
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from ..errors import GgufspecError
 from ..netaddr import is_loopback
@@ -17,6 +18,7 @@ from .guard import Exposure
 
 STOP_GRACE_S = 2.0  # after Ctrl-C or SIGTERM, how long open connections may take to finish
 STOP_DEADLINE_S = 4.0  # ... and how long the whole process may: then it exits without waiting
+STREAMS_CUT_S = 1.0  # after the stop signal, when sse-starlette cuts the streams still open
 
 
 def listen(host: str, port: int):
@@ -76,12 +78,21 @@ def serve_forever(app, sock: socket.socket, *, name: str, host: str, exposure: E
                      f"{exposure.summary()}; Ctrl-C stops)\n")
     stopping = threading.Event()
 
+    # sse-starlette cuts every open stream on the stop signal (within its 0.5 s poll), racing the
+    # engine's stop: a stream then ended with no event saying the answer was cut short. The engine's
+    # stop ends each running answer with an error event at its next token; the streams left open
+    # after STREAMS_CUT_S (one still evaluating its prompt, one waiting for a slot) are cut then.
+    AppStatus.disable_automatic_graceful_drain()
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             app.state.engine.stop()  # a long answer must not hold up the shutdown
             if not stopping.is_set():
                 stopping.set()
                 exit_by_deadline()
+                cut = threading.Timer(STREAMS_CUT_S, setattr, (AppStatus, "should_exit", True))
+                cut.daemon = True
+                cut.start()
             super().handle_exit(sig, frame)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S)
     Server(config).run(sockets=[sock])
