@@ -257,7 +257,8 @@ def repetition(item: str, least: int, most: int | None, separator_rule: str | No
         if most == 0:
             return ""
         rest = repetition(f"({separator_rule} {item})", max(least - 1, 0), None if most is None else most - 1)
-        return f"{item} {rest}" if least else f"({item} {rest})?"
+        # an empty alternative, not "(...)?": llama.cpp counts a group's inner rules against "?" too
+        return f"{item} {rest}" if least else f"({item} {rest} | )"
     if most is None:
         return f"{exactly(item, least)} {item}*".strip()
     return f"{exactly(item, least)} {up_to(item, most - least)}".strip()
