@@ -250,3 +250,19 @@ def test_the_system_fingerprint_names_the_backend_and_changes_with_the_rounding(
     fingerprint = seen.pop()
     assert fingerprint.startswith("fp_") and len(fingerprint) == 15
     assert httpx.get(sharing_server.url + "/props", timeout=10).json()["system_fingerprint"] != fingerprint
+
+
+def test_several_choices_queue_in_the_room_left_not_a_429(server):
+    """Three slots busy and one queue place: a request for 2 choices takes that place as one part
+    (its choices one after another) instead of a 429 for wanting two."""
+    running = [Stream(server.url, p, max_tokens=300) for p in PROMPTS[:3]]
+    for stream in running:
+        stream.thread.start()
+    while server.health()["slots_processing"] < 3:
+        time.sleep(0.02)
+    body = {"prompt": "a", "max_tokens": 4, "n": 2, "temperature": 0}
+    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200 and [c["index"] for c in answer.json()["choices"]] == [0, 1], answer.text
+    for stream in running:
+        stream.thread.join()
+    wait_idle(server)

@@ -180,3 +180,41 @@ def test_a_call_grammar_follows_json_refs_inside_parameters(vocab):
         "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}}}}}}
     grammar = toolkit.call_grammar(toolkit.check_tools([tool]), HERMES)
     assert parses(vocab, grammar) and json.dumps("x") in grammar.replace("\\", "")
+
+
+# ---------------------------------------------------------------- a call that max_tokens cut off
+
+CUT_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def cut_choice(text: str, fmt_name: str = "hermes", tool_choice="auto"):
+    """A chat choice that ended at max_tokens after `text`: (content, calls) whole and streamed."""
+    from ggufspec.server.choices import ChoiceState
+    from ggufspec.server.constraints import Shaping
+    fmt = {"hermes": toolkit.detect_format("{{ tools }} <tool_call>"),
+           "llama3": toolkit.detect_format("{{ tools }} <|start_header_id|>")}[fmt_name]
+    shape = Shaping(plan=toolkit.plan_tools(CUT_TOOL, tool_choice, None, fmt), fmt=fmt)
+    whole = ChoiceState(0, shape, chat=True)
+    whole.pieces = [{"text": text}]
+    message, _ = whole.message(cut_short=True)
+    streamed = ChoiceState(0, shape, chat=True)
+    sent = "".join(p["text"] for p in streamed.push([{"text": ch} for ch in text]))
+    _, held_content, calls = streamed.end(cut_short=True)
+    return message.get("content"), len(message.get("tool_calls") or []), sent + (held_content or ""), len(calls)
+
+
+@pytest.mark.parametrize("text, shown", [
+    ('Sure. <tool_call>\n{"name": "f", "argu', "Sure. "),
+    ("Sure. <tool_", "Sure. "),  # a marker cut in two
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "ar', ""),  # a second call
+    ("Sure, here it is.", "Sure, here it is."),  # no call: the text stays
+    ('{"a": 1, "b', '{"a": 1, "b'),  # a JSON answer is no call
+])
+def test_a_call_cut_off_by_max_tokens_leaves_no_markup(text, shown):
+    content, n_calls, streamed, n_streamed_calls = cut_choice(text)
+    assert (content or "") == shown and streamed == shown and n_calls == n_streamed_calls
+
+
+def test_a_bare_json_call_cut_off_is_dropped_too():
+    content, _, streamed, _ = cut_choice('{"name": "f", "parameters": {"x', "llama3")
+    assert not content and not streamed

@@ -6,10 +6,13 @@ A piece is the dict the worker annotated (speculation.StepTracker): text, token,
 drafted, and "logprobs" (an OpenAI chat entry) when the request asked for them."""
 from __future__ import annotations
 
+import re
+
 from .. import tools as toolkit
 from .constraints import Shaping
 
 PIECE_FIELDS = ("text", "token", "from_draft", "step", "drafted")  # what ggufspec.pieces shows
+BARE_CALL = re.compile(r'\s*(```json\s*)?\{\s*"name"\s*:')  # the start of a call written as bare JSON
 
 
 def token_string(raw: bytes) -> str:
@@ -88,6 +91,7 @@ class ChoiceState:
         if not calls:
             text = self.without_a_cut_call(self.sent_text + text, cut_short)[len(self.sent_text):]
             return held, text, []
+        content = self.without_a_cut_call(content or "", cut_short)  # a second call, cut off
         return held, (content if content and content.strip() else None), self.tool_calls(calls)
 
     def without_a_cut_call(self, text: str, cut_short: bool) -> str:
@@ -97,7 +101,11 @@ class ChoiceState:
             return text
         if self.shape.plan.forced:  # the answer is calls only: all of it was the call's
             return ""
+        if BARE_CALL.match(text):  # llama 3's call: a JSON object naming a function, no marker
+            return ""
         found = [i for marker in toolkit.CALL_MARKERS if (i := text.find(marker)) >= 0]
+        found += [len(text) - k for marker in toolkit.CALL_MARKERS for k in range(1, len(marker))
+                  if text.endswith(marker[:k])]  # a marker cut in two ("<tool_")
         return text[:min(found)] if found else text  # a text that merely starts with "{" stays
 
     def tool_calls(self, calls: list[toolkit.ToolCall]) -> list[dict]:
@@ -109,6 +117,7 @@ class ChoiceState:
         if self.parsing:
             content, calls = toolkit.parse_calls(text, self.shape.fmt, self.shape.plan.names)
             if calls:
+                content = self.without_a_cut_call(content or "", cut_short) or None
                 return {"role": "assistant", "content": content, "tool_calls": self.tool_calls(calls)}, True
             text = self.without_a_cut_call(text, cut_short)
         return {"role": "assistant", "content": text}, False

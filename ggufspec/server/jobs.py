@@ -69,9 +69,9 @@ class Job:
         self._parts_left = 0
         self.failed = False  # an "error" went out: the other parts stop, and "done" never comes
 
-    def parts(self, n_slots: int) -> list["Part"]:
-        """The choices shared among up to `n_slots` parts, round robin, so that the first ones end first."""
-        n_parts = max(1, min(n_slots, self.n_choices))
+    def parts(self, n_parts: int) -> list["Part"]:
+        """The choices shared among up to `n_parts` parts, round robin, so that the first ones end first."""
+        n_parts = max(1, min(n_parts, self.n_choices))
         self._parts_left = n_parts
         return [Part(self, list(range(p, self.n_choices, n_parts))) for p in range(n_parts)]
 
@@ -186,16 +186,18 @@ class Engine:
         return max((now - part.job.progressed_at for part in list(self._current)), default=0.0)
 
     def submit(self, job: Job) -> None:
-        """The job's parts, each to wait for a slot; a 429 where they would not all find a place."""
-        parts = job.parts(len(self.slots))
+        """The job's parts (as many as slots, where the queue has room for them), each to wait for a
+        slot; a 429 where not even one finds a place."""
         with self._lock:
             if self._stopping:
                 raise shutting_down()
-            if self.running + self.waiting + len(parts) > len(self.slots) + self.max_queue:
-                retry = max(1, math.ceil(self._mean_seconds * (self.waiting + len(parts)) / len(self.slots)))
+            room = len(self.slots) + self.max_queue - self.running - self.waiting
+            if room < 1:  # every slot busy, max_queue waiting
+                retry = max(1, math.ceil(self._mean_seconds * (self.waiting + 1) / len(self.slots)))
                 raise APIError(429, f"the server is busy: {self.waiting} requests are waiting for one of "
                                f"{len(self.slots)} slots (--max-queue {self.max_queue}); retry later",
                                "rate_limit_error", "queue_full", headers={"Retry-After": str(retry)})
+            parts = job.parts(min(len(self.slots), room))
             self._pending += len(parts)
             self._queued.update(parts)
         for part in parts:
@@ -228,10 +230,14 @@ class Engine:
             self._part_ended(job)
 
     def _part_ended(self, job: Job) -> None:
-        total = job.part_ended()
-        if total is not None:  # the job's last part: its answer is whole
-            self.last = total
-            job.emit("done", (total, time_estimate(self.decoder, job.options.get("drafter", "model"), total)))
+        try:
+            total = job.part_ended()
+            if total is not None:  # the job's last part: its answer is whole
+                self.last = total
+                job.emit("done", (total, time_estimate(self.decoder, job.options.get("drafter", "model"), total)))
+        except Exception as exc:  # never a request left waiting for its "done"
+            log.exception("ending a generation failed")
+            job.fail(exc)
 
     def _generate(self, part: Part) -> None:
         job = part.job
@@ -258,6 +264,8 @@ class Engine:
             ended = self.slots.wait_for_room(timeout=1.0)
             if ended is not None:
                 return ended
+        if self._stopping:
+            raise shutting_down()
         return False
 
     def _generate_in_a_slot(self, part: Part, prompt_index: int, tokens: list[int], options: dict) -> None:
@@ -411,9 +419,10 @@ def summed(results: dict[int, Stats], n: int) -> Stats:
     firsts = {index // n: results[index] for index in sorted(results, reverse=True)}  # each prompt's first
     totals = {name: sum(getattr(stats, name) for stats in ordered)
               for name in ("n_predict", "decode_seconds", "n_drafted", "n_accept", "n_steps", "draft_seconds",
-                           "target_seconds", "prompt_seconds")}
-    return dataclasses.replace(ordered[-1], n_prompt=sum(s.n_prompt for s in firsts.values()),
-                               n_prompt_cached=sum(s.n_prompt_cached for s in firsts.values()), **totals)
+                           "target_seconds")}
+    prompts = {name: sum(getattr(stats, name) for stats in firsts.values())
+               for name in ("n_prompt", "n_prompt_cached", "prompt_seconds")}
+    return dataclasses.replace(ordered[-1], **prompts, **totals)
 
 
 def shutting_down() -> APIError:

@@ -77,7 +77,8 @@ def system_fingerprint(decoder) -> str:
     config = {"ggufspec": __version__, "llama_cpp": llama_cpp.__version__, "files": files,
               "system": llama_cpp.llama_print_system_info().decode(errors="replace"),
               "gpu_layers": [load.offloaded_layers(decoder.target_llm), decoder.n_gpu_layers_draft],
-              "placement": decoder.placement, "verification": getattr(decoder, "verification", "batch")}
+              "placement": decoder.placement, "verification": getattr(decoder, "verification", "batch"),
+              "context": context_settings(decoder.target_llm)}
     return "fp_" + hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -86,3 +87,13 @@ def file_size(path) -> int | None:
         return Path(path).stat().st_size
     except OSError:
         return None
+
+
+CONTEXT_SETTINGS = ("n_ubatch", "n_seq_max", "flash_attn_type", "type_k", "type_v", "kv_unified", "swa_full")
+
+
+def context_settings(llm) -> dict:
+    """The target context's settings that change how its logits round (the batch a step computes,
+    the slots sharing a cache, flash attention, the cache's types)."""
+    params = getattr(llm, "context_params", None)
+    return {name: getattr(params, name, None) for name in CONTEXT_SETTINGS}

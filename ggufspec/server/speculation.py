@@ -41,7 +41,7 @@ def time_estimate(decoder, drafter: str, stats: Stats) -> dict | None:
     request)."""
     if stats.n_predict == 0 or stats.decode_seconds <= 0:
         return None
-    costs_by_drafter = getattr(decoder, "costs", None) or {}
+    costs_by_drafter = dict(getattr(decoder, "costs", None) or {})  # a copy: a slot may add a drafter meanwhile
     # T(1) is the target's own cost, measured under each drafter: this request's first
     ordered = [costs_by_drafter[drafter]] if drafter in costs_by_drafter else []
     ordered += [c for name, c in costs_by_drafter.items() if name != drafter]

@@ -81,7 +81,7 @@ LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them
 
 def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
     for stored in ("previous_response_id", "conversation", "prompt"):  # what the server would have kept
-        if getattr(body, stored, None):
+        if getattr(body, stored, None) is not None:
             raise APIError(400, f"{stored}: this server keeps no responses, conversations or prompts (it is "
                                 "stateless); send the whole conversation in input", code="invalid_value")
     translated: dict[str, Any] = {"messages": conversation(body), "max_tokens": body.max_output_tokens,
