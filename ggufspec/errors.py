@@ -30,6 +30,11 @@ class CacheFullError(DecodeError):
     hold the cells. A generation under way ends there as at the context's end; a prompt may retry."""
 
 
+class Interrupted(GgufspecError):
+    """A decode stopped between two of its chunks, its caller having asked (`Context.should_stop`): a
+    client gone while its long prompt was being evaluated."""
+
+
 class StoreError(GgufspecError):
     """A download, verification or cache problem."""
 

@@ -30,7 +30,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
-from .errors import CacheFullError, DecodeError
+from .errors import CacheFullError, DecodeError, Interrupted
 
 _SEQ = 0  # a context's sequence id, unless it is one of several slots (`slots`)
 
@@ -120,13 +120,17 @@ class Context:
         # take without evaluating them (`reuse_prefix`); None: this sequence reuses only its own
         self.prefix_donors: list[Context] | None = None
         self.n_shared = 0  # prompt tokens taken from another sequence's cells, in total
+        self.should_stop = None  # a callable: true where a long decode should stop between its chunks
 
     def decode(self, tokens: Sequence[int], n_logits: int = 1) -> None:
         """Append `tokens` to the cache; keep logits for the last `n_logits` of them.
 
-        Long inputs go in chunks of n_batch; only the final chunk's tail gets logits.
+        Long inputs go in chunks of n_batch; only the final chunk's tail gets logits. Where
+        `should_stop` says so before a chunk, Interrupted (the cache holds the chunks before it).
         """
         for start in range(0, len(tokens), self.n_batch):
+            if start and self.should_stop is not None and self.should_stop():
+                raise Interrupted(f"stopped after {start} of {len(tokens)} tokens")
             chunk = tokens[start:start + self.n_batch]
             is_last = start + self.n_batch >= len(tokens)
             self._decode_chunk(chunk, n_logits if is_last else 0)

@@ -23,7 +23,7 @@ from typing import Iterator, NamedTuple, Sequence
 import llama_cpp
 
 from .checks import check_generation_args, check_token_ids
-from .errors import CacheFullError, GgufspecError
+from .errors import CacheFullError, GgufspecError, Interrupted
 from .native import Context
 from .stats import Stats
 from .stepcosts import measure_step_costs
@@ -57,7 +57,12 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     tokens = list(prompt)
     draft_ctx = drafter.context if drafter is not None else None
     guide = judge.draft_guide()  # the request's constraints over the proposals too (more of them kept)
-    _prefill(target, draft_ctx, tokens, stats, reuse_cache)
+    try:
+        _prefill(target, draft_ctx, tokens, stats, reuse_cache)
+    except Interrupted:  # the caller stopped a long prompt (`Context.should_stop`): nothing generated
+        stats.stop_reason = "interrupted"
+        judge.close()
+        return
     if max_tokens == 0:  # the prompt alone, into the caches (an editor warming them): nothing decided
         stats.stop_reason = "n_predict"
         judge.close()

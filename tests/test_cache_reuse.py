@@ -119,3 +119,21 @@ def test_a_closed_decoder_says_so(tiny_pair):
     decoder.close()
     with pytest.raises(GgufspecError, match="closed"):
         decoder.generate([1, 260], n_predict=4)
+
+
+def test_a_long_prompt_stops_between_its_chunks_and_the_cache_stays_true(tiny_pair):
+    """`Context.should_stop` (a server's client gone) stops a prompt's evaluation between two n_batch
+    chunks: nothing is generated, the statistics say interrupted, and the next request reuses what
+    was evaluated and gets the answer the target alone gives."""
+    from ggufspec import SpeculativeDecoder
+    target, draft = tiny_pair
+    prompt = [1] + [259 + (7 * i) % 22 for i in range(1400)]
+    with SpeculativeDecoder(target, draft, n_ctx=2048, n_threads=1) as decoder:
+        decoder.target.should_stop = lambda: True
+        assert list(decoder.stream(prompt, n_predict=8, n_draft=3)) == []
+        assert decoder.last_stats.stop_reason == "interrupted" and decoder.target.n_past == decoder.target.n_batch
+        decoder.target.should_stop = None
+        again = decoder.generate(prompt, n_predict=16, n_draft=3, temperature=0)
+        assert again.stats.n_prompt_cached == decoder.target.n_batch
+    with SpeculativeDecoder(target, n_ctx=2048, n_threads=1) as alone:
+        assert again.tokens == alone.generate(prompt, n_predict=16, n_draft=0, temperature=0).tokens

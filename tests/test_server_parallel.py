@@ -266,3 +266,28 @@ def test_several_choices_queue_in_the_room_left_not_a_429(server):
     for stream in running:
         stream.thread.join()
     wait_idle(server)
+
+
+@pytest.fixture(scope="module")
+def long_server(slow_target, tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("long"), "-m", str(slow_target), "-c", "8192", "--parallel", "1") as running:
+        yield running
+
+
+def test_a_client_gone_during_a_long_prompt_frees_its_slot_within_a_chunk(long_server):
+    """A 7,000-token prompt is evaluated in chunks of 512; its client leaving stops it at the next chunk,
+    not when the whole prompt is in (QA: a slot stayed busy minutes after its client left)."""
+    prompt = [1] + [259 + (7 * i) % 22 for i in range(7000)]
+    started = time.monotonic()
+    whole = httpx.post(long_server.url + "/v1/completions", timeout=300,
+                       json={"prompt": prompt, "max_tokens": 1, "cache_prompt": False})
+    full_seconds = time.monotonic() - started
+    assert whole.status_code == 200
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(long_server.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": prompt, "max_tokens": 1, "cache_prompt": False})
+    gone = time.monotonic()
+    while long_server.health()["busy"]:
+        time.sleep(0.05)
+    assert time.monotonic() - gone < full_seconds / 2, (time.monotonic() - gone, full_seconds)
+    assert long_server.health()["last"]["stop_reason"] == "interrupted"
