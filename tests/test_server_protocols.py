@@ -441,6 +441,8 @@ def test_anthropic_errors_reach_the_sdk_and_the_server_keeps_serving(server, cla
 
 BAD_RESPONSES = [
     ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input holds no message"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": 5}, "input"),
     ({}, "input"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),

@@ -455,9 +455,9 @@ PREFIX_SLACK = 8  # tokens that a prefix may have more than the whole text has t
 
 
 def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
+    if n_prompt >= n_ctx:  # first: lowering max_tokens cannot help
+        raise ContextFullError(f"the prompt is {n_prompt} tokens but this model's context holds {n_ctx}")
     if max_tokens > 0 and n_prompt + max_tokens > n_ctx:
         raise ContextFullError(
             f"this model's context holds {n_ctx} tokens, but the request needs {n_prompt + max_tokens} "
             f"({n_prompt} in the prompt + {max_tokens} max_tokens): shorten the prompt or lower max_tokens")
-    if n_prompt >= n_ctx:
-        raise ContextFullError(f"the prompt is {n_prompt} tokens but this model's context holds {n_ctx}")

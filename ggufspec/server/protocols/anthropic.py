@@ -119,7 +119,7 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
         form = body.output_config.format if body.output_config else None
         if form is not None:
             translated["response_format"] = {"type": "json_schema", "json_schema": {"schema": form.schema_}}
-    return serving.chat_body(translated, body.model_extra), prefill
+    return serving.chat_body(translated, body.model_extra, names={"response_format": "output_config.format"}), prefill
 
 
 def tool_schema(tool: AnthropicTool, i: int) -> dict:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from ... import fim
@@ -26,7 +27,7 @@ from ... import tools as toolkit
 from ...stats import Stats
 from ..choices import ChoiceState
 from ..constraints import Shaping, shaping
-from ..errors import APIError, engine_error
+from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
 from ..jobs import ClientGone, Engine, Job, chat_prompt
 from ..schemas import ChatBody, GenerationBody, message_dicts, request_options, stop_strings
@@ -87,10 +88,17 @@ class Serving:
             return toolkit.new_call_id(self.tool_format)
         return prefix + uuid.uuid4().hex[:24]
 
-    def chat_body(self, translated: dict, extras: dict | None = None) -> ChatBody:
-        """The internal request: a protocol's translation, with the engine fields it passed through."""
+    def chat_body(self, translated: dict, extras: dict | None = None, names: dict | None = None) -> ChatBody:
+        """The internal request: a protocol's translation, with the engine fields it passed through; a
+        bad value a 400 naming the protocol's fields (`names`: chat's name -> the protocol's)."""
         passed = {name: value for name, value in (extras or {}).items() if name in ENGINE_EXTRAS}
-        return validated_data(ChatBody, {**passed, **translated})  # thousands of messages a slice at a time
+        try:
+            return validated_data(ChatBody, {**passed, **translated})  # thousands of messages a slice at a time
+        except ValidationError as exc:
+            message = validation_message(exc.errors())
+            for chat_name, name in (names or {}).items():
+                message = message.replace(chat_name, name)
+            raise APIError(400, message) from None
 
     def shape(self, body: ChatBody) -> Shaping:
         return shaping(body, self.tool_format, self.decoder.target.n_vocab)

@@ -79,6 +79,9 @@ class ResponsesBody(Strict):
 LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them
 
 
+NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens"}  # chat's field: this API's
+
+
 def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
     for stored in ("previous_response_id", "conversation", "prompt"):  # what the server would have kept
         if getattr(body, stored, None) is not None:
@@ -101,7 +104,9 @@ def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
         translated["response_format"] = form
     if body.top_logprobs is not None or LOGPROBS in (body.include or []):
         translated.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
-    return serving.chat_body(translated, body.model_extra)
+    if not translated["messages"]:
+        raise APIError(400, "input holds no message to answer (reasoning items are dropped)", code="invalid_value")
+    return serving.chat_body(translated, body.model_extra, names=NAMES)
 
 
 def tool_choice(choice: str | dict):
@@ -295,6 +300,6 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     async def responses(request: Request, body: ResponsesBody):
         serving.check_model(body.model)
         chat = await asyncio.to_thread(chat_request, body, serving)  # thousands of items take a while
-        job = await serving.submit(chat, names={"response_format": "text.format"})
+        job = await serving.submit(chat, names=NAMES)
         return await respond(job, request, body.stream, lambda n_prompt: ResponseState(serving, body),
                              lambda: splitter_for(serving))
