@@ -190,6 +190,26 @@ def test_llama_servers_other_names_and_fields(server, decoder):
     assert slashed.status_code == 404 and "error" in slashed.json()
 
 
+def test_completion_takes_several_prompts_and_mixed_ones_as_llama_server(server, decoder):
+    """A list of prompts: a list of answers (streamed, each chunk's `index`), each the one it gets alone;
+    a mixed prompt, ids and texts, is one prompt (the texts tokenized without BOS past the first)."""
+    prompts = ["the cat", "a dog"]
+    alone = [decoder.generate(p, n_predict=8, n_draft=0, temperature=0).text for p in prompts]
+    answers = post(server, "/completion", {"prompt": prompts, "n_predict": 8, "temperature": 0}).json()
+    assert [a["index"] for a in answers] == [0, 1] and [a["content"] for a in answers] == alone
+    assert [a["prompt"] for a in answers] == prompts and all(a["stop"] for a in answers)
+    chunks = stream(server, "/completion", {"prompt": prompts, "n_predict": 8, "temperature": 0})
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        streamed[chunk["index"]] += chunk["content"]
+    assert [streamed[0], streamed[1]] == alone and sum(c["stop"] for c in chunks) == 2
+    ids = decoder.tokenize("the")
+    mixed = post(server, "/completion", {"prompt": [*ids, " cat"], "n_predict": 8, "temperature": 0}).json()
+    expected = decoder.generate(ids + decoder.target_llm.tokenize(b" cat", add_bos=False, special=True),
+                                n_predict=8, n_draft=0, temperature=0)
+    assert mixed["content"] == expected.text and mixed["tokens_evaluated"] == expected.stats.n_prompt
+
+
 @pytest.mark.parametrize("path, body, status, words", [
     ("/infill", {"input_prefix": "x"}, 400, "input_suffix"),
     ("/infill", {"input_prefix": "x", "input_suffix": "y", "prompt": [1, 2]}, 400, "string"),

@@ -39,8 +39,8 @@ class ClientGone(Exception):
 class Job:
     """One request's generation: `n` choices of each prompt (`prompts`, /v1/completions' list; else
     `prompt`, or `messages` through the chat template), choice `i * n + j` being prompt i's j-th. The
-    worker threads fill `events`; the request's task reads them: ("started", n_prompt), ("prompt",
-    {cache_n...}) before the first pieces, ("pieces", (index, [piece, ...])), ("choice", (index, stats,
+    worker threads fill `events`; the request's task reads them: ("started", n_prompt), ("prompt", (index,
+    {cache_n...})) before a choice's first pieces, ("pieces", (index, [piece, ...])), ("choice", (index, stats,
     finish_reason, estimate)) as each choice ends, then ("done", (stats of them all, estimate)) or
     ("error", exc), once whichever part of it fails first."""
 
@@ -61,6 +61,7 @@ class Job:
         self._next_check = 0.0  # when next_event next asks whether the client is still there
         self.progressed_at = time.monotonic()  # the last token or event (a hung RPC worker stops them)
         self.stop_sequence: str | None = None  # the stop string that ended the last choice, if one did
+        self.stop_sequences: dict[int, str] = {}  # ... and each choice's, by index
         self.started = False  # "started" sent (once: a prompt that found no room starts again)
         self.line_limits = line_limits  # stops.LineLimits' keywords (/infill's n_indent, t_max_predict_ms)
         self._lock = threading.Lock()  # the parts' shared state below
@@ -386,8 +387,8 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> str | No
         job.progressed_at = time.monotonic()  # a token, whether or not a stop string holds it back
         if job.cancelled.is_set():
             break
-        if n_pieces == 0 and index == 0:  # the first token: the prompt has been evaluated
-            job.emit("prompt", prompt_info(stats))
+        if n_pieces == 0:  # the choice's first token: its prompt has been evaluated
+            job.emit("prompt", (index, prompt_info(stats)))
         released = stop_filter.push(make(piece, steps))
         if limits is not None:
             released = limits.apply(released)
@@ -396,7 +397,7 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> str | No
         if limits is not None and limits.stopped:
             return "limit"
         if stop_filter.stopped:
-            job.stop_sequence = stop_filter.matched
+            job.stop_sequence = job.stop_sequences[index] = stop_filter.matched
             return "stop"
     else:
         if stop_filter.pending:

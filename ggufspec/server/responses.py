@@ -129,7 +129,7 @@ async def stream_events(job: Job, reply: Reply, include_usage: bool):
     (sse-starlette cancels this generator; `finally` tells the worker, which stops at the next token)."""
     def event(obj):
         return {"data": json.dumps(obj, ensure_ascii=False)}
-    prompt = None  # the prompt's figures, sent with the next pieces
+    prompts: dict[int, dict] = {}  # a choice's prompt figures, sent with its next pieces
     try:
         if reply.chat:
             for state in reply.choices:
@@ -139,10 +139,11 @@ async def stream_events(job: Job, reply: Reply, include_usage: bool):
             kind, value = await job.events.get()
             chunks = []
             if kind == "prompt":
-                prompt = value
+                prompts[value[0]] = value[1]
             elif kind == "pieces":
-                chunks = reply.pieces_chunks(*value, prompt)
-                prompt = None if chunks else prompt
+                chunks = reply.pieces_chunks(*value, prompts.get(value[0]))
+                if chunks:
+                    prompts.pop(value[0], None)
             elif kind == "choice":
                 chunks = reply.choice_end_chunks(*value)
             elif kind == "done":

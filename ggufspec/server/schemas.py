@@ -86,7 +86,8 @@ class NativeBody(CompletionBody):
     """llama.cpp's own /completion and /infill: llama-server's field names (n_predict, n_probs, stop,
     cache_prompt... are GenerationBody's already); /infill's prompt is optional, the text typed after
     input_prefix."""
-    prompt: list[int] | str | list[str] | list[list[int]] = ""
+    # llama-server's mixed prompt too, ids and texts in one list ([755, " add"]: protocols.llamacpp)
+    prompt: list[int] | str | list[str] | list[list[int]] | list[int | str] = ""
     n_probs: int | None = Field(None, ge=0, le=20)  # the n likeliest tokens at each position, with the chosen one's
     return_tokens: bool = False
     post_sampling_probs: bool = False  # n_probs' entries as prob / top_probs instead of logprob / top_logprobs
@@ -184,8 +185,10 @@ def completion_prompts(body: CompletionBody) -> list[str | list[int]]:
     if body.best_of is not None and body.best_of > 1:
         raise APIError(400, "best_of is not supported: n gives several choices", code="unsupported_parameter")
     prompt = body.prompt
-    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
-        return [prompt]  # one text, or one prompt's ids
+    batch = isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                      or all(isinstance(p, list) for p in prompt))
+    if not batch:
+        return [prompt]  # one text, one prompt's ids, or llama-server's mixed ids and texts
     if len(prompt) * body.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompt)} prompts x n {body.n} is more than the {MAX_CHOICES} choices one "
                        "request may ask for: send them in several requests", code="invalid_value")

@@ -12,6 +12,7 @@ input_extra and prompt, as llama-server does, and is then a /completion of those
 constrained and cached like every answer."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -21,7 +22,7 @@ from ...stats import Stats
 from ..errors import APIError, engine_error
 from ..jobs import Job
 from ..responses import timings
-from ..schemas import NativeBody, single_prompt
+from ..schemas import NativeBody, completion_prompts, single_prompt
 from .core import Serving, answer_or_stream
 
 STOP_TYPES = {"eos": "eos", "stop": "word", "n_predict": "limit", "context": "limit"}
@@ -33,7 +34,8 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/completion")
     @app.post("/completions")
     async def completion(request: Request, body: NativeBody):
-        return await answer(serving, request, body, single_prompt(body))
+        prompts = [await mixed_tokens(serving, p) for p in completion_prompts(body)]
+        return await answer(serving, request, body, prompts)
 
     @app.post("/infill")
     async def infill(request: Request, body: NativeBody):
@@ -47,45 +49,66 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         tokens = await serving.fim(body.input_prefix, body.input_suffix, status=501, prompt=prompt,
                                    extra=[chunk.model_dump() for chunk in body.input_extra],
                                    n_predict=serving.defaults.get("n_predict", -1))  # the server's: see fim_prompt
-        return await answer(serving, request, body, tokens)
+        return await answer(serving, request, body, [tokens])
 
 
-async def answer(serving: Serving, request: Request, body: NativeBody, prompt: str | list[int]):
-    """llama-server's answer: n_predict as a ceiling the context lowers, not a demand it refuses."""
+async def mixed_tokens(serving: Serving, prompt):
+    """llama-server's mixed prompt, token ids and texts in one list ([755, " add"]), as ids: the texts
+    tokenized without BOS but the first element's (tokenize_mixed); any other prompt as it is."""
+    if not (isinstance(prompt, list) and any(isinstance(part, str) for part in prompt)):
+        return prompt
+
+    def tokens() -> list[int]:
+        ids: list[int] = []
+        for i, part in enumerate(prompt):
+            if isinstance(part, int):
+                ids.append(part)
+            elif i == 0:
+                ids += serving.decoder.tokenize(part)
+            else:
+                ids += serving.decoder.target_llm.tokenize(part.encode(), add_bos=False, special=True)
+        return ids
+    return await asyncio.to_thread(tokens)
+
+
+async def answer(serving: Serving, request: Request, body: NativeBody, prompts: list):
+    """llama-server's answer, one object per prompt (a list of them where several were sent: each
+    streamed chunk says its `index`): n_predict as a ceiling the context lowers, not a demand it refuses."""
     serving.check_model(body.model)
     limits = {"n_indent": body.n_indent,
               "time_limit_s": body.t_max_predict_ms / 1000 if body.t_max_predict_ms and body.t_max_predict_ms > 0 else None}
-    job = await serving.submit(body, prompt=prompt, fit_to_context=True,
+    job = await serving.submit(body, prompts=prompts, fit_to_context=True,
                                line_limits=limits if body.n_indent or limits["time_limit_s"] else None)
-    reply = NativeReply(serving, job, body, prompt)
-    return await answer_or_stream(job, request, body.stream, lambda n_prompt: reply.whole(request, n_prompt),
-                                  reply.events)
+    replies = NativeReplies(serving, job, body, prompts)
+    return await answer_or_stream(job, request, body.stream, lambda n_prompt: replies.whole(request, n_prompt),
+                                  replies.events)
 
 
 class NativeReply:
-    """llama-server's objects for one answer, built from the job's events."""
+    """llama-server's objects for one prompt's answer."""
 
-    def __init__(self, serving: Serving, job: Job, body: NativeBody, prompt: str | list[int]):
-        self.serving, self.job, self.body, self.prompt = serving, job, body, prompt
+    def __init__(self, serving: Serving, job: Job, body: NativeBody, prompt: str | list[int], index: int):
+        self.serving, self.job, self.body, self.prompt, self.index = serving, job, body, prompt, index
         self.pieces: list[dict] = []
         self.n_prompt, self.id_slot = 0, -1
 
     def chunk(self, pieces: list[dict]) -> dict:
-        """One step's pieces, streamed."""
+        """One step's pieces, streamed (their token ids whatever return_tokens says, as llama-server)."""
         self.pieces += pieces
-        return {"index": 0, "content": "".join(p["text"] for p in pieces), "tokens": [p["token"] for p in pieces],
-                "stop": False, "id_slot": self.id_slot, "tokens_predicted": len(self.pieces),
-                "tokens_evaluated": self.n_prompt, **self.probabilities(pieces)}
+        return {"index": self.index, "content": "".join(p["text"] for p in pieces),
+                "tokens": [p["token"] for p in pieces], "stop": False, "id_slot": self.id_slot,
+                "tokens_predicted": len(self.pieces), "tokens_evaluated": self.n_prompt, **self.probabilities(pieces)}
 
     def final(self, stats: Stats, streamed: bool) -> dict:
         """The whole answer (streamed: its content and tokens went out already)."""
         content = "".join(p["text"] for p in self.pieces)
-        return {"index": 0, "content": "" if streamed else content,
+        return {"index": self.index, "content": "" if streamed else content,
                 "tokens": [] if streamed else self.token_ids(self.pieces), "id_slot": stats.id_slot,
                 "stop": True, "model": self.serving.model_name, "tokens_predicted": stats.n_predict,
                 "tokens_evaluated": stats.n_prompt, "generation_settings": self.settings(),
                 "prompt": self.prompt_text(), "has_new_line": "\n" in content, "truncated": False,
-                "stop_type": STOP_TYPES.get(stats.stop_reason, "none"), "stopping_word": self.job.stop_sequence or "",
+                "stop_type": STOP_TYPES.get(stats.stop_reason, "none"),
+                "stopping_word": self.job.stop_sequences.get(self.index, ""),
                 "tokens_cached": stats.n_prompt + stats.n_predict, "timings": timings(stats),
                 **({} if streamed else self.probabilities(self.pieces))}
 
@@ -114,32 +137,48 @@ class NativeReply:
         text = self.serving.decoder.target_llm.detokenize(self.prompt, special=True)
         return text.decode("utf-8", errors="replace")
 
-    async def whole(self, request: Request, n_prompt: int) -> dict:
-        self.n_prompt = n_prompt
+
+class NativeReplies:
+    """A job's events as llama-server's objects, one NativeReply per prompt."""
+
+    def __init__(self, serving: Serving, job: Job, body: NativeBody, prompts: list):
+        self.job, self.body = job, body
+        self.replies = [NativeReply(serving, job, body, prompt, i) for i, prompt in enumerate(prompts)]
+        self.ended: dict[int, Stats] = {}
+
+    async def whole(self, request: Request, n_prompt: int):
+        for reply in self.replies:
+            reply.n_prompt = n_prompt
         while True:
             kind, value = await self.job.next_event(request)
             if kind == "pieces":
-                self.pieces += value[1]
+                self.replies[value[0]].pieces += value[1]
+            elif kind == "choice":
+                self.ended[value[0]] = value[1]
             elif kind == "done":
-                return picked(self.final(value[0], streamed=False), self.body.response_fields)
+                answers = [picked(reply.final(self.ended.get(reply.index, value[0]), streamed=False),
+                                  self.body.response_fields) for reply in self.replies]
+                return answers[0] if len(answers) == 1 else answers
             elif kind == "error":
                 raise engine_error(value)
 
     async def events(self, n_prompt: int):
         """SSE events; a client that goes away cancels the generation (`finally`)."""
-        self.n_prompt = n_prompt
+        for reply in self.replies:
+            reply.n_prompt = n_prompt
         try:
             while True:
                 kind, value = await self.job.events.get()
                 if kind == "prompt":
-                    self.id_slot = value["id_slot"]
+                    reply = self.replies[value[0]]
+                    reply.id_slot, reply.n_prompt = value[1]["id_slot"], value[1]["n_prompt"]
                 elif kind == "pieces":
-                    yield data(self.chunk(value[1]))
-                elif kind == "done":
-                    yield data(self.final(value[0], streamed=True))
-                    return
-                elif kind == "error":
-                    yield data(engine_error(value).body())
+                    yield data(self.replies[value[0]].chunk(value[1]))
+                elif kind == "choice":
+                    yield data(self.replies[value[0]].final(value[1], streamed=True))
+                elif kind in ("done", "error"):
+                    if kind == "error":
+                        yield data(engine_error(value).body())
                     return
         finally:
             self.job.cancel()
