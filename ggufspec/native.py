@@ -95,6 +95,8 @@ class Context:
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx)  # what one sequence may hold (`slots`: several)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
         self.tokens: list[int] = []  # what the KV cache holds, in order
+        self.generation = None  # the generation under way on this sequence (speculate.speculative_steps)
+        self._forget(llm)  # a Llama given already used: its cells would clash with these positions
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._first_logit = 0  # the batch index of the last decode's logits row 0 (negative: from the end)
         self._pieces: dict[int, bytes] = {}
@@ -468,7 +470,15 @@ class Context:
             cached = self._pieces[token] = buf.raw[:n]
         return cached
 
+    def _forget(self, llm) -> None:
+        """This sequence's cells emptied, and llama-cpp-python told (it would reuse what it thinks is there)."""
+        llama_cpp.llama_memory_seq_rm(self.memory, self.seq, 0, -1)
+        if hasattr(llm, "reset"):  # a llama_cpp.Llama (MTP's context stands on a namespace)
+            llm.reset()
+
     def close(self) -> None:
+        self.generation = None  # a stream still open stops at its next step
         if self._batch is not None:
+            self._forget(self.llm)  # the Llama, where the caller gave it, is theirs again, empty
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None

@@ -13,6 +13,8 @@ import numpy as np
 from .errors import GgufspecError
 
 GREEDY_TEMPERATURES = (0.0, -1.0)  # llama.cpp's convention: 0 (and -1) mean greedy
+INTEGERS = (int, np.integer)
+REALS = (int, float, np.integer, np.floating)
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        for name, value, kinds in (("temperature (--temp)", self.temperature, REALS), ("top_k", self.top_k, INTEGERS),
+                                   ("top_p", self.top_p, REALS), ("min_p", self.min_p, REALS),
+                                   ("seed", 0 if self.seed is None else self.seed, INTEGERS)):
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                kind = "a whole number" if kinds is INTEGERS else "a number"
+                raise GgufspecError(f"{name} must be {kind}, got {value!r}")
+        if self.seed == -1:  # llama.cpp's (and the CLI's and the server's) "random": a seed drawn per generation
+            object.__setattr__(self, "seed", None)
         if not np.isfinite(self.temperature):
             raise GgufspecError(f"--temp must be a number >= 0 (0 or -1 mean greedy), got {self.temperature}")
         if self.temperature < 0 and self.temperature not in GREEDY_TEMPERATURES:

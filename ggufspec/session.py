@@ -95,6 +95,8 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
                            n_gpu_layers_draft=ngld, strict=options.strict, exact=options.exact, flash_attn=options.flash_attn,
                            rpc=options.rpc, tensor_split=tensor_split, swa_full=options.swa_full, n_parallel=n_parallel)
     decoder.ngram_pool = pool  # n-grams of every request, for the next ones (`ngram`)
+    if choice.kind == "ngram":  # the Python API drafts as the CLI does: by n-gram where no model drafts
+        decoder.default_drafter = "lookup"
     return Session(decoder, pair or Path(target).stem, target, draft, draft_k, choice.as_dict())
 
 

@@ -14,10 +14,8 @@ turns them into `Piece` records; `SpeculativeDecoder.generate` collects a `Gener
 """
 from __future__ import annotations
 
-import codecs
 import sys
 import time
-from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
 import llama_cpp
@@ -34,6 +32,7 @@ from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams
 from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs  # noqa: F401  (speculate._costs_key)
 from .costmemory import offloaded_layers
+from .generation import Generation, Piece, pieces, whole_text  # noqa: F401  (ggufspec.Piece)
 
 
 class Step(NamedTuple):
@@ -55,6 +54,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     False: the prompt is evaluated whole, whatever the caches hold (llama-server's cache_prompt).
     """
     tokens = list(prompt)
+    mine = target.generation = object()  # a later generation on this sequence takes it over
     draft_ctx = drafter.context if drafter is not None else None
     guide = judge.draft_guide()  # the request's constraints over the proposals too (more of them kept)
     try:
@@ -90,6 +90,9 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             if room <= 0:
                 stats.stop_reason = "n_predict" if n_generated >= max_tokens else "context"
                 return
+            if target.generation is not mine:  # the cache is another generation's now: no silent wrong tokens
+                raise GgufspecError("this stream was left behind: another generation began on its decoder (one "
+                                    "at a time; generate_many for several), or the decoder was closed")
             kept, scores, n_accepted = _step(target, drafter, tokens, room, controller, judge, guide, stats)
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "interrupted"
@@ -210,32 +213,6 @@ def _replay_and_decide(target: Context, draft: Context | None, tokens: list[int]
     return t1 - t0, time.perf_counter() - t1, token, score
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One generated token: its text (may be empty mid-UTF-8 character), id, origin, and (when asked)
-    its logprob and the top alternatives as (token id, logprob)."""
-
-    text: str
-    token: int
-    from_draft: bool
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class Generation:
-    text: str
-    tokens: list[int]
-    stats: Stats
-
-
-def pieces(target: Context, steps: Iterator[Step]) -> Iterator[Piece]:
-    """Token ids to text, UTF-8 safe: a character split across tokens comes out whole, once."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for step in steps:
-        yield Piece(decoder.decode(target.piece(step.token)), *step)
-
-
 MTP = "mtp"  # as the draft: the target's own MTP (nextn) blocks, where its GGUF has them
 
 
@@ -302,6 +279,8 @@ class SpeculativeDecoder:
                                      costs_tag + ("mtp" if mtp else ""))
         self._costs: dict[str, Costs] = _load_costs(self._costs_key)
 
+    default_drafter = "model"  # a session without a draft model sets "lookup" (`session.open_session`)
+
     def _offload_as_applied(self) -> tuple[int, int]:
         """(-ngl, -ngld) as llama.cpp applied them (see costmemory.offloaded_layers): what the costs
         remembered for this pair are filed under, and what `bench` stamps for `plan`."""
@@ -331,9 +310,14 @@ class SpeculativeDecoder:
     def costs(self, learned: dict[str, Costs]) -> None:  # a benchmark keeps one set per condition it varies
         self._costs = learned
 
+    def _check_open(self) -> None:
+        if self._closed:  # its llama.cpp contexts are freed: using them would crash the process
+            raise GgufspecError("this SpeculativeDecoder is closed")
+
     @property
     def n_layer(self) -> int:
         """The target's repeating layers (blocks); the output layer is one more when offloading."""
+        self._check_open()
         return llama_cpp.llama_model_n_layer(self.target_llm._model.model)
 
     @property
@@ -342,6 +326,11 @@ class SpeculativeDecoder:
 
     def tokenize(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None) -> list[int]:
         from .load import chat_prompt, tokenize
+        self._check_open()
+        if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
+            raise GgufspecError(f"a prompt is a text or a list of token ids, got {type(prompt).__name__}")
+        if system is not None and not chat:
+            raise GgufspecError("system= is the chat template's system message: give chat=True too")
         if not isinstance(prompt, str):
             return list(prompt)
         return tokenize(self.target_llm, chat_prompt(self.target_llm, prompt, system) if chat else prompt)
@@ -349,6 +338,7 @@ class SpeculativeDecoder:
     def render_chat(self, messages: list[dict]) -> str:
         """The target's chat template over [{"role": ..., "content": ...}, ...], the assistant's turn opened."""
         from .load import render_chat
+        self._check_open()
         return render_chat(self.target_llm, messages)
 
     def chat(self, messages: list[dict], **options) -> Generation:
@@ -357,20 +347,24 @@ class SpeculativeDecoder:
         if (not isinstance(messages, (list, tuple)) or not messages
                 or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
             raise GgufspecError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
+        if options.pop("chat", False):
+            raise GgufspecError("chat() renders the messages through the chat template already: drop chat=True")
+        if "system" in options:  # the system message, as generate(..., chat=True, system=...) takes it
+            messages = [{"role": "system", "content": options.pop("system")}, *messages]
         return self.generate(self.render_chat(messages), **options)
 
     def steps(self, prompt: str | Sequence[int], *, n_predict: int = 128, n_draft: int | str = 3,
               temperature: float = SamplingParams.temperature, top_k: int = SamplingParams.top_k,
               top_p: float = SamplingParams.top_p, min_p: float = SamplingParams.min_p,
               seed: int | None = None, chat: bool = False, system: str | None = None,
-              drafter: str = "model", draft_p_min: float = 0.0,
+              drafter: str | None = None, draft_p_min: float = 0.0,
               draft_max: int = 8, draft_min: int = 0, constraints: Constraints | None = None,
               logprobs: int | None = None, cache_prompt: bool = True) -> Iterator[Step]:
         """The step generator: a `Step` per token (id, from_draft, logprobs). Statistics land in `last_stats`.
 
         n_draft: K (0: the target alone), or "auto" (K chosen at every step, up to draft_max, 0 included).
         drafter: "model" (the draft model), "lookup" (n-gram prompt lookup, no draft model needed)
-        or "hybrid" (a lookup match when there is one, else the draft model).
+        or "hybrid" (a lookup match when there is one, else the draft model); None: `default_drafter`.
         draft_p_min / draft_min: as llama.cpp's --draft-p-min / --draft-min, a draft model stops
         when unsure of its next token, and a draft shorter than draft_min is not verified.
         constraints: logit bias, penalties and a grammar over the target's logits (`processing`).
@@ -378,10 +372,12 @@ class SpeculativeDecoder:
         cache_prompt: False evaluates the whole prompt again instead of reusing what the caches hold
         (llama-server's field: the same batches, so the same rounding, whatever came before).
         """
-        if self._closed:  # its llama.cpp contexts are freed: using them would crash the process
-            raise GgufspecError("this SpeculativeDecoder is closed")
+        self._check_open()
+        drafter = drafter or self.default_drafter
+        if isinstance(prompt, str) and not prompt:
+            raise GgufspecError("the prompt is empty")
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise GgufspecError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
         tokens = self.tokenize(prompt, chat=chat, system=system)
         if not isinstance(prompt, str):
@@ -454,11 +450,12 @@ class SpeculativeDecoder:
         return pieces(self.target, self.steps(prompt, **options))
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
-        collected = list(self.stream(prompt, **options))
-        return Generation("".join(p.text for p in collected), [p.token for p in collected], self.last_stats)
+        tokens = [piece.token for piece in self.stream(prompt, **options)]
+        return Generation(whole_text(self.target, tokens), tokens, self.last_stats)
 
     def generate_many(self, prompts: Sequence, **options) -> list[Generation]:
         """Each prompt's Generation, in order, up to n_parallel at a time in one batch (`slots`)."""
+        self._check_open()
         return self.slots.generate_many(prompts, **options)
 
     def close(self) -> None:

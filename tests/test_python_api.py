@@ -1,0 +1,108 @@
+"""The Python API misused as a newcomer might (a QA pass): each mistake one GgufspecError, never a
+segfault or a silently wrong answer; and what it promises kept (the system message, the last
+character, a session's n-gram drafting, a Llama object given back empty)."""
+from __future__ import annotations
+
+import llama_cpp
+import pytest
+
+from ggufspec import SpeculativeDecoder
+from ggufspec.errors import GgufspecError
+from ggufspec.generation import whole_text
+
+
+@pytest.fixture
+def decoder(tiny_pair):
+    target, draft = tiny_pair
+    with SpeculativeDecoder(target, draft, n_ctx=512, n_threads=1) as opened:
+        yield opened
+
+
+def test_a_closed_decoder_says_so_instead_of_crashing(tiny_pair):
+    decoder = SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1)
+    left_open = decoder.stream("the cat", n_predict=40, n_draft=0)
+    next(left_open)
+    decoder.close()
+    calls = [lambda: decoder.chat([{"role": "user", "content": "hi"}]), lambda: decoder.generate_many(["a"]),
+             lambda: decoder.tokenize("a"), lambda: decoder.render_chat([{"role": "user", "content": "hi"}]),
+             lambda: decoder.n_layer, lambda: decoder.generate("a"), lambda: list(left_open)]
+    for call in calls:
+        with pytest.raises(GgufspecError, match="closed"):
+            call()
+
+
+def test_a_stream_left_behind_by_another_generation_stops_instead_of_going_wrong(decoder):
+    first = decoder.stream("the cat", n_predict=40, n_draft=0)
+    next(first)
+    decoder.generate("a dog sat", n_predict=8, n_draft=3)
+    with pytest.raises(GgufspecError, match="another generation began"):
+        list(first)
+    again = decoder.generate("the cat", n_predict=16, n_draft=3, temperature=0)  # the decoder is fine
+    with SpeculativeDecoder(tiny_pair_target(decoder), n_ctx=512, n_threads=1) as alone:
+        assert again.tokens == alone.generate("the cat", n_predict=16, n_draft=0, temperature=0).tokens
+
+
+def tiny_pair_target(decoder) -> str:
+    return decoder.target_llm.model_path
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"top_k": 1.5}, "top_k must be a whole number"), ({"temperature": "0.7"}, "temperature"),
+    ({"seed": 1.5}, "seed must be a whole number"), ({"logprobs": True}, "logprobs"),
+    ({"system": "be brief"}, "chat=True"),
+])
+def test_bad_arguments_are_one_line_errors(decoder, options, says):
+    with pytest.raises(GgufspecError, match=says):
+        decoder.generate("the cat", n_predict=4, **options)
+
+
+@pytest.mark.parametrize("prompt, says", [(b"the cat", "got bytes"), ("", "empty"), (5, "got int")])
+def test_a_prompt_that_is_no_prompt_is_refused(decoder, prompt, says):
+    with pytest.raises(GgufspecError, match=says):
+        decoder.generate(prompt, n_predict=4)
+
+
+def test_seed_minus_one_is_random_as_in_the_cli(decoder):
+    texts = {decoder.generate("the", n_predict=32, n_draft=0, temperature=1.0, seed=-1).text for _ in range(3)}
+    assert len(texts) > 1
+
+
+def test_chat_takes_a_system_message_and_refuses_a_second_template(decoder):
+    hi = [{"role": "user", "content": "hi"}]
+    plain = decoder.chat(hi, n_predict=1).stats.n_prompt
+    assert decoder.chat(hi, n_predict=1, system="You are terse.").stats.n_prompt > plain
+    with pytest.raises(GgufspecError, match="chat template already"):
+        decoder.chat(hi, chat=True)
+
+
+def test_the_text_keeps_a_character_left_incomplete_at_the_end():
+    class Target:
+        def piece(self, token):
+            return {1: b" mat", 2: b"\xea"}[token]
+    assert whole_text(Target(), [1, 2]) == " mat\ufffd"
+
+
+def test_a_llama_given_is_reused_and_given_back_empty(tiny_pair):
+    target, _ = tiny_pair
+    llm = llama_cpp.Llama(str(target), n_ctx=512, n_threads=1, verbose=False)
+    llm("the cat", max_tokens=4)  # used directly first: its cells hold that prompt
+    with SpeculativeDecoder(llm, n_ctx=512, n_threads=1) as first:
+        one = first.generate("a dog", n_predict=12, n_draft=0, temperature=0).tokens
+    with SpeculativeDecoder(llm, n_ctx=512, n_threads=1) as second:
+        assert second.generate("a dog", n_predict=12, n_draft=0, temperature=0).tokens == one
+    llm("the cat", max_tokens=4)  # and usable directly again
+    llm.close()
+
+
+def test_a_session_without_a_draft_model_drafts_by_n_gram_in_python_too(tiny_pair, tmp_path):
+    from ggufspec.session import ModelOptions, open_session
+    import shutil
+    alone = tmp_path / "alone.gguf"
+    shutil.copy(tiny_pair[0], alone)  # no draft beside it
+    session = open_session(ModelOptions(model=str(alone), n_ctx=512, n_threads=1), log=lambda line: None)
+    try:
+        assert session.draft_choice["kind"] == "ngram"
+        out = session.decoder.generate("the cat the cat the cat", n_predict=24, temperature=0)
+        assert out.stats.drafter.startswith("lookup")
+    finally:
+        session.decoder.close()
