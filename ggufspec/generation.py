@@ -33,7 +33,3 @@ def pieces(target, steps: Iterator) -> Iterator[Piece]:
     for step in steps:
         yield Piece(decoder.decode(target.piece(step.token)), *step)
 
-
-def whole_text(target, tokens: list[int]) -> str:
-    """The tokens' text, a character left incomplete at the end written as U+FFFD (not dropped)."""
-    return b"".join(target.piece(token) for token in tokens).decode("utf-8", errors="replace")

@@ -32,7 +32,7 @@ from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams
 from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs  # noqa: F401  (speculate._costs_key)
 from .costmemory import offloaded_layers
-from .generation import Generation, Piece, pieces, whole_text  # noqa: F401  (ggufspec.Piece)
+from .generation import Generation, Piece, pieces  # noqa: F401  (ggufspec.Piece)
 
 
 class Step(NamedTuple):
@@ -145,7 +145,14 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
     stats.n_prompt = len(tokens)
     stats.n_prompt_cached = target.reuse_prefix(kept)
     t0 = time.perf_counter()
-    target.decode(tokens[stats.n_prompt_cached:], n_logits=1)
+    if target.rollback == "snapshot" and len(tokens) - stats.n_prompt_cached > 1:
+        # a state that cannot be cut back: kept one token short too, where the same prompt asked again
+        # resumes (it reuses all but the last token, which gives the fresh logits)
+        target.decode(tokens[stats.n_prompt_cached:-1], n_logits=0)
+        target.checkpoint(upcoming=0, persistent=True)
+        target.decode(tokens[-1:], n_logits=1)
+    else:
+        target.decode(tokens[stats.n_prompt_cached:], n_logits=1)
     target.checkpoint(upcoming=0, persistent=True)  # where the next turn of a conversation starts from
     stats.prompt_seconds = time.perf_counter() - t0
     if draft is not None:
@@ -450,8 +457,9 @@ class SpeculativeDecoder:
         return pieces(self.target, self.steps(prompt, **options))
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
-        tokens = [piece.token for piece in self.stream(prompt, **options)]
-        return Generation(whole_text(self.target, tokens), tokens, self.last_stats)
+        # the text as streamed and served (a character that max_tokens cut in two is not text yet)
+        collected = list(self.stream(prompt, **options))
+        return Generation("".join(p.text for p in collected), [p.token for p in collected], self.last_stats)
 
     def generate_many(self, prompts: Sequence, **options) -> list[Generation]:
         """Each prompt's Generation, in order, up to n_parallel at a time in one batch (`slots`)."""

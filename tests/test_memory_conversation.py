@@ -151,3 +151,18 @@ def test_served_chat_with_a_stop_string_reuses_the_answer(tmp_path):
         tokens = alone.tokenize(alone.render_chat(conversation))
         expected = alone.generate(tokens, n_predict=24, n_draft=0, temperature=0)
     assert two.choices[0].message.content == expected.text
+
+
+def test_the_same_prompt_again_reuses_all_but_its_last_token(pair, decoder):
+    """A prompt evaluated alone first (an editor warming the cache: n_predict 0), then asked for an
+    answer, then asked again: each time all of it but the last token comes from the state kept one
+    token short (QA: a recurrent or hybrid model evaluated it whole every time), and the answer is the
+    target alone's."""
+    name, (target_path, _) = pair
+    decoder.target.keep(0)
+    prompt = decoder.tokenize(" the cat sat on the mat and the dog ran" * 3)
+    decoder.generate(prompt, n_predict=0)
+    for _ in range(2):
+        got = decoder.generate(prompt, n_predict=12, n_draft=3, temperature=0)
+        assert got.stats.n_prompt_cached == len(prompt) - 1, (name, got.stats.n_prompt_cached, len(prompt))
+        check_target_alone(target_path, prompt, got)

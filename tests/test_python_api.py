@@ -1,6 +1,6 @@
 """The Python API misused as a newcomer might (a QA pass): each mistake one GgufspecError, never a
-segfault or a silently wrong answer; and what it promises kept (the system message, the last
-character, a session's n-gram drafting, a Llama object given back empty)."""
+segfault or a silently wrong answer; and what it promises kept (the system message, a session's
+n-gram drafting, a Llama object given back empty)."""
 from __future__ import annotations
 
 import llama_cpp
@@ -8,7 +8,6 @@ import pytest
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.errors import GgufspecError
-from ggufspec.generation import whole_text
 
 
 @pytest.fixture
@@ -73,13 +72,6 @@ def test_chat_takes_a_system_message_and_refuses_a_second_template(decoder):
     assert decoder.chat(hi, n_predict=1, system="You are terse.").stats.n_prompt > plain
     with pytest.raises(GgufspecError, match="chat template already"):
         decoder.chat(hi, chat=True)
-
-
-def test_the_text_keeps_a_character_left_incomplete_at_the_end():
-    class Target:
-        def piece(self, token):
-            return {1: b" mat", 2: b"\xea"}[token]
-    assert whole_text(Target(), [1, 2]) == " mat\ufffd"
 
 
 def test_a_llama_given_is_reused_and_given_back_empty(tiny_pair):
