@@ -472,6 +472,8 @@ class Context:
 
     def _forget(self, llm) -> None:
         """This sequence's cells emptied, and llama-cpp-python told (it would reuse what it thinks is there)."""
+        if getattr(getattr(llm, "_ctx", None), "ctx", None) is None:
+            return  # the caller closed its Llama first: its memory is freed, nothing to empty
         llama_cpp.llama_memory_seq_rm(self.memory, self.seq, 0, -1)
         if hasattr(llm, "reset"):  # a llama_cpp.Llama (MTP's context stands on a namespace)
             llm.reset()
