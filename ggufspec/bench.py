@@ -153,7 +153,7 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
                 else:
                     _fresh_pool(decoder)
                     gen = decoder.generate(item["prompt"], n_predict=n_predict, temperature=temperature, seed=seed,
-                                           chat=chat, system=item.get("system"), **config.options)
+                                           chat=chat, system=item.get("system") if chat else None, **config.options)
                     s = gen.stats
                     runs.append(Run(item["id"], config.name, r, s.n_prompt, s.n_predict, s.prompt_tps, s.decode_tps,
                                     s.decode_seconds, s.acceptance, s.n_predict / max(s.n_steps, 1), s.n_drafted,
@@ -191,7 +191,8 @@ def _prefill_draft(decoder, item: dict) -> None:
     draft = decoder.draft
     if draft is None or isinstance(getattr(draft, "inner", draft), MtpContext):
         return  # MTP heads read the target's states: nothing of their own to evaluate first
-    tokens = decoder.tokenize(item["prompt"], chat=item.get("kind") == "chat", system=item.get("system"))
+    chat = item.get("kind") == "chat"
+    tokens = decoder.tokenize(item["prompt"], chat=chat, system=item.get("system") if chat else None)
     draft.reuse_prefix(tokens[:-1])
     draft.decode(tokens[draft.n_past:-1], n_logits=0)
 

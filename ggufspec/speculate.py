@@ -63,6 +63,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
         stats.stop_reason = "interrupted"
         judge.close()
         return
+    target.should_stop = None  # only a prompt stops between its chunks: a step's decodes end as they are
     if max_tokens == 0:  # the prompt alone, into the caches (an editor warming them): nothing decided
         stats.stop_reason = "n_predict"
         judge.close()
@@ -76,6 +77,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
         kept, scores, n_accepted = [first], [score], 0
         while True:
             for i, token in enumerate(kept):
+                _check_current(target, mine)
                 stats.decode_seconds = time.perf_counter() - started
                 if target.is_end_of_generation(token):  # the end marker itself is not output
                     stats.stop_reason = "eos"
@@ -90,9 +92,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
             if room <= 0:
                 stats.stop_reason = "n_predict" if n_generated >= max_tokens else "context"
                 return
-            if target.generation is not mine:  # the cache is another generation's now: no silent wrong tokens
-                raise GgufspecError("this stream was left behind: another generation began on its decoder (one "
-                                    "at a time; generate_many for several), or the decoder was closed")
+            _check_current(target, mine)
             kept, scores, n_accepted = _step(target, drafter, tokens, room, controller, judge, guide, stats)
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "interrupted"
@@ -104,6 +104,12 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
         raise
     finally:
         judge.close()
+
+
+def _check_current(target: Context, mine: object) -> None:
+    if target.generation is not mine:  # the cache is another generation's now (or freed): never wrong tokens
+        raise GgufspecError("this stream was left behind: another generation began on its decoder (one at a "
+                            "time; generate_many for several), or the decoder was closed")
 
 
 def _step(target: Context, drafter, tokens: list[int], room: int, controller, judge: TargetJudge, guide,
@@ -148,12 +154,13 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
     if target.rollback == "snapshot" and len(tokens) - stats.n_prompt_cached > 1:
         # a state that cannot be cut back: kept one token short too, where the same prompt asked again
         # resumes (it reuses all but the last token, which gives the fresh logits)
+        # (a next turn, which goes on past the prompt, starts from there too: one checkpoint, not two)
         target.decode(tokens[stats.n_prompt_cached:-1], n_logits=0)
         target.checkpoint(upcoming=0, persistent=True)
         target.decode(tokens[-1:], n_logits=1)
     else:
         target.decode(tokens[stats.n_prompt_cached:], n_logits=1)
-    target.checkpoint(upcoming=0, persistent=True)  # where the next turn of a conversation starts from
+        target.checkpoint(upcoming=0, persistent=True)  # where the next turn of a conversation starts from
     stats.prompt_seconds = time.perf_counter() - t0
     if draft is not None:
         draft.reuse_prefix(kept)
@@ -357,6 +364,8 @@ class SpeculativeDecoder:
         if options.pop("chat", False):
             raise GgufspecError("chat() renders the messages through the chat template already: drop chat=True")
         if "system" in options:  # the system message, as generate(..., chat=True, system=...) takes it
+            if messages[0]["role"] == "system":
+                raise GgufspecError("system= and a first message with role system: give one of them")
             messages = [{"role": "system", "content": options.pop("system")}, *messages]
         return self.generate(self.render_chat(messages), **options)
 
@@ -457,8 +466,7 @@ class SpeculativeDecoder:
         return pieces(self.target, self.steps(prompt, **options))
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
-        # the text as streamed and served (a character that max_tokens cut in two is not text yet)
-        collected = list(self.stream(prompt, **options))
+        collected = list(self.stream(prompt, **options))  # the text as streamed and served
         return Generation("".join(p.text for p in collected), [p.token for p in collected], self.last_stats)
 
     def generate_many(self, prompts: Sequence, **options) -> list[Generation]:

@@ -67,7 +67,8 @@ class TraceRecorder:
         """One prompt: `generated` from a greedy run of the target alone, else a run made here."""
         dec = self.decoder
         started = time.perf_counter()
-        prompt = dec.tokenize(item["prompt"], chat=item.get("kind") == "chat", system=item.get("system"))
+        chat = item.get("kind") == "chat"
+        prompt = dec.tokenize(item["prompt"], chat=chat, system=item.get("system") if chat else None)
         if generated is None:
             gen = dec.generate(prompt, n_predict=self.n_predict, n_draft=0, temperature=0.0)
             generated, stop_reason = gen.tokens, gen.stats.stop_reason

@@ -30,6 +30,17 @@ def test_a_closed_decoder_says_so_instead_of_crashing(tiny_pair):
             call()
 
 
+def test_a_stream_paused_within_a_steps_kept_drafts_stops_at_close_too(tiny_pair):
+    """Paused after an accepted draft, with more of the step's tokens to give: close() must not let
+    the next ones read the freed vocabulary (review)."""
+    decoder = SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1)
+    stream = decoder.stream("the cat sat on the mat", n_predict=60, n_draft=4, temperature=0)
+    assert any(piece.from_draft for piece in stream), "no draft accepted: the case is not reached"
+    decoder.close()
+    with pytest.raises(GgufspecError, match="closed"):
+        next(stream)
+
+
 def test_a_stream_left_behind_by_another_generation_stops_instead_of_going_wrong(decoder):
     first = decoder.stream("the cat", n_predict=40, n_draft=0)
     next(first)
@@ -72,6 +83,8 @@ def test_chat_takes_a_system_message_and_refuses_a_second_template(decoder):
     assert decoder.chat(hi, n_predict=1, system="You are terse.").stats.n_prompt > plain
     with pytest.raises(GgufspecError, match="chat template already"):
         decoder.chat(hi, chat=True)
+    with pytest.raises(GgufspecError, match="give one of them"):
+        decoder.chat([{"role": "system", "content": "x"}, *hi], system="y")
 
 
 def test_a_llama_given_is_reused_and_given_back_empty(tiny_pair):
