@@ -63,6 +63,16 @@ class Stream:
                     return  # the connection closes: the client is gone
 
 
+def busy_slots(server, max_tokens: int) -> list[Stream]:
+    """Three long answers under way, one in each slot (their threads to join)."""
+    running = [Stream(server.url, p, max_tokens=max_tokens) for p in PROMPTS[:3]]
+    for stream in running:
+        stream.thread.start()
+    while server.health()["slots_processing"] < 3:
+        time.sleep(0.02)
+    return running
+
+
 def run_together(streams):
     for s in streams:
         s.thread.start()
@@ -123,11 +133,7 @@ def test_beyond_the_slots_and_the_queue_429(server):
 def test_a_client_that_leaves_the_queue_gives_its_place_back(server):
     """Three slots busy, the one queue place taken by a client that gives up (a timeout): the next
     client is queued, not refused with 429 until the slots finish (llama-server drops such a task too)."""
-    running = [Stream(server.url, p, max_tokens=400) for p in PROMPTS[:3]]
-    for stream in running:
-        stream.thread.start()
-    while server.health()["slots_processing"] < 3:
-        time.sleep(0.02)
+    running = busy_slots(server, max_tokens=400)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4}, timeout=0.5)
     deadline = time.monotonic() + 5
@@ -255,11 +261,7 @@ def test_the_system_fingerprint_names_the_backend_and_changes_with_the_rounding(
 def test_several_choices_queue_in_the_room_left_not_a_429(server):
     """Three slots busy and one queue place: a request for 2 choices takes that place as one part
     (its choices one after another) instead of a 429 for wanting two."""
-    running = [Stream(server.url, p, max_tokens=300) for p in PROMPTS[:3]]
-    for stream in running:
-        stream.thread.start()
-    while server.health()["slots_processing"] < 3:
-        time.sleep(0.02)
+    running = busy_slots(server, max_tokens=300)
     body = {"prompt": "a", "max_tokens": 4, "n": 2, "temperature": 0}
     answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert answer.status_code == 200 and [c["index"] for c in answer.json()["choices"]] == [0, 1], answer.text
