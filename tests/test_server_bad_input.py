@@ -119,6 +119,15 @@ def test_malformed_anthropic_blocks_are_400s(server, body, says):
         assert says in anthropic_error(post(server, path, {**body, "max_tokens": 2}))["message"]
 
 
+@pytest.mark.parametrize("field, value", [("temperature", 1.5), ("temperature", -0.1), ("top_p", 1.01),
+                                          ("top_k", -1)])
+def test_anthropic_sampling_values_outside_its_ranges_are_400s(server, field, value):
+    """Anthropic's API takes temperature and top_p in 0-1 (OpenAI's temperature goes to 2)."""
+    body = {"messages": [HI], "max_tokens": 2, field: value}
+    assert field in anthropic_error(post(server, "/v1/messages", body))["message"]
+    assert post(server, "/v1/messages", {**body, field: 1 if field != "top_k" else 0}).status_code == 200
+
+
 # ---------------------------------------------------------------- HTTP itself
 
 def test_head_answers_get_routes_without_a_body(server):

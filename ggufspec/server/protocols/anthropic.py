@@ -86,9 +86,9 @@ class MessagesBody(CountTokensBody):
     max_tokens: int = Field(ge=1)  # required, as Anthropic's API has it
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range (OpenAI's is 0-2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
     metadata: dict | None = None
     output_config: OutputConfig | None = None
 
