@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -121,25 +122,34 @@ class Slots:
         every_tokens = self._checked(prompts, chat, system)
 
         def one(tokens):
-            while True:
-                try:
-                    with self.use(tokens) as view:
-                        return view.generate(tokens, **options)
-                except CacheFullError:  # its prompt found no room: again once another slot ends
-                    if not self.wait_for_room():  # False: none busy; None: still none ended after 10 minutes
-                        raise
+            def attempt():
+                with self.use(tokens) as view:
+                    return view.generate(tokens, **options)
+            return self.retrying(attempt)
         with ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot") as pool:
             return list(pool.map(one, every_tokens))
 
-    def wait_for_room(self, timeout: float = 600.0) -> bool | None:
-        """After a prompt found no room in the unified cache (CacheFullError from its prefill): wait
-        until a busy slot ends, whose cells the next round may take (`_make_room`). False where none
-        is busy: nothing would free room, and the prompt cannot run; None: still waiting at `timeout`."""
+    def retrying(self, attempt, given_up=lambda: False, patience: float = 600.0):
+        """`attempt()`, again each time its prompt found no room in the unified cache (CacheFullError
+        from its prefill) and a busy slot has since ended, whose cells the next round may take
+        (`_make_room`). The CacheFullError stands where no slot is busy (nothing would free room),
+        after `patience` seconds with none ended, or once `given_up()` (checked every second)."""
+        while True:
+            try:
+                return attempt()
+            except CacheFullError:
+                if not self._a_slot_ended(given_up, patience):
+                    raise
+
+    def _a_slot_ended(self, given_up, patience: float) -> bool:
         with self._free:
             busy = {slot for slot in self.slots if slot.busy}
-            if not busy:
-                return False
-            return self._free.wait_for(lambda: any(not slot.busy for slot in busy), timeout) or None
+            for _ in range(max(1, math.ceil(patience))):
+                if not busy or given_up():
+                    return False
+                if self._free.wait_for(lambda: any(not slot.busy for slot in busy), 1.0):
+                    return True
+        return False
 
     def _checked(self, prompts, chat: bool, system: str | None) -> list[list[int]]:
         """The prompts as tokens, each non-empty, within the context, of the target's ids."""

@@ -252,22 +252,13 @@ class Engine:
             options["logprobs"] = job.shape.logprobs
         while part.choices and not job.cancelled.is_set():
             prompt_index = part.choices[0] // job.n
-            try:
-                self._generate_in_a_slot(part, prompt_index, every_tokens[prompt_index], options)
-            except CacheFullError:  # its prompt found no room in the unified cache: again once a slot ends
-                if not self._room_again(job):
-                    raise
-
-    def _room_again(self, job: Job) -> bool:
-        """After a prompt found no room: whether to try again, once a busy slot has ended (not for a
-        client that left, nor where no slot is busy)."""
-        while not job.cancelled.is_set():
-            ended = self.slots.wait_for_room(timeout=1.0)
-            if ended is not None:
-                return ended
-        if self._stopping:
-            raise shutting_down()
-        return False
+            try:  # a prompt that found no room in the unified cache: again once a slot ends
+                self.slots.retrying(lambda: self._generate_in_a_slot(part, prompt_index, every_tokens[prompt_index],
+                                                                     options), given_up=job.cancelled.is_set)
+            except CacheFullError:
+                if self._stopping and job.cancelled.is_set():
+                    raise shutting_down()
+                raise
 
     def _generate_in_a_slot(self, part: Part, prompt_index: int, tokens: list[int], options: dict) -> None:
         """The part's choices of one prompt, one after another in the slot caching most of it (the
