@@ -13,7 +13,7 @@ import numpy as np
 
 from .costmodel import expected_tokens, tokens_per_second
 from .costs import Costs
-from .errors import DecodeError
+from .errors import DecodeError, Interrupted
 from .native import Context
 from .bridge import VocabBridge  # noqa: F401  (drafting.VocabBridge)
 from .ngram import HybridDrafter, NgramDrafter, bucket_of  # noqa: F401  (drafting.HybridDrafter)
@@ -51,6 +51,8 @@ class ModelDrafter:
             ctx.synchronize()
         except DecodeError:  # the draft's context is full (a bridged vocabulary takes more tokens)
             return []     # the target goes on alone
+        except Interrupted:  # a long catch-up its caller stopped (`Context.should_stop`): the chunks
+            return []        # evaluated stay, the rest is caught up at the next proposal
         # the catch-up after sitting idle is not a per-token cost, but its last token is the one every
         # step evaluates (the first proposal comes from it): only the rest is left out of the draft's time
         self.catch_up_seconds = (time.perf_counter() - t0) * (lag - 1) / lag if lag > self.CATCH_UP else 0.0

@@ -137,3 +137,23 @@ def test_a_long_prompt_stops_between_its_chunks_and_the_cache_stays_true(tiny_pa
         assert again.stats.n_prompt_cached == decoder.target.n_batch
     with SpeculativeDecoder(target, n_ctx=2048, n_threads=1) as alone:
         assert again.tokens == alone.generate(prompt, n_predict=16, n_draft=0, temperature=0).tokens
+
+
+def test_a_draft_models_long_catch_up_stops_between_its_chunks_too(tiny_pair):
+    """The draft model catches up on a long prompt when it next drafts (the target's prefill does
+    not wait for it). Where its caller says stop (a server's client gone), it stops between chunks,
+    proposes nothing (the target goes on alone, its answer the same), and catches up on the rest later."""
+    from ggufspec import SpeculativeDecoder
+    from ggufspec.drafting import ModelDrafter
+    from ggufspec.sampling import Draws, SamplingParams
+    target, draft = tiny_pair
+    prompt = [1] + [259 + (7 * i) % 22 for i in range(1400)]
+    with SpeculativeDecoder(target, draft, n_ctx=2048, n_threads=1) as decoder:
+        drafter = ModelDrafter(decoder.draft)
+        params = SamplingParams(temperature=0)
+        decoder.draft.should_stop = lambda: True
+        assert drafter.propose(prompt, 3, params, Draws(0)) == []
+        assert decoder.draft.n_past == decoder.draft.n_batch  # the first chunk stays
+        decoder.draft.should_stop = None
+        assert len(drafter.propose(prompt, 3, params, Draws(0))) == 3
+        assert decoder.draft.n_past >= len(prompt)

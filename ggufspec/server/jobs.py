@@ -278,12 +278,15 @@ class Engine:
         stream = decoder.stream(tokens, **options)  # checks the options before anything runs
         stats = decoder.last_stats
         job.start(len(tokens))
-        decoder.target.should_stop = job.cancelled.is_set  # a client gone stops a long prompt between chunks
+        contexts = [ctx for ctx in (decoder.target, decoder.draft) if ctx is not None]
+        for ctx in contexts:  # a client gone stops a long prompt, or the draft's catch-up, between chunks
+            ctx.should_stop = job.cancelled.is_set
         try:
             ended_by = relay(stream, stats, job, index, pieces)
         finally:
             stream.close()  # the engine keeps its caches consistent; the next prompt reuses them
-            decoder.target.should_stop = None
+            for ctx in contexts:
+                ctx.should_stop = None
         if self._stopping and job.cancelled.is_set():
             # cut short by the shutdown: an error, not a finish_reason that says the answer is whole
             # (a stream has its tokens already; an answer not streamed is a 503 to retry elsewhere)
