@@ -155,11 +155,11 @@ def _repo_sizes(repo: str) -> dict[str, int | None]:
 
 def _remote_fingerprint(url: str, size: int | None, name: str) -> Fingerprint:
     """A hub file's tokenizer fingerprint from its first bytes (Range requests, grown while the header is longer)."""
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+    from huggingface_hub.utils import hf_raise_for_status, http_backoff
     first = FIRST_BYTES
     while True:
         with store.hub_errors(name):
-            response = http_backoff("GET", url, headers={**build_hf_headers(), "Range": f"bytes=0-{first - 1}"})
+            response = http_backoff("GET", url, headers={**store.download_headers(url), "Range": f"bytes=0-{first - 1}"})
             hf_raise_for_status(response)
         data = response.content
         try:

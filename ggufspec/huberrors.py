@@ -50,14 +50,27 @@ def hub_errors(label: str, *, transfer: bool = False, where: str | None = None):
         except hf_errors.RevisionNotFoundError:
             raise StoreError(f"{label}: revision not found") from None
         except hf_errors.HfHubHTTPError as exc:
-            raise StoreError(f"{label}: hub error: {str(exc).splitlines()[0]}") from None
-        except Exception as exc:
-            if not _is_transport_error(exc):
+            status = getattr(getattr(exc, "response", None), "status_code", None)
+            hint = ": set HF_TOKEN (or `hf auth login`) to a token that may read it" if status in (401, 403) else ""
+            raise StoreError(f"{label}: hub error: {str(exc).splitlines()[0]}{hint}") from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise_transport(exc)
                 raise
-            if not transfer or _is_connect_error(exc):
-                raise HubUnreachable(_unreachable_message(where or endpoint(), exc)) from None
-            raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: {_reason(exc)}); "
-                             f"run pull again to resume") from None
+            raise StoreError(f"{label}: the disk is full ({_reason(exc)}): free some space, or set GGUFSPEC_HOME "
+                             f"to a folder on another disk, then run pull again to resume") from None
+        except Exception as exc:
+            raise_transport(exc)
+            raise
+
+    def raise_transport(exc: Exception) -> None:
+        """A transport error as a StoreError; anything else is left to the caller to raise."""
+        if not _is_transport_error(exc):
+            return
+        if not transfer or _is_connect_error(exc):
+            raise HubUnreachable(_unreachable_message(where or endpoint(), exc)) from None
+        raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: {_reason(exc)}); "
+                         f"run pull again to resume") from None
     return mapping()
 
 
@@ -73,6 +86,19 @@ def _unreachable_message(where: str, exc: Exception) -> str:
     hint = (f"check HF_ENDPOINT (set to {_endpoint_env()}) and the network" if _endpoint_env()
             else "check the network (HF_ENDPOINT points ggufspec at another hub or a mirror)")
     return f"cannot reach the hub at {where} ({_reason(exc)}): {hint}"
+
+
+HUB_HOSTS = ("https://huggingface.co", "https://hf.co")
+
+
+def download_headers(url: str) -> dict:
+    """huggingface_hub's headers for getting a file's bytes from `url`, without the user's token where
+    the hub redirected to another host (a CDN's signed URL needs none), as `hf_hub_download` does."""
+    from huggingface_hub.utils import build_hf_headers
+    headers = build_hf_headers()
+    if origin(url) not in (origin(endpoint()), *HUB_HOSTS):
+        headers.pop("authorization", None)
+    return headers
 
 
 def origin(url: str) -> str:

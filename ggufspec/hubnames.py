@@ -36,6 +36,8 @@ def unsafe_file_reason(name: object) -> str | None:
     segments = name.split("/")
     if "" in segments:
         return "an empty path segment"
+    if any(len(segment.encode()) > 255 for segment in segments):
+        return "a path segment over 255 bytes, which file systems refuse"
     if ".." in segments or "." in segments:
         return f"a {'..' if '..' in segments else '.'!r} segment"
     return None
@@ -51,6 +53,8 @@ def unsafe_repo_reason(repo: object) -> str | None:
         validate_repo_id(repo)
     except HFValidationError as exc:
         return str(exc).splitlines()[0].rstrip(".")
+    if "__" in repo.split("/")[0]:  # the hub's owner names have none; the store's folders join owner__name
+        return "an owner name with '__' (the store's folder OWNER__NAME would be another repository's)"
     return None
 
 

@@ -106,11 +106,20 @@ def _model_from(path, text, name, entry) -> ModelEntry:
     if ("file" in entry) == ("files" in entry):
         raise RegistryError(f"{path}:{_line_of(text, 'models', name)}: models.{name}: give exactly one of file, files")
     files = (entry["file"],) if "file" in entry else tuple(entry["files"])
+    if not files or not all(isinstance(file, str) for file in files):
+        raise RegistryError(f"{path}:{_line_of(text, 'models', name, 'files')}: models.{name}.files: "
+                            f"expected a non-empty list of file names, got {entry['files']!r}")
+    if entry.get("size", 1) < 1:
+        raise RegistryError(f"{path}:{_line_of(text, 'models', name, 'size')}: models.{name}.size: "
+                            f"expected a number of bytes above 0, got {entry['size']}")
     _check_names(path, text, name, entry["repo"], files, entry.get("pypi_parts"))
     sha = entry.get("sha256", {})
     if isinstance(sha, str):
         sha = {files[0]: sha}
     for file, digest in sha.items():
+        if file not in files:
+            raise RegistryError(f"{path}:{_line_of(text, 'models', name, 'sha256')}: models.{name}.sha256: "
+                                f"{file!r} is not one of the model's files ({', '.join(files)})")
         if not re.fullmatch(r"[0-9a-f]{64}", str(digest)):
             raise RegistryError(f"{path}:{_line_of(text, 'models', name, 'sha256')}: models.{name}.sha256: "
                                 f"not a 64-digit lowercase hex digest for {file}")
@@ -140,10 +149,18 @@ def _parse(path: Path, text: str) -> tuple[dict, dict, str | None]:
     unknown = set(data) - {"default", "models", "pairs"}
     if unknown:
         raise RegistryError(f"{path}: unknown top-level key {sorted(unknown)[0]!r} (known: default, models, pairs)")
+    for key in ("models", "pairs"):
+        if not isinstance(data.get(key, {}), dict):
+            raise RegistryError(f"{path}: {key} must be tables ([{key}.NAME] sections), got {data[key]!r}")
+    if not isinstance(data.get("default", ""), str):
+        raise RegistryError(f"{path}: default must be a pair's name (a string), got {data['default']!r}")
     models = {n: _model_from(path, text, n, e) for n, e in data.get("models", {}).items()}
     pairs = {}
     for name, entry in data.get("pairs", {}).items():
         _check_keys(path, text, "pairs", name, entry, PAIR_KEYS, ("target", "draft"))
+        if entry.get("draft_k", 3) < 0:
+            raise RegistryError(f"{path}:{_line_of(text, 'pairs', name, 'draft_k')}: pairs.{name}.draft_k: "
+                                f"expected 0 or more, got {entry['draft_k']}")
         pairs[name] = PairEntry(name, entry["target"], entry["draft"], entry.get("draft_k", 3), entry.get("note", ""))
     return models, pairs, data.get("default")
 

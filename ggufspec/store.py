@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BadReferenceError, StoreError, UnsafeNameError
-from .huberrors import HubUnreachable, endpoint, hub_errors, origin  # noqa: F401  (HubUnreachable: store.HubUnreachable)
-from .home import home, read_json, write_json
+from .huberrors import HubUnreachable, download_headers, endpoint, hub_errors, origin  # noqa: F401  (HubUnreachable: store.HubUnreachable)
+from .home import home
 from .hubnames import MAX_FILE_BYTES, contained, unsafe_file_reason, unsafe_repo_reason
 from .hubrefs import HF_SHORTHAND, HF_URL, LOOKS_LIKE_SHORTHAND, NoSuchQuant, quant_files
 from .hubrefs import SPLIT_SHARD, checked_listing as _checked_listing  # noqa: F401  (hubdraft's store._checked_listing)
 from .hubrefs import check_reference as _check_reference, repo_files as _repo_files, with_shards as _with_shards
 from .registry import ModelEntry, Registry, load_registry
+from .verified import record_verified, verified_files, verified_path  # noqa: F401  (store.verified_path)
 
 CHUNK = 8 << 20
 HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -117,43 +118,17 @@ def _install_verified(staged: Path, entry: ModelEntry, file: str, expected_sha25
     """Move a staged file into the cache if its hash is right (and note what was verified); delete it otherwise."""
     if expected_sha256 and actual_sha256 != expected_sha256:
         staged.unlink(missing_ok=True)
+        whose = ("models.toml's sha256 for it may be out of date (the hub's file changed?)"
+                 if entry.sha256.get(file) == expected_sha256 else
+                 f"the hub at {endpoint()} sent other bytes than it announced (a broken mirror or proxy?)")
         raise StoreError(f"{entry.repo}/{file}: sha256 mismatch, file deleted (expected {expected_sha256}, "
-                         f"got {actual_sha256}); run the pull again to download it afresh")
+                         f"got {actual_sha256}): {whose}")
     final = final_path(entry, file)
     final.parent.mkdir(parents=True, exist_ok=True)
     size = staged.stat().st_size
     os.replace(staged, final)  # atomic: the final name only ever holds a verified file
     record_verified(entry, file, size, actual_sha256)
     return final
-
-
-# ---------------------------------------------------------------- what pulls have verified
-# The registry leaves size and sha256 out for most models (the hub knows them). Once a pull has
-# verified a file, its size and hash are noted in $GGUFSPEC_HOME/verified.json, so that `list`
-# shows sizes offline, even after `rm`.
-
-def verified_path() -> Path:
-    return home() / "verified.json"
-
-
-def _verified_key(entry: ModelEntry, file: str) -> str:
-    return f"{entry.repo}/{file}"  # the cache holds one copy per repo and file name, as final_path does
-
-
-def _read_verified() -> dict:
-    return read_json(verified_path().name)  # absent or damaged: only the remembered sizes are lost
-
-
-def record_verified(entry: ModelEntry, file: str, size: int, sha256: str) -> None:
-    data = _read_verified()
-    data[_verified_key(entry, file)] = {"size": size, "sha256": sha256, "revision": entry.revision}
-    write_json(verified_path().name, data)  # a note for `list`; never fails a verified pull
-
-
-def verified_files(entry: ModelEntry) -> dict[str, dict]:
-    """file -> {size, sha256, revision} for the files of `entry` that a pull has verified."""
-    data = _read_verified()
-    return {f: data[_verified_key(entry, f)] for f in entry.files if isinstance(data.get(_verified_key(entry, f)), dict)}
 
 
 def known_size(entry: ModelEntry) -> int | None:
@@ -248,7 +223,7 @@ def remote_files(entry: ModelEntry) -> list[RemoteFile]:
         url = hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=endpoint())
         with hub_errors(f"{entry.repo}/{file}"):
             meta = get_hf_file_metadata(url)
-        if meta.size is not None and not 0 <= meta.size <= MAX_FILE_BYTES:
+        if meta.size is not None and not 0 < meta.size <= MAX_FILE_BYTES:
             raise StoreError(f"{entry.repo}/{file}: the hub at {endpoint()} reports a size of {meta.size} bytes, "
                              f"which no GGUF file has; nothing was written")
         etag = (meta.etag or "").strip('"').lower()
@@ -321,14 +296,41 @@ def _say_damaged(entry: ModelEntry) -> dict[str, tuple[int, int]]:
 
 
 def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
+    """The file, downloaded and verified, by one process at a time: a second pull of it waits for
+    the first, then finds it in place (or resumes what the first left)."""
+    from filelock import FileLock
+    key = hashlib.sha256(f"{entry.repo}/{remote.file}".encode()).hexdigest()[:32]
+    lock = FileLock(home() / "locks" / f"{key}.lock")  # empty files, left for the next pull to lock again
+    Path(lock.lock_file).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock.acquire(timeout=0)
+    except TimeoutError:
+        print(f"ggufspec: waiting for another pull of {entry.repo}/{remote.file} to finish", file=sys.stderr)
+        lock.acquire()
+    try:
+        if _already_pulled(entry, remote):
+            return final_path(entry, remote.file)
+        return _download(entry, remote, progress)
+    finally:
+        lock.release()
+
+
+def _already_pulled(entry: ModelEntry, remote: RemoteFile) -> bool:
+    """Whether another process has put this very upload in place while this one waited for it."""
+    noted, final = verified_files(entry).get(remote.file), final_path(entry, remote.file)
+    expected = entry.sha256.get(remote.file) or remote.lfs_sha256
+    return (noted is not None and final.is_file() and final.stat().st_size == noted.get("size")
+            and (noted.get("sha256") == expected if expected else noted.get("size") == remote.size))
+
+
+def _download(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     """Download into a persistent `.incomplete` file, resuming from its size, then verify and rename.
 
-    huggingface_hub's `http_get` does the transfer (auth headers, Range, retries within a call);
+    huggingface_hub's `http_get` does the transfer (Range, retries within a call);
     recent `hf_hub_download` versions delete their partial file on failure, so the partial file that
     survives Ctrl-C, a kill or a dropped connection is kept here, where the next pull finds it.
     """
     from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers
     label = f"{entry.repo}/{remote.file}"
     partial = _partial_path(entry, remote)
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +343,8 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
             _progress_bars(progress):
         resume = out.tell()
         if remote.size is None or resume < remote.size:
-            http_get(remote.url, out, resume_size=resume, headers=build_hf_headers(), displayed_filename=remote.file)
+            http_get(remote.url, out, resume_size=resume, headers=download_headers(remote.url),
+                     displayed_filename=remote.file)
     received = partial.stat().st_size
     if remote.size is not None and received != remote.size:
         # a complete answer of another length than the hub announced: not a cut transfer to resume
@@ -349,9 +352,20 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
         raise StoreError(f"{label}: the hub at {endpoint()} announced {remote.size} bytes but sent {received}; "
                          f"the download was deleted")
     expected = entry.sha256.get(remote.file) or remote.lfs_sha256
+    if expected is None:  # nothing to check its bytes against: at least that they are a GGUF file's
+        _check_gguf_magic(partial, label)
     with _progress(partial.stat().st_size, f"verifying {remote.file}", progress) as bar:
         actual = sha256_of(partial, bar)
     return _install_verified(partial, entry, remote.file, expected, actual)
+
+
+def _check_gguf_magic(staged: Path, label: str) -> None:
+    with staged.open("rb") as f:
+        start = f.read(16)
+    if not start.startswith(b"GGUF"):
+        staged.unlink()
+        raise StoreError(f"{label}: the hub at {endpoint()} sent no GGUF file (it begins {start!r}: an error "
+                         f"or login page?), and no sha256 to check it by; the download was deleted")
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -34,6 +35,10 @@ class HubState:
         self.listing_padding = 0                          # extra made-up names in model_info's listing
         self.requests: list[tuple[str, str, str | None]] = []
         self.served: dict[tuple[str, str], int] = {}       # (repo, file) -> bytes of it sent in GET answers
+        self.authorizations: list[str | None] = []         # each request's Authorization header
+        self.seconds_per_chunk = 0.0                       # a slow hub: a pause after each 64 KiB sent
+        self.unhashed: set[str] = set()                    # files served without their sha256 (a plain web server)
+        self.bare_401 = False                              # a mirror that wants a login: 401s with no X-Error-Code
 
     def add(self, repo: str, file: str, data: bytes) -> None:
         self.repos.setdefault(repo, {})[file] = data
@@ -63,6 +68,13 @@ def make_handler(state: HubState):
 
         def _route(self):
             state.requests.append((self.command, self.path, self.headers.get("Range")))
+            state.authorizations.append(self.headers.get("Authorization"))
+            if state.bare_401:
+                body = b"<html>login</html>"
+                self.send_response(401)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                return None if self.command == "HEAD" else self.wfile.write(body)
             path = self.path.split("?")[0]
             if path == "/api/models":
                 return self._list_models()
@@ -131,8 +143,9 @@ def make_handler(state: HubState):
             self.send_response(206 if start or end < len(data) else 200)
             self.send_header("X-Repo-Commit", COMMIT)
             self.send_header("ETag", f'"{COMMIT[:40]}"')
-            self.send_header("X-Linked-Etag", f'"{state.sha(repo, file)}"')
-            self.send_header("X-Linked-Size", str(state.announced_size.get(file, len(data))))
+            if file not in state.unhashed:
+                self.send_header("X-Linked-Etag", f'"{state.sha(repo, file)}"')
+                self.send_header("X-Linked-Size", str(state.announced_size.get(file, len(data))))
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Length", str(max(0, end - start)))
             if start or end < len(data):
@@ -141,7 +154,9 @@ def make_handler(state: HubState):
             if self.command == "HEAD":
                 return
             stop = min(end, state.cut_at.get(file, len(data)))
-            self.wfile.write(data[start:max(start, stop)])
+            for at in range(start, max(start, stop), 1 << 16):
+                self.wfile.write(data[at:min(at + (1 << 16), stop)])
+                time.sleep(state.seconds_per_chunk)
             state.served[(repo, file)] = state.served.get((repo, file), 0) + max(0, stop - start)
             if stop < end:
                 self.wfile.flush()

@@ -41,6 +41,9 @@ def pull(name, with_draft, dry_run, quiet, as_json):
     from .. import store
     from ..registry import load_registry
     registry = load_registry()
+    if name is not None and not name.strip():
+        raise GgufspecError("an empty name: give a pair or model (`ggufspec list` shows them), or none for "
+                            "the default pair")
     name = name or registry.default
     pair_with_draft, with_draft = with_draft and name in registry.pairs, with_draft and name not in registry.pairs
     if with_draft and (name in registry.models or not name.startswith("hf://")):
@@ -61,8 +64,10 @@ def pull(name, with_draft, dry_run, quiet, as_json):
         try:
             paths = store.pull(entry, progress=not (quiet or as_json))
         except KeyboardInterrupt:  # what arrived is kept in the partial file
-            raise GgufspecError(f"{entry.name}: interrupted; what was downloaded is kept: run the same pull "
-                                f"again to resume") from None
+            error = GgufspecError(f"{entry.name}: interrupted; what was downloaded is kept: run the same pull "
+                                  f"again to resume")
+            error.exit_code = 130  # the shell's code for Ctrl-C, as `run` exits
+            raise error from None
         results.append({"model": entry.name, "path": str(paths[0]), "bytes": store.size_on_disk(entry)})
     if search is not None:
         results[0]["draft_search"] = search.as_dict()

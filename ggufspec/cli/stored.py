@@ -95,10 +95,20 @@ def pairs_using(registry, model: str, *, besides: str | None = None) -> list[tup
         if pair.name == besides:
             continue
         for role, name, partner in (("target", pair.target, pair.draft), ("draft", pair.draft, pair.target)):
-            if name == model and (partner == model or store.files_on_disk(registry.model(partner))):
+            if same_files(registry, name, model) and (same_files(registry, partner, model)
+                                                      or store.files_on_disk(registry.model(partner))):
                 users.append((pair.name, role))
                 break
     return users
+
+
+def same_files(registry, a: str, b: str) -> bool:
+    """Whether two models' files are (some of) the same files in the store: two names for one file."""
+    from .. import store
+    if a == b or a not in registry.models or b not in registry.models:  # a hub reference is its own name
+        return a == b
+    first, second = registry.model(a), registry.model(b)
+    return bool({store.final_path(first, f) for f in first.files} & {store.final_path(second, f) for f in second.files})
 
 
 def kept_line(model: str, users: list[tuple[str, str]]) -> str:
