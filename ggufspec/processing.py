@@ -77,12 +77,13 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def top_logprobs(logprobs: np.ndarray, n: int) -> tuple[tuple[int, float], ...]:
-    """The n most likely (token id, logprob), most likely first (ties: the lower id first)."""
+    """The n most likely (token id, logprob), most likely first (ties: the lower id first). Tokens a
+    grammar or a bias of -inf rules out are left out (-inf is no JSON number; OpenAI omits them too)."""
     if n <= 0:
         return ()
     best = np.argpartition(-logprobs, min(n, len(logprobs) - 1))[:n]
     best = best[np.lexsort((best, -logprobs[best]))]
-    return tuple((int(t), float(logprobs[t])) for t in best)
+    return tuple((int(t), float(logprobs[t])) for t in best if logprobs[t] > -math.inf)
 
 
 class TargetProcessor:

@@ -9,6 +9,7 @@ what the engine computes (constraints, logprobs) are skipped until the engine ta
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -213,6 +214,25 @@ def test_completion_logprobs_in_the_legacy_shape(server):
         assert "\ufffd" not in token and top[token] == pytest.approx(value, abs=1e-3)  # greedy: the likeliest
     if not any(token.startswith("bytes:") for token in logprobs.tokens):
         assert "".join(logprobs.tokens) == answer.choices[0].text
+
+
+def test_logprobs_under_a_grammar_leave_out_the_tokens_it_rules_out(server):
+    """Fewer tokens allowed than alternatives asked for: the ruled-out ones (-inf, no JSON number)
+    are left out, as OpenAI does, instead of a 500 or a stream that is not JSON."""
+    grammar = 'root ::= "ab"'
+    chat = {"messages": HI, "max_tokens": 5, "grammar": grammar, "logprobs": True, "top_logprobs": 3}
+    answer = post(server, "/v1/chat/completions", chat)
+    assert answer.status_code == 200, answer.text
+    for entry in answer.json()["choices"][0]["logprobs"]["content"]:
+        assert 1 <= len(entry["top_logprobs"]) <= 3 and entry["top_logprobs"][0]["logprob"] > -1e9
+    streamed = [top["logprob"] for chunk in sse_chunks(server, chat)
+                for entry in ((chunk["choices"][0].get("logprobs") or {}).get("content") or [])
+                for top in entry["top_logprobs"]]
+    assert streamed and all(math.isfinite(value) for value in streamed)  # Python's json reads -Infinity
+    completion = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 5, "grammar": grammar, "logprobs": 2})
+    assert completion.status_code == 200, completion.text
+    native = post(server, "/completion", {"prompt": "x", "n_predict": 5, "grammar": grammar, "n_probs": 2})
+    assert native.status_code == 200, native.text
 
 
 def test_a_token_that_is_part_of_a_character_is_written_as_its_bytes():
