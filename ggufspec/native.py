@@ -22,6 +22,7 @@ call `keep`, `reuse_prefix` and `checkpoint`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import time
@@ -448,6 +449,11 @@ class Context:
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    @functools.cached_property
+    def end_of_generation_ids(self) -> tuple[int, ...]:
+        """Every token that ends a generation (EOS, end of turn...): llama.cpp's C API has no list of them."""
+        return tuple(token for token in range(self.n_vocab) if self.is_end_of_generation(token))
 
     def fim_tokens(self) -> dict[str, int | None]:
         """The vocabulary's fill-in-the-middle control tokens (pre, suf, mid, rep, sep); None where it has none."""

@@ -312,3 +312,29 @@ def test_an_answer_cut_short_by_the_shutdown_says_so(chat_pair, tmp_path):
     finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
     errors = [e["error"] for e in events if "error" in e]
     assert not finishes and errors and errors[-1]["code"] == "shutting_down", events[-3:]
+
+
+# ---------------------------------------------------------------- llama.cpp's samplers ggufspec lacks
+
+@pytest.mark.parametrize("field, on, off", [("mirostat", 2, 0), ("typical_p", 0.2, 1.0), ("top_n_sigma", 1.0, -1.0),
+                                            ("dynatemp_range", 0.5, 0.0), ("xtc_probability", 1.0, 0.0),
+                                            ("dry_multiplier", 0.8, 0.0)])
+def test_a_sampler_ggufspec_lacks_is_refused_when_on_not_ignored(server, field, on, off):
+    """An answer from another distribution than the one asked for would look like the one asked for."""
+    for path, body in (("/completion", {"prompt": "the cat", "n_predict": 2}),
+                       ("/v1/chat/completions", {"messages": [HI], "max_tokens": 2})):
+        error = openai_error(post(server, path, {**body, field: on}))
+        assert field in error["message"] and "not supported" in error["message"], error
+        assert post(server, path, {**body, field: off}).status_code == 200  # llama.cpp's "off" passes
+    assert field in anthropic_error(post(server, "/v1/messages", {"messages": [HI], "max_tokens": 2, field: on}))["message"]
+
+
+def test_ignore_eos_generates_past_the_end_of_generation_tokens(server):
+    """llama.cpp's ignore_eos: every end-of-generation token ruled out, so the answer runs to n_predict."""
+    body = {"prompt": "the cat", "n_predict": 6, "logit_bias": [[2, 100]], "return_tokens": True}  # 2: the EOS
+    assert post(server, "/completion", body).json()["tokens"] == []
+    ignoring = post(server, "/completion", {**body, "ignore_eos": True}).json()
+    assert len(ignoring["tokens"]) == 6 and ignoring["stop_type"] == "limit" and 2 not in ignoring["tokens"]
+    chat = post(server, "/v1/chat/completions", {"messages": [HI], "max_tokens": 6, "logit_bias": {"2": 100},
+                                                 "ignore_eos": True}).json()
+    assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["completion_tokens"] == 6

@@ -27,8 +27,9 @@ class Shaping:
     logprobs: int | None = None   # None: none; 0: the chosen token's; n: and the n likeliest
 
 
-def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int) -> Shaping:
-    """The request's constraints, tools and logprobs, checked (APIError 400 naming the field)."""
+def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids=lambda: ()) -> Shaping:
+    """The request's constraints, tools and logprobs, checked (APIError 400 naming the field).
+    `end_ids()`: the tokens that end a generation, which `ignore_eos` rules out."""
     plan = tool_plan(body, fmt) if isinstance(body, ChatBody) else toolkit.ToolPlan(None, parse=False)
     grammar, lazy, triggers = response_grammar(body)
     if plan.grammar is not None:
@@ -36,8 +37,10 @@ def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int) -> Shap
             raise APIError(400, "tools cannot be combined with response_format, grammar or json_schema: "
                                 "send tool_choice \"none\" to answer in a format", code="invalid_value")
         grammar, lazy, triggers = plan.grammar, plan.lazy, plan.triggers
-    constraints = {**penalties(body), **({"logit_bias": logit_bias(body.logit_bias, n_vocab)}
-                                                 if body.logit_bias else {})}
+    bias = logit_bias(body.logit_bias, n_vocab) if body.logit_bias else {}
+    if body.ignore_eos:
+        bias.update(dict.fromkeys(end_ids(), -math.inf))
+    constraints = {**penalties(body), **({"logit_bias": bias} if bias else {})}
     if grammar is not None:
         constraints["grammar"] = grammar
         if lazy:

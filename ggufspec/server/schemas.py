@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import APIError
 
@@ -66,6 +66,26 @@ class GenerationBody(Strict):
     response_format: ResponseFormat | None = None
     grammar: str | None = None
     json_schema: dict | None = None
+    ignore_eos: bool = False  # llama.cpp's: the end-of-generation tokens never chosen (a bias of -inf)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_sampler_it_lacks(cls, data):
+        """llama.cpp's samplers that ggufspec does not have are refused where they are on, rather than
+        ignored: the answer would come from another distribution than the one asked for."""
+        for name, is_off in SAMPLERS_NOT_HAD.items():
+            value = data.get(name) if isinstance(data, dict) else None
+            if value is not None and not (isinstance(value, (int, float)) and is_off(value)):
+                raise APIError(400, f"{name} is not supported (llama.cpp's sampler; ggufspec has temperature, "
+                                    f"top_k, top_p, min_p, the penalties and logit_bias): leave it out",
+                               code="unsupported_parameter")
+        return data
+
+
+# llama.cpp's samplers ggufspec lacks, and which of their values leave them off
+SAMPLERS_NOT_HAD = {"mirostat": lambda v: v == 0, "typical_p": lambda v: v >= 1, "top_n_sigma": lambda v: v <= 0,
+                    "dynatemp_range": lambda v: v <= 0, "xtc_probability": lambda v: v <= 0,
+                    "dry_multiplier": lambda v: v <= 0}
 
 
 class CompletionBody(GenerationBody):

@@ -30,11 +30,12 @@ from ..constraints import Shaping, shaping
 from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
 from ..jobs import ClientGone, Engine, Job, chat_prompt
-from ..schemas import ChatBody, GenerationBody, message_dicts, request_options, stop_strings
+from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts, request_options, stop_strings
 
 # Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
-                 "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema")
+                 "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
+                 "ignore_eos", *SAMPLERS_NOT_HAD)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ class Serving:
             raise APIError(400, message) from None
 
     def shape(self, body: ChatBody) -> Shaping:
-        return shaping(body, self.tool_format, self.decoder.target.n_vocab)
+        target = self.decoder.target
+        return shaping(body, self.tool_format, target.n_vocab, lambda: target.end_of_generation_ids)
 
     async def submit(self, body: GenerationBody, prefill: str = "", names: dict | None = None, *,
                      prompt: str | list[int] | None = None, prompts: list | None = None, n: int = 1,
