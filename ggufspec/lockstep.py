@@ -203,6 +203,11 @@ class Lockstep:
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = llama_cpp.llama_batch_init(ctx0.n_batch, 0, 1)
+        if llama_cpp.llama_n_ubatch(ctx0.ctx) == 1:
+            # --strict, every row alone. With a cache per sequence llama.cpp splits a batch "equally",
+            # taking sequences of increasing ids into a micro-batch and stopping only once it holds
+            # one more than n_ubatch: two rows, which round otherwise. In decreasing order it takes one.
+            group = sorted(group, key=lambda request: -request.ctx.seq)
         j = 0
         for request in group:
             ctx, n = request.ctx, len(request.tokens)

@@ -206,6 +206,18 @@ def test_a_list_of_prompts_is_answered_in_the_slots_at_once_each_as_alone(server
     assert whole["usage"]["completion_tokens"] == 3 * N_TOKENS
 
 
+def test_under_strict_logprobs_in_the_batch_are_the_ones_alone_bit_for_bit(server):
+    """--strict: every row computed alone, so not only the tokens but their log-probabilities are
+    those of the request alone, to the last bit, though three prompts shared each round. (llama.cpp's
+    split of a batch of several sequences put two sequences' tokens in one micro-batch of one.)"""
+    body = {"prompt": PROMPTS[:3], "max_tokens": 24, "temperature": 0, "logprobs": 2}
+    together = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"]
+    for i, prompt in enumerate(PROMPTS[:3]):
+        alone = httpx.post(server.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=120).json()
+        assert together[i]["logprobs"]["token_logprobs"] == alone["choices"][0]["logprobs"]["token_logprobs"]
+        assert together[i]["logprobs"]["top_logprobs"] == alone["choices"][0]["logprobs"]["top_logprobs"]
+
+
 def test_n_choices_run_at_once_and_each_seed_reproduces_alone(server):
     """`n` sampled choices with a seed: choice j is the answer to the same request with seed + j
     and n 1, bit for bit (--strict), though the three ran in one batch."""
