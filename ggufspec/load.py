@@ -12,7 +12,8 @@ import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
-from .native import Context, quiet_llama_logs
+from .llamalog import interrupt_after_native, quiet_llama_logs
+from .native import Context
 
 GGUF_MAGIC = b"GGUF"
 # llama.cpp's speculative example allows this much vocabulary size difference, and compares token
@@ -159,7 +160,8 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         options = dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=n_ubatch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
                        logits_all=False, verbose=False, swa_full=params.swa_full)
-        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), _model_params(params.load_mtp, repack=not params.exact):
+        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
+                _model_params(params.load_mtp, repack=not params.exact), interrupt_after_native():
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 split = list(params.tensor_split) if params.tensor_split else None
                 return load_on_devices(path, params.devices, tensor_split=split, **options)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import sys
 import time
 from typing import Sequence
 
@@ -34,21 +32,6 @@ import numpy as np
 from .errors import CacheFullError, DecodeError, Interrupted
 
 _SEQ = 0  # a context's sequence id, unless it is one of several slots (`slots`)
-
-
-VERBOSE = os.environ.get("GGUFSPEC_VERBOSE", "") not in ("", "0")
-
-
-@llama_cpp.llama_log_callback
-def _log_to_stderr_if_verbose(level, text, user_data):
-    # llama.cpp logs model loading at length; keep stderr for our own messages unless asked
-    if VERBOSE:
-        sys.stderr.write(text.decode("utf-8", errors="replace"))
-
-
-def quiet_llama_logs() -> None:
-    """Route llama.cpp's log through our callback (call after llama-cpp-python installed its own)."""
-    llama_cpp.llama_log_set(_log_to_stderr_if_verbose, ctypes.c_void_p(0))
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

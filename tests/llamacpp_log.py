@@ -20,7 +20,7 @@ def buffer_sizes(path, n_ctx, n_batch=512, **params):
                               n_threads=1, verbose=True, **params)
         llm.close()
     finally:
-        from ggufspec.native import quiet_llama_logs
+        from ggufspec.llamalog import quiet_llama_logs
         quiet_llama_logs()
     log = "".join(lines)
 

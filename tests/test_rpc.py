@@ -173,7 +173,7 @@ HOST_SCRIPT = """
 import sys
 from ggufspec import SpeculativeDecoder, rpc
 from ggufspec.load import load_on_devices
-from ggufspec.native import quiet_llama_logs
+from ggufspec.llamalog import quiet_llama_logs
 target, draft, endpoints = sys.argv[1], sys.argv[2], rpc.parse_endpoints(sys.argv[3])
 rpc.install_abort_message(endpoints, on_abort=lambda msg: print("partial stats: n_predict = ...", file=sys.stderr))
 devices = rpc.target_devices(rpc.register_workers(endpoints))

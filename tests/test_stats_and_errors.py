@@ -275,3 +275,22 @@ def test_a_prompt_the_busy_slots_leave_no_cells_for_is_a_503_to_retry():
     assert (error.status, error.code, error.headers) == (503, "kv_cache_full", {"Retry-After": "2"})
     assert "larger -c" in error.message
     assert error.body("/v1/messages")["error"]["type"] == "overloaded_error"
+
+
+def test_ctrl_c_while_a_model_loads_stops_once_the_load_returns():
+    """Python runs a signal's handler at the next Python code, which during a load is llama.cpp's log
+    callback: the KeyboardInterrupt raised there, ctypes dropped, and the load (and the run after it)
+    went on as if Ctrl-C had not been pressed. The demo target loads for a second or so."""
+    import os
+    import signal
+    import threading
+    import time
+    from conftest import demo_pair_paths
+    from ggufspec.load import LoadParams, open_model
+    target, _ = demo_pair_paths()
+    started = time.perf_counter()
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        open_model(target, "target", LoadParams(n_threads=1))
+        time.sleep(5)  # a Ctrl-C after the load would land here
+    assert time.perf_counter() - started < 5

@@ -25,6 +25,9 @@ def friendly_errors(command):
             return command(*args, **kwargs)
         except GgufspecError as exc:
             fail(str(exc), exc.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C before a command's own handling (loading the models...)
+            click.echo("ggufspec: interrupted", err=True)
+            sys.exit(130)  # the shell's code for it
         except OSError as exc:
             if exc.filename is None:  # not a path's problem (a socket, a device): the traceback says more
                 raise

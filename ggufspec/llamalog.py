@@ -1,0 +1,46 @@
+"""llama.cpp's log, routed through one callback (quiet unless GGUFSPEC_VERBOSE); and a Ctrl-C during a
+long native call (a model's load), kept until the call returns."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+import llama_cpp
+
+VERBOSE = os.environ.get("GGUFSPEC_VERBOSE", "") not in ("", "0")
+
+
+@llama_cpp.llama_log_callback
+def _log_to_stderr_if_verbose(level, text, user_data):
+    # llama.cpp logs model loading at length; keep stderr for our own messages unless asked
+    if VERBOSE:
+        sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+
+def quiet_llama_logs() -> None:
+    """Route llama.cpp's log through our callback (call after llama-cpp-python installed its own)."""
+    llama_cpp.llama_log_set(_log_to_stderr_if_verbose, ctypes.c_void_p(0))
+
+
+@contextlib.contextmanager
+def interrupt_after_native():
+    """Ctrl-C within, handled as the caller would once the block ends. Python runs a signal's handler
+    at the next Python code, which during a model's load is llama.cpp's log callback: the
+    KeyboardInterrupt raised there, ctypes drops, and the load went on as if nothing was pressed."""
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
+        yield
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed and callable(previous):
+        previous(signal.SIGINT, None)  # Python's default raises KeyboardInterrupt
+    elif pressed and previous == signal.SIG_DFL:
+        raise KeyboardInterrupt
