@@ -294,3 +294,48 @@ def test_ctrl_c_while_a_model_loads_stops_once_the_load_returns():
         open_model(target, "target", LoadParams(n_threads=1))
         time.sleep(5)  # a Ctrl-C after the load would land here
     assert time.perf_counter() - started < 5
+
+
+def _cli(*args, env=None, **kwargs):
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "ggufspec.cli", *args], capture_output=True, text=True,
+                          errors="replace", env={**os.environ, **(env or {})}, timeout=120, **kwargs)
+
+
+def test_a_terminal_that_cannot_show_utf8_gets_replacements_not_a_traceback(tiny_pair):
+    target, draft = tiny_pair
+    done = _cli("run", "-m", str(target), "-md", str(draft), "-t", "1", "-p", "the cat", "-n", "8", "-c", "128",
+                env={"PYTHONIOENCODING": "ascii", "LC_ALL": "C", "PYTHONUTF8": "0"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_closed_standard_streams_are_one_line_or_an_empty_input(tiny_pair):
+    import subprocess
+    target, draft = tiny_pair
+    script = ("import os, subprocess, sys; os.close(1); "
+              f"sys.exit(subprocess.call([sys.executable, '-m', 'ggufspec.cli', 'run', '-m', {str(target)!r}, '-t', '1', "
+              "'-p', 'hi', '-n', '4'], stdout=None))")
+    done = subprocess.run([__import__("sys").executable, "-c", script], stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2 and "standard output is closed" in done.stderr and "Traceback" not in done.stderr
+    chat = subprocess.run([__import__("sys").executable, "-m", "ggufspec.cli", "chat", "-m", str(target), "-md",
+                           str(draft), "-t", "1", "-c", "128"], stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=120)
+    assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("-n", "0"), ("-t", "0"), ("-t", "-3"), ("-s", "-5"), ("-c", "-5"),
+                                         ("--spec-draft-p-min", "5"), ("--temp", "nan")])
+def test_bench_refuses_what_run_refuses_before_loading_anything(flag, value):
+    result = CliRunner().invoke(main, ["bench", "-m", "/nonexistent.gguf", flag, value])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "nonexistent" not in result.output  # refused before the models were looked for
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run_not_after(tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed here")
+    result = CliRunner().invoke(main, ["bench", "-m", "/nonexistent.gguf", "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 2 and "--plot needs matplotlib" in result.output, result.output

