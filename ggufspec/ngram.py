@@ -40,6 +40,9 @@ class Candidate:
     source: str  # "sequence" | "pool"
 
 
+MAX_POOL_SIZE = 1 << 27  # 1.5 GiB of slots: far more n-grams than any session makes
+
+
 class NgramPool:
     """n-gram -> next token, for every request of a decoder, in `size` slots (12 bytes each).
 
@@ -47,9 +50,9 @@ class NgramPool:
     within a slot cost nothing but the forgotten entry) and the token that last followed it."""
 
     def __init__(self, size: int = DEFAULT_POOL_SIZE, orders: tuple[int, ...] = POOL_ORDERS):
-        if not isinstance(size, int) or size < 1:
-            raise GgufspecError(f"--lookup-pool must be at least 1 (n-grams the pool keeps; default "
-                                f"{DEFAULT_POOL_SIZE}), got {size}")
+        if not isinstance(size, int) or not 1 <= size <= MAX_POOL_SIZE:
+            raise GgufspecError(f"--lookup-pool must be 1 to {MAX_POOL_SIZE} (n-grams the pool keeps, 12 bytes "
+                                f"each; default {DEFAULT_POOL_SIZE}), got {size}")
         self.size, self.orders = size, tuple(sorted(orders, reverse=True))
         self.keys = array("q", bytes(8 * size))
         self.next_tokens = array("i", [EMPTY]) * size

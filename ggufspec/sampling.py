@@ -32,6 +32,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, kinds):
                 kind = "a whole number" if kinds is INTEGERS else "a number"
                 raise GgufspecError(f"{name} must be {kind}, got {value!r}")
+        if self.seed is not None and self.seed < -1:
+            raise GgufspecError(f"seed must be >= 0 (or -1 for a random one), got {self.seed}")
         if self.seed == -1:  # llama.cpp's (and the CLI's and the server's) "random": a seed drawn per generation
             object.__setattr__(self, "seed", None)
         if not np.isfinite(self.temperature):

@@ -161,6 +161,8 @@ class Slots:
             try:
                 if isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
                     raise GgufspecError(f"a prompt is a text or a list of token ids, got {type(prompt).__name__}")
+                if isinstance(prompt, str) and not prompt:  # as `generate` (not the BOS alone)
+                    raise GgufspecError("the prompt is empty")
                 tokens = decoder.tokenize(prompt if isinstance(prompt, str) else list(prompt), chat=chat, system=system)
                 if not isinstance(prompt, str):
                     check_token_ids(tokens, decoder.target.n_vocab)

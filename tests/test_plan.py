@@ -541,3 +541,15 @@ def test_sizes_need_their_unit_and_vram_0_plans_without_a_gpu(tiny_pair):
     assert plan["ngl"] == 0 and "no usable GPU" in plan["reason"] and "usable:" not in plan["reason"]
     result = CliRunner().invoke(main, ["plan", "-m", str(target), "--rpc-mem", "h:1=1GiB"])
     assert result.exit_code == 2 and "give --rpc too" in result.output
+
+
+def test_plan_without_threads_reads_the_costs_measured_at_the_nearest_thread_count(tmp_path):
+    """Not the first key in sorted order, where 't1000' comes before 't1'."""
+    from ggufspec.load import default_threads
+    from ggufspec.plan.measured import _entry, costs_key
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"GGUF" * 4)
+    draft.write_bytes(b"GGUF")
+    data = {costs_key(target, draft, n, 0, 0): {"threads": n} for n in (1000, default_threads(), 64)}
+    key, entry = _entry(data, target, draft, None, 0, 0)
+    assert entry == {"threads": default_threads()}

@@ -59,7 +59,7 @@ def tiny_pair_target(decoder) -> str:
 @pytest.mark.parametrize("options, says", [
     ({"top_k": 1.5}, "top_k must be a whole number"), ({"temperature": "0.7"}, "temperature"),
     ({"seed": 1.5}, "seed must be a whole number"), ({"logprobs": True}, "logprobs"),
-    ({"system": "be brief"}, "chat=True"),
+    ({"system": "be brief"}, "chat=True"), ({"seed": -2}, "seed must be >= 0"),
 ])
 def test_bad_arguments_are_one_line_errors(decoder, options, says):
     with pytest.raises(GgufspecError, match=says):
@@ -70,6 +70,8 @@ def test_bad_arguments_are_one_line_errors(decoder, options, says):
 def test_a_prompt_that_is_no_prompt_is_refused(decoder, prompt, says):
     with pytest.raises(GgufspecError, match=says):
         decoder.generate(prompt, n_predict=4)
+    with pytest.raises(GgufspecError, match=says):  # one of several too
+        decoder.generate_many(["the cat", prompt], n_predict=4)
 
 
 def test_seed_minus_one_is_random_as_in_the_cli(decoder):

@@ -50,11 +50,20 @@ def _entry(data: dict, target_path, draft_path, n_threads, ngl: int, ngld: int):
     if key in data or n_threads is not None:
         return key, data.get(key)
     parts = key.split("|")  # target, draft, t<threads>, ngl<n>, ngld<n>
-    for other in sorted(data):
-        theirs = other.split("|")
-        if len(theirs) == len(parts) and theirs[:2] == parts[:2] and theirs[3:] == parts[3:]:
-            return other, data[other]
-    return key, None
+    same = [other for other in data if len(theirs := other.split("|")) == len(parts)
+            and theirs[:2] == parts[:2] and theirs[3:] == parts[3:]]
+    if not same:
+        return key, None
+    from ..load import default_threads  # what a run without -t uses: the nearest thread count's costs
+    nearest = min(same, key=lambda other: (abs(_threads(other) - default_threads()), other))
+    return nearest, data[nearest]
+
+
+def _threads(key: str) -> int:
+    try:
+        return int(key.split("|")[2].lstrip("t"))
+    except ValueError:
+        return 1 << 30
 
 
 def measured_curve(target_path, draft_path, n_threads, ngl: int, ngld: int, warn=None) -> CostCurve | None:
