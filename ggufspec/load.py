@@ -136,6 +136,10 @@ def default_threads() -> int:
 
 def check_gguf_file(path: str | os.PathLike, role: str) -> Path:
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.gguf"))[:3]
+        raise ModelFileError(f"{role} model {path} is a folder: give a .gguf file" +
+                             (f" in it ({', '.join(found)})" if found else ""))
     if not path.is_file():
         raise ModelFileError(f"{role} model not found: {path}")
     with path.open("rb") as f:

@@ -60,7 +60,9 @@ class Registry:
         if name is None:
             raise RegistryError("no pair given and no default pair in models.toml")
         if name not in self.pairs:
-            raise RegistryError(f"unknown pair {name!r}: see `ggufspec list` for the pairs")
+            hint = (": a model file is given with -m FILE (and its draft with -md FILE)"
+                    if name.lower().endswith(".gguf") or Path(name).is_file() else ": see `ggufspec list` for the pairs")
+            raise RegistryError(f"unknown pair {name!r}{hint}")
         return self.pairs[name]
 
     def model(self, name: str) -> ModelEntry:

@@ -89,4 +89,6 @@ def chat_turn(decoder, history: list[dict], options: dict, color: bool) -> str:
 def chat_stats_line(stats, stopped: bool = False) -> str:
     drafted = f"accepted {stats.n_accept}/{stats.n_drafted} drafted" if stats.n_drafted else "no drafts"
     return (f"[{stats.n_predict} tokens, {stats.decode_tps:.1f} tok/s, {drafted}, prompt {stats.n_prompt} tokens "
-            f"({stats.n_prompt_cached} cached){', stopped' if stopped else ''}]")
+            f"({stats.n_prompt_cached} cached){', stopped' if stopped else ''}]"
+            + (" the context is full: /reset starts a new conversation (or raise -c)"
+               if stats.stop_reason == "context" else ""))

@@ -339,3 +339,21 @@ def test_bench_plot_without_matplotlib_fails_before_the_run_not_after(tmp_path):
         pytest.skip("matplotlib is installed here")
     result = CliRunner().invoke(main, ["bench", "-m", "/nonexistent.gguf", "--plot", str(tmp_path / "x.png")])
     assert result.exit_code == 2 and "--plot needs matplotlib" in result.output, result.output
+
+
+def test_messages_that_point_at_the_fix(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    for args, says in ((["run", "-m", str(tmp_path), "-p", "hi"], "is a folder: give a .gguf file"),
+                       (["plan", "-m", str(tmp_path)], "is a folder: give a .gguf file"),
+                       (["run", str(target), "-p", "hi"], "a model file is given with -m FILE"),
+                       (["run", "-m", str(target), "--no-draft", "--lookup", "-p", "hi"], "--no-draft runs the target alone")):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and says in result.output, (args, result.output)
+
+
+def test_a_chat_turn_cut_by_the_context_says_so():
+    from ggufspec.stats import Stats
+    from ggufspec.terminal import chat_stats_line
+    stats = Stats()
+    stats.stop_reason = "context"
+    assert "the context is full: /reset" in chat_stats_line(stats)

@@ -162,6 +162,9 @@ def check_draft_flags(opts: dict, n_draft) -> None:
     """Drafting flags that contradict each other fail in one line, rather than one silently winning."""
     if opts.get("no_draft") and n_draft not in ("auto", 0):
         raise GgufspecError(f"--no-draft runs the target alone, --draft {n_draft} drafts: give one of them")
+    if opts.get("no_draft") and (opts.get("lookup") or opts.get("hybrid")):
+        raise GgufspecError(f"--no-draft runs the target alone, --{'lookup' if opts.get('lookup') else 'hybrid'} "
+                            f"drafts: give one of them")
     largest, flag = (opts["draft_max"], "--spec-draft-n-max") if n_draft == "auto" else (n_draft, "--draft")
     if n_draft != 0 and opts["draft_min"] > largest:
         raise GgufspecError(f"--spec-draft-n-min {opts['draft_min']} is above {flag} {largest}: no draft would "

@@ -191,6 +191,8 @@ def read_shape(path: str | os.PathLike, name: str | None = None) -> ModelShape:
         stat = os.stat(path)
     except OSError as exc:
         raise PlanError(f"{name}: cannot read the GGUF header ({exc.strerror})") from None
+    if os.path.isdir(path):
+        raise PlanError(f"{path} is a folder: give a .gguf file")
     key = f"{os.path.abspath(os.fspath(path))}|{stat.st_size}|{stat.st_mtime_ns}"
     return _cached_shape(key, name, lambda: _read_shape_uncached(os.fspath(path), name))
 
