@@ -120,10 +120,12 @@ class BenchResult:
     summary: list[dict] = field(default_factory=list)
     overall: dict = field(default_factory=dict)
     cost_model: dict = field(default_factory=dict)
+    interrupted: bool = False  # Ctrl-C: the prompts finished before it
 
     def to_dict(self) -> dict:
         return {"configs": self.configs, "summary": self.summary, "overall": self.overall,
-                "cost_model": self.cost_model, "runs": [asdict(r) for r in self.runs]}
+                "cost_model": self.cost_model, "runs": [asdict(r) for r in self.runs],
+                "interrupted": self.interrupted}
 
 
 def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict: int = 256, repeat: int = 1,
@@ -139,35 +141,44 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
     native = NativeSettings(n_threads, flash_attn, n_gpu_layers,
                             n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
-    runs = []
-    for item in prompts:
-        chat = item.get("kind") == "chat"
-        _prefill_draft(decoder, item)
-        for r in range(repeat):
-            order = configs if r % 2 == 0 else configs[::-1]  # A B C, then C B A: drift cancels
-            for config in order:
-                if config.llamacpp_k == 0:
-                    runs.append(_run_llamacpp_alone(llamacpp, decoder, item, config, r, n_predict, native))
-                elif config.llamacpp_k is not None:
-                    runs.append(_run_llamacpp(llamacpp, decoder, item, config, r, n_predict, native))
-                else:
-                    _fresh_pool(decoder)
-                    gen = decoder.generate(item["prompt"], n_predict=n_predict, temperature=temperature, seed=seed,
-                                           chat=chat, system=item.get("system") if chat else None, **config.options)
-                    s = gen.stats
-                    runs.append(Run(item["id"], config.name, r, s.n_prompt, s.n_predict, s.prompt_tps, s.decode_tps,
-                                    s.decode_seconds, s.acceptance, s.n_predict / max(s.n_steps, 1), s.n_drafted,
-                                    s.n_accept, text=gen.text, stop=s.stop_reason, n_steps=s.n_steps,
-                                    draft_seconds=s.draft_seconds, target_seconds=s.target_seconds))
-                    if recorder is not None and r == 0 and config.name == "target" and temperature == 0:
-                        recorder.add(item, gen.tokens, s.stop_reason)
-                if progress is not None:
-                    progress.update(1)
-            if cost_sampler is not None:
-                cost_sampler.sample()
-        if recorder is not None and temperature > 0:
-            recorder.add(item)  # a greedy run of its own: a trace is of the target's greedy tokens
-    result = BenchResult(runs, [c.name for c in configs])
+    runs: list[Run] = []
+    done, interrupted = 0, False  # done: the runs of the prompts finished
+    try:
+        for item in prompts:
+            done = len(runs)
+            chat = item.get("kind") == "chat"
+            _prefill_draft(decoder, item)
+            for r in range(repeat):
+                order = configs if r % 2 == 0 else configs[::-1]  # A B C, then C B A: drift cancels
+                for config in order:
+                    if config.llamacpp_k == 0:
+                        runs.append(_run_llamacpp_alone(llamacpp, decoder, item, config, r, n_predict, native))
+                    elif config.llamacpp_k is not None:
+                        runs.append(_run_llamacpp(llamacpp, decoder, item, config, r, n_predict, native))
+                    else:
+                        _fresh_pool(decoder)
+                        gen = decoder.generate(item["prompt"], n_predict=n_predict, temperature=temperature, seed=seed,
+                                               chat=chat, system=item.get("system") if chat else None, **config.options)
+                        s = gen.stats
+                        runs.append(Run(item["id"], config.name, r, s.n_prompt, s.n_predict, s.prompt_tps, s.decode_tps,
+                                        s.decode_seconds, s.acceptance, s.n_predict / max(s.n_steps, 1), s.n_drafted,
+                                        s.n_accept, text=gen.text, stop=s.stop_reason, n_steps=s.n_steps,
+                                        draft_seconds=s.draft_seconds, target_seconds=s.target_seconds))
+                        if recorder is not None and r == 0 and config.name == "target" and temperature == 0:
+                            recorder.add(item, gen.tokens, s.stop_reason)
+                    if progress is not None:
+                        progress.update(1)
+                if cost_sampler is not None:
+                    cost_sampler.sample()
+            if recorder is not None and temperature > 0:
+                recorder.add(item)  # a greedy run of its own: a trace is of the target's greedy tokens
+        done = len(runs)
+    except KeyboardInterrupt:  # Ctrl-C: the prompts finished are the result (not a prompt's part)
+        if not done:
+            raise
+        del runs[done:]
+        interrupted = True
+    result = BenchResult(runs, [c.name for c in configs], interrupted=interrupted)
     _compare_texts(result, temperature)
     _summarise(result)
     return result

@@ -128,7 +128,13 @@ class Context:
         if self.lockstep is not None and self.lockstep.is_member():  # in one batch with the other slots'
             rc, self._first_logit = self.lockstep.decode(self, tokens, n_logits)
         else:
-            rc, self._first_logit = self._decode_alone(tokens, n_logits), -n_logits
+            try:
+                rc, self._first_logit = self._decode_alone(tokens, n_logits), -n_logits
+            except KeyboardInterrupt:  # Ctrl-C: raised when llama_decode returned, or before it began
+                if llama_cpp.llama_memory_seq_pos_max(self.memory, self.seq) >= start + n - 1:
+                    self._first_logit = -n_logits  # in the cache: so in the Context too, or the next
+                    self._decoded(tokens)          # decode's positions would clash (code -1)
+                raise
             if n <= 8 and self.needs_snapshots:  # only a replay after a restore reads these (see _replay)
                 self.synchronize()
                 seconds = time.perf_counter() - t0
@@ -142,9 +148,12 @@ class Context:
                 raise CacheFullError(f"no room in the {self.name} model's KV cache: its {self.n_ctx} cells (-c) "
                                      f"are taken{' by the slots' if self.lockstep is not None else ''}")
             raise DecodeError(f"llama_decode failed on the {self.name} model (code {rc})")
+        self._decoded(tokens)
+
+    def _decoded(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(tokens)
-        self.n_evaluated += n
-        self._last_batch = n
+        self.n_evaluated += len(tokens)
+        self._last_batch = len(tokens)
 
     def _decode_alone(self, tokens: Sequence[int], n_logits: int) -> int:
         batch = self._batch

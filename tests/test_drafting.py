@@ -199,6 +199,24 @@ def test_bench_json_has_the_fields(tiny_pair, tmp_path):
     assert len(data["runs"]) == 2 * 2 * 6
 
 
+def test_bench_interrupted_keeps_the_prompts_it_finished(tiny_decoder):
+    """Ctrl-C during the second prompt: the first prompt's runs are the result, marked interrupted
+    (the CLI prints them and exits 130), instead of everything lost."""
+    from ggufspec import bench as B
+
+    class CtrlCAtThirdRun:
+        updates = 0
+
+        def update(self, n):
+            self.updates += n
+            if self.updates == 3:
+                raise KeyboardInterrupt
+    prompts = [{"id": "a", "kind": "raw", "prompt": "the cat"}, {"id": "b", "kind": "raw", "prompt": "a dog"}]
+    result = B.run_bench(tiny_decoder, prompts, B.parse_configs("1"), n_predict=8, progress=CtrlCAtThirdRun())
+    assert result.interrupted and {r.prompt for r in result.runs} == {"a"} and len(result.runs) == 2
+    assert result.to_dict()["interrupted"] and "| a | K=1 |" in B.markdown(result)
+
+
 def test_bench_bad_prompts_file(tiny_pair, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a"}\n')

@@ -115,3 +115,27 @@ def test_a_session_without_a_draft_model_drafts_by_n_gram_in_python_too(tiny_pai
         assert out.stats.drafter.startswith("lookup")
     finally:
         session.decoder.close()
+
+
+def test_a_decoder_interrupted_by_ctrl_c_goes_on_right_afterwards(slow_target):
+    """A notebook's interrupt: KeyboardInterrupt comes when llama_decode returns, before the Context
+    had counted the tokens now in the cache, and the next generation's positions clashed with them
+    (llama_decode failed with code -1). The Context now counts what the cache holds."""
+    import os
+    import signal
+    import threading
+
+    import llama_cpp
+    with SpeculativeDecoder(slow_target, n_ctx=1024, n_threads=1) as alone:
+        expected = alone.generate("the cat", n_predict=24, n_draft=0, temperature=0).tokens
+    with SpeculativeDecoder(slow_target, n_ctx=1024, n_threads=1) as decoder:
+        for delay in [0.05 + 0.037 * i for i in range(8)]:
+            timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                decoder.generate("the dog ran", n_predict=100_000, n_draft=0)
+            timer.join()
+            target = decoder.target  # what the cache holds is what the Context counts
+            assert llama_cpp.llama_memory_seq_pos_max(target.memory, target.seq) == len(target.tokens) - 1
+            target.decode([1], n_logits=1)  # a decode right after (bench's cost sampling) finds its position
+            assert decoder.generate("the cat", n_predict=24, n_draft=0, temperature=0).tokens == expected

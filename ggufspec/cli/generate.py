@@ -129,7 +129,7 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         check_writable(option, path)  # before the run, not after it: a run can take an hour
     SamplingParams(temperature)  # a bad --temp too
     if plot_file and importlib.util.find_spec("matplotlib") is None:
-        raise GgufspecError("--plot needs matplotlib: pip install matplotlib (or leave --plot out)")
+        raise GgufspecError("--plot needs matplotlib: pip install 'ggufspec[plot]' (or leave --plot out)")
     trace = simulate.read_trace(trace_file) if trace_file else None  # a bad trace fails before the models load
     counts = _stream_counts(streams)
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
@@ -173,6 +173,10 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
     if plot_file:  # after the results are out: a plot that fails loses nothing
         B.plot(result, plot_file)
+    if result.interrupted:
+        click.echo(f"ggufspec: interrupted: the results of the {len({r.prompt for r in result.runs})} prompt(s) "
+                   f"finished before it", err=True)
+        sys.exit(130)
 
 
 def check_writable(option: str, path: str | None) -> None:
