@@ -6,8 +6,12 @@ failing to read or write it never fails a command.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import sys
+import threading
 from pathlib import Path
 
 
@@ -33,8 +37,28 @@ def write_json(name: str, data: dict) -> None:
     path = home() / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def one_at_a_time(name: str, waiting: str | None = None):
+    """One holder of `name` at a time, across processes and threads: a lock file under locks/ (left in
+    place, empty). `waiting`: said on stderr when another holds it. OSError where home cannot be written."""
+    from filelock import FileLock
+    path = home() / "locks" / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except TimeoutError:
+        if waiting:
+            print(waiting, file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 DRIVE = re.compile(r"^[A-Za-z]:")
+MAX_SEGMENT = 255 - len(".0123456789abcdef.incomplete")  # a partial download's name must fit too
 MAX_NAME = 1024                     # the hub's own limit on a path is far below this
 MAX_LISTING = 20_000                # files in one repository's listing; the largest GGUF repos list a few hundred
 MAX_FILE_BYTES = 8 << 40            # 8 TiB: no GGUF file (a shard, or a whole unsplit model) comes near
@@ -36,8 +37,8 @@ def unsafe_file_reason(name: object) -> str | None:
     segments = name.split("/")
     if "" in segments:
         return "an empty path segment"
-    if any(len(segment.encode()) > 255 for segment in segments):
-        return "a path segment over 255 bytes, which file systems refuse"
+    if any(len(segment.encode()) > MAX_SEGMENT for segment in segments):
+        return f"a path segment over {MAX_SEGMENT} bytes (file systems take 255, a partial download's suffix 28)"
     if ".." in segments or "." in segments:
         return f"a {'..' if '..' in segments else '.'!r} segment"
     return None

@@ -161,9 +161,16 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         n_ctx = params.n_ctx if unified else params.n_ctx * params.n_seq
         n_ubatch = 1 if strict else min(params.n_batch, EXACT_UBATCH) if params.exact else params.n_batch
+        if params.n_rs_seq and n_ubatch <= params.n_rs_seq:  # llama.cpp asserts (aborts) in the first batch
+            raise GgufspecError(f"n_rs_seq {params.n_rs_seq} needs micro-batches of more than {params.n_rs_seq} "
+                                f"tokens, but they are {n_ubatch}" + (" (--strict)" if strict else "")
+                                + ": leave n_rs_seq 0 (snapshots) or raise n_batch")
+        # bit-exact (--strict, --exact): a window-sized cache, once it wraps, refills freed cells out of
+        # position order, and attention sums the cells in cell order: another rounding than alone
+        swa_full = params.swa_full or strict or params.strict or params.exact
         options = dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=n_ubatch,
                        n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
-                       logits_all=False, verbose=False, swa_full=params.swa_full)
+                       logits_all=False, verbose=False, swa_full=swa_full)
         with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
                 _model_params(params.load_mtp, repack=not params.exact), interrupt_after_native():
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -129,11 +128,12 @@ class Slots:
         with ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot") as pool:
             return list(pool.map(one, every_tokens))
 
-    def retrying(self, attempt, given_up=lambda: False, patience: float = 600.0):
+    def retrying(self, attempt, given_up=lambda: False, patience: float | None = 600.0):
         """`attempt()`, again each time its prompt found no room in the unified cache (CacheFullError
         from its prefill) and a busy slot has since ended, whose cells the next round may take
         (`_make_room`). The CacheFullError stands where no slot is busy (nothing would free room),
-        after `patience` seconds with none ended, or once `given_up()` (checked every second)."""
+        after `patience` seconds with none ended (None: no limit), or once `given_up()` (checked
+        every second)."""
         while True:
             try:
                 return attempt()
@@ -141,12 +141,11 @@ class Slots:
                 if not self._a_slot_ended(given_up, patience):
                     raise
 
-    def _a_slot_ended(self, given_up, patience: float) -> bool:
+    def _a_slot_ended(self, given_up, patience: float | None) -> bool:
+        deadline = None if patience is None else time.monotonic() + patience
         with self._free:
             busy = {slot for slot in self.slots if slot.busy}
-            for _ in range(max(1, math.ceil(patience))):
-                if not busy or given_up():
-                    return False
+            while busy and not given_up() and (deadline is None or time.monotonic() < deadline):
                 if self._free.wait_for(lambda: any(not slot.busy for slot in busy), 1.0):
                     return True
         return False

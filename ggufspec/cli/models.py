@@ -198,10 +198,10 @@ def _note_pairs_left_without(registry, entry) -> None:
     from . import stored
     files = stored.registry_files(registry)
     models = {files[path] for path in (store.final_path(entry, f) for f in entry.files) if path in files}
-    for model in sorted(models | {entry.name}):
-        for pair, role in stored.pairs_using(registry, model):
-            click.echo(f"ggufspec: note: {pair} has no {role} on disk now (`ggufspec pull {pair}` brings it back)",
-                       err=True)
+    left_without = {used for model in models | {entry.name} for used in stored.pairs_using(registry, model)}
+    for pair, role in sorted(left_without):  # once each, however many names the files have
+        click.echo(f"ggufspec: note: {pair} has no {role} on disk now (`ggufspec pull {pair}` brings it back)",
+                   err=True)
 
 
 def _kept(registry, pair: str, model: str) -> bool:

@@ -207,9 +207,11 @@ def read_remote_shape(url: str, size: int, name: str, first_bytes: int = 8 * MiB
 
 
 def _read_remote_shape(url: str, size: int, name: str, first_bytes: int) -> ModelShape:
-    from huggingface_hub.utils import build_hf_headers, http_backoff
+    from huggingface_hub.utils import http_backoff
+
+    from ..huberrors import download_headers  # the token to the hub only, never to its CDN
     while True:
-        response = http_backoff("GET", url, headers={**build_hf_headers(), "Range": f"bytes=0-{first_bytes - 1}"})
+        response = http_backoff("GET", url, headers={**download_headers(url), "Range": f"bytes=0-{first_bytes - 1}"})
         response.raise_for_status()
         try:
             return _shape_from_first_bytes(response.content, size, name)

@@ -254,7 +254,8 @@ class Engine:
             prompt_index = part.choices[0] // job.n
             try:  # a prompt that found no room in the unified cache: again once a slot ends
                 self.slots.retrying(lambda: self._generate_in_a_slot(part, prompt_index, every_tokens[prompt_index],
-                                                                     options), given_up=job.cancelled.is_set)
+                                                                     options), given_up=job.cancelled.is_set,
+                                    patience=None)  # until its client leaves, as before
             except CacheFullError:
                 if self._stopping and job.cancelled.is_set():
                     raise shutting_down()
