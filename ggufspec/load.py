@@ -119,14 +119,35 @@ def _context_flash_attn(kind: int, n_rs_seq: int = 0, n_seq: int = 1, unified: b
 EXACT_UBATCH = 32
 
 
-def exact_kernels() -> None:
+def exact_kernels(path: Path, role: str) -> None:
     """Make llama.cpp's CPU backend compute a batch with the kernels of a single token, for models
     loaded from now on. A batch differs from single tokens where it takes other kernels: weights
     repacked for tiled products (llama_model_params.use_extra_bufts, switched off per model in
     `_model_params`), and the tiled K-quant matmul taken from 8 rows up (GGML_CPU_TILED_MM=0, read
     once per process, at its first matrix product: set here, before any). Flash attention must be
-    on: without it the attention's matrix products are batched too. Measured: docs/benchmarks.md."""
+    on: without it the attention's matrix products are batched too. Measured: docs/benchmarks.md.
+    What cannot be switched off is refused: float weights (llamafile's kernels take their batches)."""
+    if os.environ.get("GGML_CPU_TILED_MM") != "0" and _opened_with_tiled_products:
+        raise GgufspecError("--exact: a model opened earlier in this process without it may have fixed "
+                            "llama.cpp's kernels (read once per process): open the --exact one in a fresh process")
     os.environ["GGML_CPU_TILED_MM"] = "0"
+    kind = float_weights(path) if role == "target" else None
+    if kind and b"LLAMAFILE = 1" in llama_cpp.llama_print_system_info():
+        raise GgufspecError(f"--exact: the target's weights are {kind}, whose batches llama.cpp multiplies with "
+                            f"llamafile's kernels, single tokens without: use --strict for bit identity")
+
+
+_opened_with_tiled_products: list[str] = []  # models opened while GGML_CPU_TILED_MM was not 0
+
+
+def float_weights(path: Path) -> str | None:
+    """F32, F16 or BF16 where a model's first layer's matrices are of that type; None where quantized."""
+    from gguf import GGUFReader
+    reader = GGUFReader(path)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.0.") and tensor.name.endswith(("attn_q.weight", "ffn_down.weight")):
+            return tensor.tensor_type.name if tensor.tensor_type.name in ("F32", "F16", "BF16") else None
+    return None
 
 
 def default_threads() -> int:
@@ -154,7 +175,9 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     if params.exact:
         if params.flash_attn == "off":
             raise GgufspecError("--exact needs flash attention (-fa on or auto): without it attention is batched too")
-        exact_kernels()
+        exact_kernels(path, role)
+    elif os.environ.get("GGML_CPU_TILED_MM") != "0":
+        _opened_with_tiled_products.append(str(path))
     threads = params.n_threads or default_threads()
     quiet_llama_logs()
     try:

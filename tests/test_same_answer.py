@@ -177,3 +177,18 @@ def test_server_gives_the_same_text_for_any_draft_stream_and_warm_pool(chat_pair
         pair = client.completions.create(**base, n=2, extra_body={"draft": 3}).choices
         alone = client.completions.create(**{**base, "seed": 8}, extra_body={"draft": 0}).choices[0].text
         assert sorted(pair, key=lambda c: c.index)[1].text == alone
+
+
+def test_the_system_fingerprint_follows_what_rounds_the_answer(tiny_pair):
+    """The threads split a long attention (so they are in it); under --strict the draft changes no bit
+    of an answer (so it is not), where batched verification's rounding depends on the batches it drafts."""
+    from ggufspec.server.props import system_fingerprint
+    target, draft = tiny_pair
+
+    def fingerprint(*models, **options):
+        with SpeculativeDecoder(*models, n_ctx=128, **options) as decoder:
+            return system_fingerprint(decoder)
+    strict = fingerprint(target, draft, n_threads=1, strict=True)
+    assert strict == fingerprint(target, n_threads=1, strict=True)
+    assert strict != fingerprint(target, draft, n_threads=2, strict=True)
+    assert fingerprint(target, draft, n_threads=1) != fingerprint(target, n_threads=1)

@@ -357,3 +357,23 @@ def test_a_chat_turn_cut_by_the_context_says_so():
     stats = Stats()
     stats.stop_reason = "context"
     assert "the context is full: /reset" in chat_stats_line(stats)
+
+
+def test_exact_refuses_what_it_cannot_make_exact(tiny_pair):
+    """--exact: float weights take llamafile's batch kernels (nothing switches them off), and a model
+    opened earlier in the process may have fixed the tiled products' switch (read once per process):
+    both refused in one line, not answers that are silently not bit-exact. A fresh process each."""
+    import subprocess
+    import sys
+    target, _ = tiny_pair
+    done = subprocess.run([sys.executable, "-m", "ggufspec.cli", "run", "-m", str(target), "--exact", "-p", "hi",
+                           "-n", "4", "-t", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "weights are F32" in done.stderr and "--strict" in done.stderr, done.stderr
+    script = ("import sys; from ggufspec.load import LoadParams, open_model; from ggufspec.errors import GgufspecError\n"
+              f"open_model({str(target)!r}, 'target', LoadParams(n_ctx=64, n_threads=1))\n"
+              "try:\n"
+              f"    open_model({str(target)!r}, 'target', LoadParams(n_ctx=64, n_threads=1, exact=True))\n"
+              "except GgufspecError as exc:\n"
+              "    print(exc)\n")
+    later = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "open the --exact one in a fresh process" in later.stdout, later.stdout + later.stderr

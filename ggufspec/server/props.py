@@ -72,12 +72,14 @@ def system_fingerprint(decoder) -> str:
     builds, the CPU features llama.cpp uses, the model files, their placement, the verification's
     rounding), so that a client comparing seeded answers sees when the backend changed."""
     import llama_cpp
-    files = [(Path(llm.model_path).name, file_size(llm.model_path))
-             for llm in (decoder.target_llm, getattr(decoder, "draft_llm", None)) if llm is not None]
+    verification = getattr(decoder, "verification", "batch")
+    # the draft decides the batches, so their rounding, but not under --strict or --exact
+    models = (decoder.target_llm, getattr(decoder, "draft_llm", None) if verification == "batch" else None)
+    files = [(Path(llm.model_path).name, file_size(llm.model_path)) for llm in models if llm is not None]
     config = {"ggufspec": __version__, "llama_cpp": llama_cpp.__version__, "files": files,
               "system": llama_cpp.llama_print_system_info().decode(errors="replace"),
               "gpu_layers": [load.offloaded_layers(decoder.target_llm), decoder.n_gpu_layers_draft],
-              "placement": decoder.placement, "verification": getattr(decoder, "verification", "batch"),
+              "placement": decoder.placement, "verification": verification,
               "context": context_settings(decoder.target_llm)}
     return "fp_" + hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -89,7 +91,8 @@ def file_size(path) -> int | None:
         return None
 
 
-CONTEXT_SETTINGS = ("n_ubatch", "n_seq_max", "flash_attn_type", "type_k", "type_v", "kv_unified", "swa_full")
+CONTEXT_SETTINGS = ("n_ubatch", "n_seq_max", "flash_attn_type", "type_k", "type_v", "kv_unified", "swa_full",
+                    "n_threads", "n_threads_batch")  # threads: how a long attention is split
 
 
 def context_settings(llm) -> dict:
