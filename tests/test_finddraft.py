@@ -90,7 +90,7 @@ def test_bad_drafting_input_is_one_line(models, tmp_path):
     with pytest.raises(GgufspecError, match="--draft-dir .*: no such folder"):
         check_draft_dir(tmp_path / "nope")
     for args, message in ((["--draft-dir", str(tmp_path / "nope")], "no such folder"),
-                          (["--lookup-pool", "0"], "--lookup-pool must be at least 1"),
+                          (["--lookup-pool", "0"], "--lookup-pool must be 1 to"),
                           (["-md", str(models["other"])], "cannot draft for target.gguf: its tokenizer differs")):
         result = CliRunner().invoke(main, ["run", "-m", str(models["target"]), "-p", "x", "-c", "128", *args])
         lines = [line for line in result.output.splitlines() if line.strip()]
