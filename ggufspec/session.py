@@ -75,9 +75,10 @@ class Session:
 
 def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
     """Resolve, plan, connect and load. Bad input fails before any model loads."""
-    if options.rpc:
-        from .rpc import parse_endpoints
-        parse_endpoints(options.rpc)
+    if options.rpc is not None:  # "" too: one line, not a run that is silently local
+        from .rpc import install_abort_message, parse_endpoints
+        # before the planner asks the workers their memory (native calls that abort on a failing worker)
+        install_abort_message(parse_endpoints(options.rpc))
     pool = NgramPool(options.lookup_pool)  # a bad size fails before anything loads
     pair = options.pair
     if pair is None and options.model is None:
@@ -86,7 +87,7 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
     target, draft, draft_k, choice = resolve_models(pair, options, log)
     ngl, ngld = planned_offload(target, None if draft == MTP else draft, options.n_ctx, draft_k or 3, options.n_gpu_layers,
                                 options.n_gpu_layers_draft, log, fixed_draft=options.fixed_draft)
-    ngl, tensor_split = planned_rpc_split(target, options.rpc, ngl, options.n_ctx)
+    ngl, tensor_split = planned_rpc_split(target, options.rpc, options.n_gpu_layers, ngl, options.n_ctx)
     n_parallel = options.n_parallel
     if draft == MTP and n_parallel > 1:
         log(f"ggufspec: MTP drafting runs one sequence at a time: 1 slot instead of --parallel {n_parallel}")
@@ -217,30 +218,38 @@ def rpc_split(target_shape, rpc: str, rpc_mem, n_ctx: int):
     return P.split_across_hosts(target_shape, n_ctx, hosts, rtt_ms)
 
 
-def planned_rpc_split(target_path, rpc: str | None, ngl: int, n_ctx: int):
-    """(-ngl, tensor_split) for a target on RPC workers: as given with -ngl, else the planner's split
-    by the workers' free memory. Without --rpc: (ngl, None)."""
-    if not rpc or ngl:
+def planned_rpc_split(target_path, rpc: str | None, given_ngl: int | None, ngl: int, n_ctx: int):
+    """(-ngl, tensor_split) for a target on RPC workers: as given with -ngl (0: every layer here), else
+    the planner's split by the workers' free memory. Without --rpc, or planned onto a GPU here: (ngl, None)."""
+    if not rpc:
+        return ngl, None
+    if given_ngl is not None:
+        return given_ngl, None
+    if ngl:
         return ngl, None
     from .plan import read_shape
     shares, ngl = rpc_split(read_shape(target_path), rpc, (), n_ctx)
     return ngl, [s.blocks for s in shares[1:]]
 
 
-def open_decoder(target, draft=None, *, rpc: str | None = None, n_gpu_layers: int = 0, tensor_split=None,
+def open_decoder(target, draft=None, *, rpc: str | None = None, n_gpu_layers: int | None = None, tensor_split=None,
                  **options) -> SpeculativeDecoder:
     """A SpeculativeDecoder whose target may live on RPC workers (HOST:PORT[,...]).
 
     The workers are checked (reachable, same protocol) before anything loads; a worker lost mid-run
     becomes one clear line, the partial statistics and exit code 1 instead of llama.cpp's abort."""
     if not rpc:
-        return SpeculativeDecoder(target, draft, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split, **options)
+        return SpeculativeDecoder(target, draft, n_gpu_layers=n_gpu_layers or 0, tensor_split=tensor_split, **options)
     from . import rpc as R
     endpoints = R.parse_endpoints(rpc)
     opened: list[SpeculativeDecoder] = []
     R.install_abort_message(endpoints, on_abort=lambda _message: _print_partial_stats(opened))
     devices = tuple(R.target_devices(R.register_workers(endpoints)))
-    n_gpu_layers = n_gpu_layers or -1  # with workers, the target's layers go to them unless -ngl says otherwise
+    if tensor_split is not None and (len(tensor_split) != len(devices) or not all(x >= 0 for x in tensor_split)):
+        raise GgufspecError(f"tensor_split: give {len(devices)} shares of 0 or more, one per device (the workers' in "
+                            f"--rpc's order, then this machine's GPUs), got {list(tensor_split)}")
+    if n_gpu_layers is None:  # with workers, the target's layers go to them unless -ngl says otherwise
+        n_gpu_layers = -1
     decoder = SpeculativeDecoder(target, draft, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
                                  devices=devices, costs_tag=f"rpc{rpc}", **options)
     opened.append(decoder)

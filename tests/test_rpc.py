@@ -44,6 +44,7 @@ def test_parse_endpoints():
     ("", "no empty entries"), ("a:1,,b:2", "no empty entries"), ("host", "HOST:PORT"),
     (":50052", "HOST:PORT"), ("host:http", "port must be a number"), ("host:70000", "port must be a number"),
     ("[::1]:50052", "IPv6"), ("h:1,h:1", "listed twice"),
+    ("localhost:50052,127.0.0.1:50052", "listed twice (as localhost:50052 too)"),  # one worker: the load hung
     (",".join(f"h:{p}" for p in range(1, 18)), "at most 16"),
 ])
 def test_bad_endpoints_are_one_line_errors(text, fragment):
@@ -127,6 +128,10 @@ def test_worker_address_checks(needs_rpc, capsys):
         with socket.create_server(("127.0.0.1", 0)) as taken:
             rpc.start_worker("localhost", taken.getsockname()[1])
     assert "unauthenticated" not in capsys.readouterr().err
+    with pytest.raises(rpc.RpcError, match="--host is empty"):  # it listened on every interface
+        rpc.start_worker("", free_port())
+    with pytest.raises(rpc.RpcError, match="more memory than any machine has"):  # 2**64 wrapped to 0
+        rpc.start_worker("127.0.0.1", free_port(), mem=1 << 64)
 
 
 # -- the target on the workers ------------------------------------------------------------------------

@@ -122,3 +122,24 @@ def test_rpc_mem_bad_input_is_one_line(tmp_path, tiny_pair):
     result = CliRunner().invoke(main, ["plan", "-m", str(tiny_pair[0]), "--rpc", "10.0.0.2:50052",
                                        "--rpc-mem", "10.0.0.2:50052"])
     assert result.exit_code == 2 and "--rpc-mem takes HOST:PORT=SIZE" in result.output
+
+
+def test_ngl_0_keeps_every_layer_here_and_a_bad_split_is_one_line(tiny_pair, two_workers):
+    """-ngl 0 with --rpc: every layer on this machine (0 was read as "not given", and all went to the
+    workers, however small); a tensor_split that is not one share per device is refused."""
+    from ggufspec.session import ModelOptions, open_session
+    target, draft = tiny_pair
+    endpoints = ",".join(str(w.endpoint) for w in two_workers)
+    options = ModelOptions(model=str(target), model_draft=str(draft), n_ctx=256, n_threads=1, rpc=endpoints,
+                           n_gpu_layers=0)
+    with open_session(options, log=lambda line: None) as session:
+        assert set(session.decoder.placement) == {"CPU"}
+    for split in ([1], [1, 1, 1], [1, float("nan")]):
+        with pytest.raises(GgufspecError, match="tensor_split: give 2 shares"):
+            open_decoder(target, draft, n_ctx=256, n_threads=1, rpc=endpoints, tensor_split=split)
+
+
+def test_an_empty_rpc_list_is_refused_not_a_local_run(tiny_pair):
+    from ggufspec.session import ModelOptions, open_session
+    with pytest.raises(GgufspecError, match="no empty entries"):
+        open_session(ModelOptions(model=str(tiny_pair[0]), n_ctx=256, rpc=""), log=lambda line: None)

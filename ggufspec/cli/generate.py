@@ -298,6 +298,10 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
                                "defaults": defaults}, session=session,
                          exposure=exposure if serve_fd is None else exposure.behind_front())  # --rpc: its front checks
+        if serve_fd is not None:  # `serve --rpc`'s model process, loaded: from now on a lost worker is recovered from
+            from ..rpc import faults
+            from ..server.supervisor import RECOVERY
+            faults.set_abort_consequence(RECOVERY)
         serve_forever(app, sock, name=session.name, host=host, exposure=exposure,
                       shown_port=port if serve_fd is not None else None)
 

@@ -39,11 +39,13 @@ def parse_endpoints(text: str) -> list[Endpoint]:
     if not text.strip() or any(not item for item in items):
         raise RpcError(f"--rpc {text!r}: give HOST:PORT[,HOST:PORT...] with no empty entries")
     endpoints = [parse_endpoint(item) for item in items]
-    seen = set()
-    for endpoint in endpoints:
-        if str(endpoint) in seen:
-            raise RpcError(f"RPC worker {endpoint} is listed twice")
-        seen.add(str(endpoint))
+    seen: dict[tuple[str, int], Endpoint] = {}
+    for endpoint in endpoints:  # one worker serves one host at a time: listed twice, the load would hang
+        key = (_address_or_name(endpoint), endpoint.port)
+        if key in seen:
+            also = f" (as {seen[key]} too)" if str(seen[key]) != str(endpoint) else ""
+            raise RpcError(f"RPC worker {endpoint} is listed twice{also}")
+        seen[key] = endpoint
     if len(endpoints) > GGML_RPC_MAX_SERVERS:
         raise RpcError(f"--rpc lists {len(endpoints)} workers; llama.cpp takes at most {GGML_RPC_MAX_SERVERS}")
     return endpoints
@@ -67,6 +69,14 @@ def _ipv4_address(endpoint: Endpoint) -> str:
         return socket.getaddrinfo(endpoint.host, endpoint.port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror:
         raise WorkerUnreachableError(f"RPC worker {endpoint}: cannot resolve the host name {endpoint.host!r}") from None
+
+
+def _address_or_name(endpoint: Endpoint) -> str:
+    """The IPv4 address ggml-rpc would connect to (localhost and 127.1 are 127.0.0.1), else the name."""
+    try:
+        return _ipv4_address(endpoint)
+    except WorkerUnreachableError:  # the probe says so, in its own words
+        return endpoint.host.lower()
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

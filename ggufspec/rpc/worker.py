@@ -32,6 +32,8 @@ def _bind_address(host: str) -> str:
     """ggml-rpc's server binds an IPv4 address given as text (inet_addr): resolve names to one."""
     if host == "localhost":
         return "127.0.0.1"
+    if not host.strip():
+        raise RpcError("--host is empty: give an address (127.0.0.1, the default, or 0.0.0.0 for every interface)")
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -99,6 +101,8 @@ def start_worker(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, threads: in
     if mem is not None:
         if mem <= 0:
             raise RpcError(f"--mem {mem}: must be positive")
+        if mem >= 1 << 60:  # ggml counts bytes in a size_t: an exabyte is no machine's memory (and wraps past 16 EiB)
+            raise RpcError(f"--mem {mem} bytes: more memory than any machine has; give e.g. 24GiB")
         cpu = native.backend_dev_by_type(_DEV_CPU)
         if cpu not in devices:
             raise RpcError("--mem applies to a CPU worker; this machine serves its GPUs, which report their own memory")

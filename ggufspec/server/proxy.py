@@ -15,7 +15,7 @@ log = logging.getLogger("ggufspec.server")
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones this hop sets itself.
 NOT_FORWARDED = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"host", b"content-length",
-                 b"proxy-connection", b"expect"}
+                 b"proxy-connection", b"expect", b"date", b"server"}  # date, server: the front's own
 READ_SIZE = 65536
 
 

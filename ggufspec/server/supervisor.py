@@ -32,6 +32,7 @@ from .proxy import ChildGone, ask, get_scope, proxy_app
 
 # What happens after a worker is lost: the child's abort line says it too (`faults.set_abort_consequence`).
 RECOVERY = "the server answers 503 until the worker is back, then reloads the model (retrying)"
+FIRST_LOAD = "the server stops, having never served: start it again once the worker is back"
 SERVING = "ggufspec: serving "  # the line `listen.serve_forever` prints once the model is up
 ERROR = "ggufspec: error: "
 WATCH_EVERY_S = 1.0
@@ -154,9 +155,10 @@ class Supervisor:
         self.exit_code, server.should_exit = 1, True
 
     async def start_child(self) -> Child:
+        reload = {"GGUFSPEC_SERVED_ONCE": "1"} if self.served_once else {}  # what its abort line may promise
         proc = await asyncio.create_subprocess_exec(*self.command, stdin=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.PIPE, pass_fds=(self.socket_fd,),
-                                                    limit=1 << 20)
+                                                    limit=1 << 20, env={**os.environ, **reload})
         self.child = child = Child(proc)
         asyncio.ensure_future(self.follow(child))
         return child
@@ -278,7 +280,8 @@ def supervised_socket(fd: int, rpc: str | None) -> socket.socket:
     a worker that closes its connection ends the process at once (not at the next request); and the
     process ends when the supervisor does (its stdin closes)."""
     from ..rpc import faults
-    faults.set_abort_consequence(RECOVERY)
+    # until it first serves, a lost worker ends the server (`keep_serving`); after that it recovers
+    faults.set_abort_consequence(RECOVERY if os.environ.get("GGUFSPEC_SERVED_ONCE") else FIRST_LOAD)
     if rpc:
         faults.exit_when_a_worker_leaves(parse_endpoints(rpc))
 
