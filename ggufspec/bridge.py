@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import Interrupted
 from .native import Context, common_prefix_length
 
 
@@ -37,10 +38,25 @@ class VocabBridge:
         for token in tokens:
             ids += self._draft_ids(token)
             ends.append(end + len(ids))
-        if ids:
-            self.inner.decode(ids, n_logits=min(n_logits, len(ids)))
+        try:
+            if ids:
+                self.inner.decode(ids, n_logits=min(n_logits, len(ids)))
+        except Interrupted:  # stopped between chunks (`should_stop`): keep the target tokens evaluated whole
+            whole = sum(1 for e in ends if e <= len(self.inner.tokens))
+            self.inner.keep(ends[whole - 1] if whole else end)
+            self.tokens.extend(tokens[:whole])
+            self.ends.extend(ends[:whole])
+            raise
         self.tokens.extend(tokens)
         self.ends.extend(ends)
+
+    @property
+    def should_stop(self):
+        return self.inner.should_stop
+
+    @should_stop.setter
+    def should_stop(self, value) -> None:  # a long catch-up stops as the draft's own context would
+        self.inner.should_stop = value
 
     def logits(self, row: int) -> np.ndarray:
         return self.inner.logits(row)

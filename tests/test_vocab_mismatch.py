@@ -78,3 +78,25 @@ def test_sampling_distribution_with_mismatched_vocabularies(tmp_path, bigger):
     mask = expected > 0
     pvalue = scipy_stats.chisquare(observed[mask], expected[mask] * observed[mask].sum() / expected[mask].sum()).pvalue
     assert pvalue > 1e-3
+
+
+def test_a_bridged_drafts_long_catch_up_stops_between_chunks_and_stays_consistent(tmp_path):
+    """A draft with a smaller vocabulary, behind a VocabBridge: a client gone stops its catch-up between
+    chunks as the draft's own context would (the bridge passes `should_stop` on), and the bridge then
+    counts only the target tokens evaluated whole, so the next catch-up resumes at the right place."""
+    from ggufspec.bridge import VocabBridge
+    from ggufspec.drafting import ModelDrafter
+    from ggufspec.sampling import Draws
+    target, draft = pair(tmp_path, "target")
+    n_small = len(vocabulary(0)[0])
+    prompt = [1] + [259 + (7 * i) % 22 if i % 5 else n_small + i % EXTRA for i in range(1400)]  # extras: several ids
+    with SpeculativeDecoder(target, draft, n_ctx=4096, n_threads=1, flash_attn="off") as decoder:
+        bridge = decoder.draft
+        assert isinstance(bridge, VocabBridge)
+        drafter, params = ModelDrafter(bridge), SamplingParams(temperature=0)
+        bridge.should_stop = lambda: True
+        assert drafter.propose(prompt, 3, params, Draws(0)) == []
+        assert 0 < len(bridge.tokens) < len(prompt) and bridge.ends[-1] == len(bridge.inner.tokens)
+        bridge.should_stop = None
+        assert len(drafter.propose(prompt, 3, params, Draws(0))) == 3
+        assert bridge.tokens[:len(prompt)] == prompt and bridge.ends[len(prompt) - 1] <= len(bridge.inner.tokens)
