@@ -338,3 +338,31 @@ def test_ignore_eos_generates_past_the_end_of_generation_tokens(server):
     chat = post(server, "/v1/chat/completions", {"messages": [HI], "max_tokens": 6, "logit_bias": {"2": 100},
                                                  "ignore_eos": True}).json()
     assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["completion_tokens"] == 6
+
+
+# ---------------------------------------------------------------- the agents' APIs, as their own APIs check
+
+@pytest.mark.parametrize("body, says", [
+    ({"input": "hi", "temperature": 3}, "temperature"),
+    ({"input": "hi", "tools": [{"type": "function", "parameters": {"type": "object"}}]}, "tools[0].name"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+])
+def test_responses_errors_use_the_responses_names_and_ranges(server, body, says):
+    error = openai_error(post(server, "/v1/responses", {**body, "max_output_tokens": 3}))
+    assert says in error["message"] and "function" not in error["message"].replace("function_call", ""), error
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": 5.0}, "max_tokens"),
+    ({"max_tokens": 5, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool"}},
+     "tool_choice.name is required"),
+])
+def test_anthropic_bodies_are_checked_as_anthropic_checks_them(server, body, says):
+    assert says in anthropic_error(post(server, "/v1/messages", {"messages": [HI], **body}))["message"]
+
+
+def test_anthropic_max_tokens_0_puts_the_prompt_in_the_cache_and_answers_nothing(server):
+    """The SDK documents max_tokens 0: "populate the prompt cache without generating a response"."""
+    response = post(server, "/v1/messages", {"messages": [HI], "max_tokens": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["content"] == [] and response.json()["usage"]["output_tokens"] == 0

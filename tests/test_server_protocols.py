@@ -403,7 +403,7 @@ BAD_MESSAGES = [
     ({"messages": HI}, "max_tokens is required"),
     ({"max_tokens": 8, "messages": [{"role": "system", "content": "hi"}]}, "role"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": 5}]}, "content"),
-    ({"max_tokens": 0, "messages": HI}, "max_tokens"),
+    ({"max_tokens": -1, "messages": HI}, "max_tokens"),  # 0 is allowed: the prompt into the cache
     ({"max_tokens": 8, "messages": HI, "temperature": "hot"}, "temperature"),
     ({"max_tokens": 8, "messages": HI, "top_p": 5}, "top_p"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text"),

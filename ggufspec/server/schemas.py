@@ -159,7 +159,8 @@ def request_options(body: GenerationBody, defaults: dict) -> dict:
     options = dict(defaults)
     max_tokens = next((n for n in (body.n_predict, body.max_completion_tokens, body.max_tokens) if n is not None), None)
     if max_tokens is not None:
-        if max_tokens == 0 and not isinstance(body, NativeBody):  # llama-server's own routes: the prompt alone
+        # 0: the prompt alone, into the cache, as llama-server takes n_predict 0 (and Anthropic max_tokens 0)
+        if max_tokens == 0 and body.n_predict is None and not isinstance(body, NativeBody):
             raise APIError(400, "max_tokens must be >= 1, got 0", code="invalid_value")
         options["n_predict"] = max_tokens
     for name in ("temperature", "top_k", "top_p", "min_p"):

@@ -83,7 +83,7 @@ class CountTokensBody(Strict):
 
 
 class MessagesBody(CountTokensBody):
-    max_tokens: int = Field(ge=1)  # required, as Anthropic's API has it
+    max_tokens: int = Field(ge=0, strict=True)  # required, as Anthropic's API has it; 0: the prompt into the cache
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range (OpenAI's is 0-2)
@@ -109,13 +109,16 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
         translated["tools"] = tools
     if body.tool_choice is not None:
         choice = body.tool_choice
+        if choice.type == "tool" and not choice.name:
+            raise APIError(400, "tool_choice.name is required when tool_choice.type is \"tool\"")
         translated["tool_choice"] = (TOOL_CHOICES[choice.type] if choice.type != "tool"
                                      else {"type": "function", "function": {"name": choice.name}})
         if choice.disable_parallel_tool_use:
             translated["parallel_tool_calls"] = False
     if isinstance(body, MessagesBody):
-        translated.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, stop=body.stop_sequences)
+        # max_tokens 0: the prompt into the cache, nothing generated (llama.cpp's n_predict 0)
+        translated.update({"max_tokens" if body.max_tokens else "n_predict": body.max_tokens},
+                          temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences)
         form = body.output_config.format if body.output_config else None
         if form is not None:
             translated["response_format"] = {"type": "json_schema", "json_schema": {"schema": form.schema_}}

@@ -62,7 +62,7 @@ class ResponsesBody(Strict):
     max_output_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, as chat's (whose limit it has)
     include: list[str] | None = None  # "message.output_text.logprobs": each token's log-probability
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range for this API
     top_p: float | None = None
     top_k: int | None = None
     stop: str | list[str] | None = None  # not OpenAI's here, but harmless to honour
@@ -79,7 +79,9 @@ class ResponsesBody(Strict):
 LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them
 
 
-NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens"}  # chat's field: this API's
+# chat's field names in an error: this API's (in this order: the longer first)
+NAMES = {"response_format.json_schema.": "text.format.", "response_format": "text.format",
+         "max_tokens": "max_output_tokens", "].function.": "]."}
 
 
 def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
