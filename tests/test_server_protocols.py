@@ -122,6 +122,19 @@ def test_a_streamed_message_is_the_deltas_and_the_events_come_in_order(server, c
     assert set(names[3:-3]) == {"content_block_delta"}
 
 
+def test_message_start_splits_off_the_cached_prompt_as_the_final_usage_does(server):
+    """Claude Code reads message_start's usage (context size, cost): it counted cached tokens as input."""
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": "the same question, asked twice"}]}
+    raw_events(server, "/v1/messages", body)  # now cached
+    events = dict(raw_events(server, "/v1/messages", body))
+    started, final = events["message_start"]["message"]["usage"], events["message_delta"]["usage"]
+    assert started["cache_read_input_tokens"] > 0
+    for key in ("input_tokens", "cache_read_input_tokens"):
+        assert started[key] == final[key]
+    nothing = dict(raw_events(server, "/v1/messages", {**body, "max_tokens": 0}))  # no token: still a start
+    assert nothing["message_start"]["message"]["usage"]["cache_read_input_tokens"] > 0
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/messages", {"max_tokens": 1500, "messages": HI}),
     ("/v1/responses", {"max_output_tokens": 1500, "input": "hi"}),

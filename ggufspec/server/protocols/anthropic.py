@@ -24,7 +24,7 @@ from pydantic import ConfigDict, Field
 from ..errors import APIError
 from ..responses import timings
 from ..schemas import ChatBody, Strict
-from .core import Calls, End, Serving, Text, arguments_object, joined_text, respond, sse
+from .core import Calls, End, Evaluated, Serving, Text, arguments_object, joined_text, respond, sse
 from .reasoning import Thinking, splitter_for
 
 STOP_REASONS = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -212,15 +212,27 @@ class MessageState:
         self.model, self.n_prompt, self.call_id = serving.model_name, n_prompt, serving.call_id
         self.content: list[dict] = []
         self.open_kind: str | None = None   # "text" or "thinking": the last block, which more of it extends
+        self.started = False                # message_start sent
         self.ending: dict = {}
 
     def start(self) -> list[dict]:
+        return []  # message_start waits for the prompt's evaluation: its usage splits off the cached tokens
+
+    def message_start(self, n_cached: int) -> list[dict]:
+        self.started = True
+        usage = {"input_tokens": self.n_prompt - n_cached, "cache_read_input_tokens": n_cached,
+                 "cache_creation_input_tokens": 0, "output_tokens": 0}
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.n_prompt, "output_tokens": 0}}
+                   "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [sse("message_start", {"type": "message_start", "message": message}), sse("ping", {"type": "ping"})]
 
     def on(self, event) -> list[dict]:
+        if not self.started:  # the prompt's evaluation, or (no token came) the end, says what was cached
+            n_cached = (event.n_cached if isinstance(event, Evaluated) else
+                        event.stats.n_prompt_cached if isinstance(event, End) else 0)
+            return self.message_start(n_cached) + self.on(event)
+        if isinstance(event, Evaluated):
+            return []
         if isinstance(event, Text):
             return self.extend("text", event.text)
         if isinstance(event, Thinking):

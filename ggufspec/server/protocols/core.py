@@ -56,6 +56,13 @@ class Calls:
 
 
 @dataclass(frozen=True)
+class Evaluated:
+    """The prompt is in: of its n_prompt tokens, n_cached came from the cache (before the first text)."""
+    n_prompt: int
+    n_cached: int
+
+
+@dataclass(frozen=True)
 class End:
     reason: str                   # "end" (end of sequence), "stop_sequence", "length", "tool_calls"
     stats: Stats
@@ -200,6 +207,8 @@ async def answer_events(job: Job, request: Request | None = None, splitter=None)
             if calls:
                 yield Calls([Call(c["function"]["name"], c["function"]["arguments"]) for c in calls])
             yield End(end_reason(stats, bool(calls)), stats, job.stop_sequence, estimate)
+        elif kind == "prompt":
+            yield Evaluated(value[1]["n_prompt"], value[1]["cache_n"])
         elif kind == "error":
             raise engine_error(value)
         elif kind == "done":

@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Field
 from ..errors import APIError
 from ..responses import timings
 from ..schemas import ChatBody, Strict
-from .core import Calls, End, Serving, Text, joined_text, respond, sse
+from .core import Calls, End, Evaluated, Serving, Text, joined_text, respond, sse
 from .reasoning import Thinking, splitter_for
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -201,6 +201,8 @@ class ResponseState:
                 self.event("response.in_progress", response=self.response())]
 
     def on(self, event) -> list[dict]:
+        if isinstance(event, Evaluated):
+            return []
         if isinstance(event, Text):
             return self.text(event.text, "message", event.logprobs)
         if isinstance(event, Thinking):
