@@ -313,7 +313,8 @@ def integer_range(schema: dict, where: str) -> tuple[int, int] | None:
             most = min(most, math.ceil(value) - 1 if key == "exclusiveMaximum" else math.floor(value))
     if least > most:
         raise ToolError(f"the JSON schema's bounds at {where} leave no integer (from {least} to {most})")
-    return max(least, INT64_MIN), min(most, INT64_MAX)
+    least, most = max(least, INT64_MIN), min(most, INT64_MAX)
+    return None if (least, most) == (INT64_MIN, INT64_MAX) else (least, most)  # a bound past int64: none
 
 
 def int_range_rule(least: int, most: int) -> str:
@@ -438,20 +439,13 @@ def _at_least(least: int, out: list[str], decimals_left: int, fewer: int, top_le
         _digit_range(out, c, "9")
         out.append(" ")
         _more_digits(out, 0, fewer)
-    else:
+    else:  # as many digits as `least`, from it up; or more digits (up to the rule's 16 in all)
+        # (llama.cpp recurses on the digits after the first as a number, which loses their leading
+        # zeros: its rule for a minimum of 100 took 10)
         text = str(least)
-        c = text[0]
-        if c > "1":
-            _digit_range(out, "1" if top_level else "0", chr(ord(c) - 1))
-            out.append(" ")
-            _more_digits(out, len(text), fewer)
-            out.append(" | ")
-        _digit_range(out, c, c)
-        out.append(" (")
-        _min_max_int(int(text[1:]), INT64_MAX, out, fewer, False)
+        out.append("(")
+        _uniform_range(out, text, "9" * len(text))
         out.append(")")
-        if c < "9":
-            out.append(" | ")
-            _digit_range(out, chr(ord(c) + 1), "9")
-            out.append(" ")
-            _more_digits(out, len(text) - 1, fewer)
+        if len(text) <= fewer:
+            out.append(" | [1-9] ")
+            _more_digits(out, len(text), fewer)

@@ -18,10 +18,10 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from .errors import ToolError
-from .schemafollow import check_followed, grammar_for, normalized
+from .schemafollow import BoundedConverter, check_followed, grammar_for, normalized
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PYTHON_TAG = "<|python_tag|>"
@@ -312,14 +312,16 @@ def openai_tool_calls(calls: list[ToolCall], fmt: ToolFormat) -> list[dict]:
 def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None, parallel: bool = True) -> str:
     """GBNF for the family's call syntax with valid arguments: one call (of `only` when named) or,
     `parallel`, one or more."""
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    # integer bounds followed too (a tool's "level" from 1 to 5 took 99); what the grammar cannot follow
+    # is not refused here, as response_format's is: agents send large tool schemas and check the arguments
+    converter = BoundedConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     alternatives = []
     try:
         for i, tool in enumerate(tools):
             function = tool["function"]
             if only is not None and function["name"] != only:
                 continue
-            parameters = converter.resolve_refs(json.loads(json.dumps(function["parameters"])), f"tool{i}")
+            parameters = converter.resolve_refs(normalized(json.loads(json.dumps(function["parameters"]))), f"tool{i}")
             alternatives.append({"type": "object", "properties": {"name": {"const": function["name"]},
                                                                   fmt.args_key: parameters},
                                  "required": ["name", fmt.args_key]})

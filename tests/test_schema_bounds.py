@@ -23,7 +23,10 @@ def as_regex(rule: str) -> re.Pattern:
 
 BOUNDS = [(5, 9), (0, 0), (-9, -1), (-15, 250), (17, 1000), (-120, -15), (1, 99), (100, 100), (0, 1000),
           (10, 17), (-1, 0), (99, 101), (7, INT64_MAX), (0, INT64_MAX), (-35, INT64_MAX), (120, INT64_MAX),
-          (INT64_MIN, 0), (INT64_MIN, 42), (INT64_MIN, -7), (INT64_MIN, 305)]
+          (INT64_MIN, 0), (INT64_MIN, 42), (INT64_MIN, -7), (INT64_MIN, 305),
+          # a first digit followed by zeros (the rule for a minimum of 100 took 10)
+          (100, INT64_MAX), (1000, INT64_MAX), (2000, INT64_MAX), (1001, INT64_MAX), (105, INT64_MAX),
+          (INT64_MIN, -100), (INT64_MIN, -1000), (-100, INT64_MAX)]
 
 
 @pytest.mark.parametrize("least, most", BOUNDS)
@@ -120,3 +123,17 @@ def test_llama_cpps_own_parser_takes_every_bound(tiny_decoder, schema):
     from ggufspec.processing import Constraints, Grammar
     from ggufspec.tools import schema_grammar
     Grammar(tiny_decoder.target.vocab, Constraints(grammar=schema_grammar(schema)))
+
+
+@pytest.mark.parametrize("schema", [{"type": "integer", "minimum": 9007199254740993},
+                                    {"type": "integer", "maximum": -9007199254740993},
+                                    {"type": "integer", "minimum": -9223372036854775808},
+                                    {"type": "integer", "minimum": -1e19}, {"type": "integer", "maximum": 1e19}])
+def test_bounds_of_16_digits_and_beyond_int64_parse(tiny_decoder, schema):
+    """16 digits wrote [0-9]{16,15}, on which llama.cpp's parser took all the memory; a bound past int64
+    was an internal error: now a rule that parses, or (past int64) none."""
+    from ggufspec.processing import Constraints, Grammar
+    from ggufspec.tools import schema_grammar
+    grammar = schema_grammar(schema)
+    assert "{16,15}" not in grammar
+    Grammar(tiny_decoder.target.vocab, Constraints(grammar=grammar))

@@ -182,6 +182,22 @@ def test_a_call_grammar_follows_json_refs_inside_parameters(vocab):
     assert parses(vocab, grammar) and json.dumps("x") in grammar.replace("\\", "")
 
 
+def test_a_call_grammar_follows_integer_bounds_and_takes_annotation_only_properties(vocab):
+    """A forced call's "level" from 1 to 5 came back as 99: tool parameters went through the plain
+    converter, without the integer bounds response_format follows; pydantic's {"title": "Any"} was refused."""
+    import re
+    from test_schema_bounds import as_regex
+    tool = {"type": "function", "function": {"name": "set_volume", "parameters": {
+        "type": "object", "properties": {"level": {"type": "integer", "minimum": 1, "maximum": 5},
+                                         "note": {"title": "Any"}}, "required": ["level"]}}}
+    grammar = toolkit.call_grammar(toolkit.check_tools([tool]), HERMES)
+    assert parses(vocab, grammar)
+    rule = re.search(r"^(\S*level\S*) ::= (.*?) space$", grammar, re.M)
+    assert rule is not None, grammar
+    pattern = as_regex(rule.group(2))
+    assert [n for n in range(-20, 120) if pattern.fullmatch(str(n))] == [1, 2, 3, 4, 5]
+
+
 # ---------------------------------------------------------------- a call that max_tokens cut off
 
 CUT_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
