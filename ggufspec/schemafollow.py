@@ -232,6 +232,44 @@ class BoundedConverter(SchemaConverter):
         rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
         return self._add_rule(rule_name, f"({int_range_rule(*bounds)}) space")
 
+    def _format_literal(self, literal):
+        # a backslash too (llama.cpp's converter escapes it; this copy did not, and an enum value with a
+        # quote, JSON-escaped as \", ended the GBNF literal: "the grammar does not parse")
+        return super()._format_literal(literal.replace("\\", "\\\\"))
+
+    def _visit_pattern(self, pattern, name):
+        return super()._visit_pattern(class_escapes(pattern), name)
+
+
+# \d and \w as GBNF classes (the converter kept them as literal text, which GBNF does not parse); the
+# other class escapes could let a quote or a control character into the JSON string: refused by name
+CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_"}
+LITERAL_ESCAPES = ".$-/"  # escaped in a regex, plain characters in GBNF (in a class, or as one)
+
+
+def class_escapes(pattern: str) -> str:
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern):
+            escaped = pattern[i + 1]
+            if escaped in CLASS_ESCAPES:
+                out.append(CLASS_ESCAPES[escaped] if in_class else f"[{CLASS_ESCAPES[escaped]}]")
+            elif escaped in LITERAL_ESCAPES:  # the converter passes these on as "\\." in a literal: no GBNF
+                if in_class and escaped == "-" and pattern[i + 2:i + 3] != "]":  # would make a range in GBNF
+                    raise ToolError(f"the pattern /{pattern}/ has \\- inside a class: put the - last in the class")
+                out.append(escaped if in_class or escaped in "-/" else f"[{escaped}]")
+            elif escaped in "DWsSbB":
+                raise ToolError(f"the pattern /{pattern}/ uses \\{escaped}, which the grammar does not follow "
+                                f"(\\d and \\w it does; write a class such as [ ] or [^0-9] instead)")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        in_class = (pattern[i] == "[") or (in_class and pattern[i] != "]")
+        out.append(pattern[i])
+        i += 1
+    return "".join(out)
+
 
 # ---------------------------------------------------------------- repetitions: {m,n} that llama.cpp parses
 # llama-cpp-python writes x{0,n} as n nested groups, "(x (x (x ...)?)?)?": llama.cpp's grammar parser

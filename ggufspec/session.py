@@ -245,9 +245,11 @@ def open_decoder(target, draft=None, *, rpc: str | None = None, n_gpu_layers: in
     opened: list[SpeculativeDecoder] = []
     R.install_abort_message(endpoints, on_abort=lambda _message: _print_partial_stats(opened))
     devices = tuple(R.target_devices(R.register_workers(endpoints)))
-    if tensor_split is not None and (len(tensor_split) != len(devices) or not all(x >= 0 for x in tensor_split)):
-        raise GgufspecError(f"tensor_split: give {len(devices)} shares of 0 or more, one per device (the workers' in "
-                            f"--rpc's order, then this machine's GPUs), got {list(tensor_split)}")
+    # one share per device (the workers' in --rpc's order, then this machine's GPUs); fewer leave the rest
+    # none, as in llama.cpp (the planner gives one per worker, whose GPUs may be several devices)
+    if tensor_split is not None and (len(tensor_split) > len(devices) or not all(x >= 0 for x in tensor_split)):
+        raise GgufspecError(f"tensor_split: give at most {len(devices)} shares of 0 or more, one per device (the "
+                            f"workers' in --rpc's order, then this machine's GPUs), got {list(tensor_split)}")
     if n_gpu_layers is None:  # with workers, the target's layers go to them unless -ngl says otherwise
         n_gpu_layers = -1
     decoder = SpeculativeDecoder(target, draft, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,

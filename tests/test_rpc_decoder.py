@@ -126,7 +126,7 @@ def test_rpc_mem_bad_input_is_one_line(tmp_path, tiny_pair):
 
 def test_ngl_0_keeps_every_layer_here_and_a_bad_split_is_one_line(tiny_pair, two_workers):
     """-ngl 0 with --rpc: every layer on this machine (0 was read as "not given", and all went to the
-    workers, however small); a tensor_split that is not one share per device is refused."""
+    workers, however small); a tensor_split with more shares than devices, or a negative one, is refused."""
     from ggufspec.session import ModelOptions, open_session
     target, draft = tiny_pair
     endpoints = ",".join(str(w.endpoint) for w in two_workers)
@@ -134,8 +134,8 @@ def test_ngl_0_keeps_every_layer_here_and_a_bad_split_is_one_line(tiny_pair, two
                            n_gpu_layers=0)
     with open_session(options, log=lambda line: None) as session:
         assert set(session.decoder.placement) == {"CPU"}
-    for split in ([1], [1, 1, 1], [1, float("nan")]):
-        with pytest.raises(GgufspecError, match="tensor_split: give 2 shares"):
+    for split in ([1, 1, 1], [1, float("nan")], [-1, 1]):
+        with pytest.raises(GgufspecError, match="tensor_split: give at most 2 shares"):
             open_decoder(target, draft, n_ctx=256, n_threads=1, rpc=endpoints, tensor_split=split)
 
 

@@ -234,3 +234,22 @@ def test_a_call_cut_off_by_max_tokens_leaves_no_markup(text, shown):
 def test_a_bare_json_call_cut_off_is_dropped_too():
     content, _, streamed, _ = cut_choice('{"name": "f", "parameters": {"x', "llama3")
     assert not content and not streamed
+
+
+@pytest.mark.parametrize("schema", [
+    {"enum": ['say "hi"', "b", "back\\slash"]}, {"const": 'a "quoted" word'},
+    {"type": "object", "properties": {'a"b': {"type": "integer"}}, "required": ['a"b']},
+    {"type": "string", "pattern": "^\\d{3}-[\\w.]+$"}, {"type": "string", "pattern": "^\\d+\\.\\d\\d$"},
+    {"type": "string", "pattern": "^[\\w.\\-]+@example\\.com$"},
+])
+def test_quotes_backslashes_and_class_escapes_make_grammars_llama_cpp_parses(vocab, schema):
+    """A quote in an enum, const or property name ended the GBNF literal, and \\d in a pattern was kept
+    as literal text: valid schemas were refused as "the grammar does not parse"."""
+    assert parses(vocab, toolkit.schema_grammar(schema))
+
+
+def test_class_escapes_the_grammar_cannot_follow_are_named():
+    with pytest.raises(ToolError, match=r"uses \\s, which the grammar does not follow"):
+        toolkit.schema_grammar({"type": "string", "pattern": "^\\s+$"})
+    with pytest.raises(ToolError, match=r"put the - last in the class"):  # [a-z] would be a range in GBNF
+        toolkit.schema_grammar({"type": "string", "pattern": "^[a\\-z]+$"})
