@@ -133,8 +133,13 @@ def object_branch(schema: dict, where: str) -> Branch:
         raise ToolError(f"the JSON schema's required at {where} names {', '.join(map(repr, missing))}, which "
                         f"its properties do not define: an answer could not have it")
     parts = [(sub, f"{where}/properties/{name}") for name, sub in properties.items()]
-    if isinstance(schema.get("additionalProperties"), dict):
-        parts.append((schema["additionalProperties"], f"{where}/additionalProperties"))
+    extra = schema.get("additionalProperties")
+    if extra not in (None, False) and properties:  # its rule takes any key, a declared one too
+        raise ToolError(f"the JSON schema's additionalProperties at {where} allows more keys beside properties: "
+                        f"the grammar would let a declared property come back as one of them, of another "
+                        f"type; leave it out (the answer then has the declared properties) or set it false")
+    if isinstance(extra, dict):
+        parts.append((extra, f"{where}/additionalProperties"))
     return Branch(OBJECT_PART, tuple(parts), " next to properties")
 
 
@@ -148,6 +153,9 @@ def all_of_parts(parts, root: dict, where: str) -> tuple:
                 or resolved.get("type", "object") != "object" or "anyOf" in resolved or "oneOf" in resolved):
             raise ToolError(f"the JSON schema's allOf at {where} can only merge objects with properties; "
                             f"{place} is not one")
+        if resolved.get("additionalProperties") is False and len(parts) > 1:  # the merge adds the others'
+            raise ToolError(f"the JSON schema's allOf at {where} merges {place}, whose additionalProperties "
+                            f"is false, with other parts' properties: no object could follow both")
         checked.append((part, place))
     return tuple(checked)
 

@@ -240,6 +240,14 @@ def test_annotations_and_tool_parameters_still_work(server):
      "'maximum' at #/$defs/n"),
     ({"enum": []}, "enum at # is empty"),
     ({"anyOf": []}, "anyOf at # must be a non-empty list"),
+    # a declared property came back as an additional one of another type ({"a": "hello"} for an integer a)
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
+     "additionalProperties at # allows more keys beside properties"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     "additionalProperties at # allows more keys"),
+    # every answer had b, which part 0 forbids
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+                {"type": "object", "properties": {"b": {"type": "integer"}}}]}, "no object could follow both"),
 ])
 def test_schema_grammar_refuses_what_the_converter_ignores(schema, says):
     with pytest.raises(ToolError) as caught:
