@@ -19,7 +19,7 @@ class VocabBridge:
 
     def __init__(self, draft: Context, target: Context):
         self.inner, self.target = draft, target
-        self.n_ctx, self.name = draft.n_ctx, draft.name
+        self.n_ctx, self.n_vocab, self.name = draft.n_ctx, draft.n_vocab, draft.name
         self.tokens: list[int] = []
         self.ends: list[int] = []
 

@@ -149,6 +149,8 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
     """
     kept = tokens[:-1] if reuse else []
     stats.n_prompt = len(tokens)
+    if draft is not None:  # first: taking another slot's cells may let rounds run, which would replace
+        draft.reuse_prefix(kept)  # the logits the target's prompt leaves for the first token
     stats.n_prompt_cached = target.reuse_prefix(kept)
     t0 = time.perf_counter()
     if target.rollback == "snapshot" and len(tokens) - stats.n_prompt_cached > 1:
@@ -162,8 +164,6 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
         target.decode(tokens[stats.n_prompt_cached:], n_logits=1)
         target.checkpoint(upcoming=0, persistent=True)  # where the next turn of a conversation starts from
     stats.prompt_seconds = time.perf_counter() - t0
-    if draft is not None:
-        draft.reuse_prefix(kept)
 
 
 def _verify(target: Context, tokens: list[int], proposals: list[int], judge: TargetJudge) -> tuple[int, int, list[tuple]]:
@@ -445,9 +445,9 @@ class SpeculativeDecoder:
         if kind not in ("model", "lookup", "hybrid"):
             raise GgufspecError(f"unknown drafter {kind!r}: use model, lookup or hybrid")
         if not 0.0 <= p_min < 1.0:
-            raise GgufspecError(f"--draft-p-min must be in [0, 1), got {p_min}")
+            raise GgufspecError(f"--spec-draft-p-min must be in [0, 1), got {p_min}")
         if n_min < 0:
-            raise GgufspecError(f"--draft-min must be >= 0, got {n_min}")
+            raise GgufspecError(f"--spec-draft-n-min must be >= 0, got {n_min}")
         if kind == "lookup":  # n-grams of this sequence, and the pool every request of this decoder adds to
             if getattr(self, "ngram_pool", None) is None:
                 from .ngram import NgramPool

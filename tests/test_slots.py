@@ -313,3 +313,24 @@ def test_generate_many_checks_every_prompt_before_any_runs(tiny_pair):
         assert decoder.slots.lockstep.n_requests == 0  # nothing ran
         assert len(decoder.generate_many([[1, 260], "the cat"], n_predict=4, n_draft=0)) == 2
 
+
+
+def test_nothing_runs_between_the_prompts_decode_and_the_first_token(tiny_pair, monkeypatch):
+    """The first token comes from the logits the prompt's last decode left. With slots, the draft's
+    taking of another slot's cells (`reuse_prefix`) may let a round of the others run, which replaces
+    those logits (llama.cpp keeps the last decode's): so the draft's turn comes before the target's."""
+    from ggufspec.native import Context
+    events = []
+    for method in ("decode", "reuse_prefix", "logits"):
+        original = getattr(Context, method)
+
+        def spy(self, *args, _original=original, _method=method, **kwargs):
+            events.append((self.name, _method))
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(Context, method, spy)
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1) as decoder:
+        decoder.generate(PROMPTS[0], n_predict=4, n_draft=3)
+    first_read = events.index(("target", "logits"))
+    last_decode = max(i for i, e in enumerate(events[:first_read]) if e == ("target", "decode"))
+    assert ("draft", "reuse_prefix") in events[:last_decode], events[:first_read + 1]
+    assert all(name == "target" for name, _ in events[last_decode:first_read + 1]), events[:first_read + 1]

@@ -100,3 +100,18 @@ def test_a_bridged_drafts_long_catch_up_stops_between_chunks_and_stays_consisten
         bridge.should_stop = None
         assert len(drafter.propose(prompt, 3, params, Draws(0))) == 3
         assert bridge.tokens[:len(prompt)] == prompt and bridge.ends[len(prompt) - 1] <= len(bridge.inner.tokens)
+
+
+def test_constraints_with_a_bridged_draft_are_the_target_alones(tmp_path):
+    """A bias (any constraint) guides the draft where its vocabulary holds the whole distribution; a
+    bridged draft's smaller one does not, and it drafts unguided (this raised AttributeError)."""
+    from ggufspec.processing import Constraints
+    target, draft = pair(tmp_path, "target")
+    bias = Constraints(logit_bias={5: 2.0, 9: -1.0})
+    with SpeculativeDecoder(target, None, n_ctx=256, n_threads=1, strict=True) as alone, \
+            SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, strict=True) as decoder:
+        for prompt in prompts(3, seed=7):
+            expected = alone.generate(prompt, n_predict=24, n_draft=0, constraints=bias)
+            got = decoder.generate(prompt, n_predict=24, n_draft=3, constraints=bias)
+            assert got.stats.stop_reason != "error" and got.stats.n_drafted > 0
+            assert got.tokens == expected.tokens  # --strict: no batch rounding to allow for
