@@ -36,7 +36,9 @@ FLASH_ATTN_SETTINGS = ("on", "off", "auto")
 
 
 def parse_configs(draft: str, lookup: bool = False, hybrid: bool = False, against_llamacpp: str | None = None,
-                  draft_p_min: float = 0.0) -> list[Config]:
+                  draft_p_min: float = 0.0, alone: bool = False) -> list[Config]:
+    """The configurations to measure: the target alone first, then each draft setting (`alone`: it may
+    be the only one, as where only a trace is recorded)."""
     configs = [Config("target", {"n_draft": 0})]
     if against_llamacpp:
         configs.append(Config(LLAMACPP_TARGET, {}, llamacpp_k=0))
@@ -53,7 +55,7 @@ def parse_configs(draft: str, lookup: bool = False, hybrid: bool = False, agains
         configs.append(Config("lookup", {"n_draft": "auto", "drafter": "lookup"}))
     if hybrid:
         configs.append(Config("hybrid", {"n_draft": "auto", "drafter": "hybrid"}))
-    if len(configs) == 1 + bool(against_llamacpp):
+    if len(configs) == 1 + bool(against_llamacpp) and not alone:
         raise GgufspecError(f"--draft {draft!r} names no configuration to measure against the target alone "
                             "(K values >= 1 and 'auto', e.g. 1,3,auto; or --lookup / --hybrid)")
     return configs
@@ -182,6 +184,19 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
     _compare_texts(result, temperature)
     _summarise(result)
     return result
+
+
+def fitting_prompts(decoder, prompts: list[dict], warn) -> list[dict]:
+    """The prompts that fit the context; `warn` is told of each one that does not (it is skipped)."""
+    fitting = []
+    for item in prompts:
+        chat = item.get("kind") == "chat"
+        n = len(decoder.tokenize(item["prompt"], chat=chat, system=item.get("system") if chat else None))
+        if n < decoder.target.n_ctx:
+            fitting.append(item)
+        else:
+            warn(f"prompt {item['id']} skipped: it is {n} tokens but the context holds {decoder.target.n_ctx} (-c)")
+    return fitting
 
 
 def _fresh_pool(decoder) -> None:

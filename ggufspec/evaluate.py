@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from .errors import GgufspecError
+from .errors import ContextFullError, GgufspecError
 from .stops import StopFilter, cut_at_stop
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
@@ -86,20 +87,40 @@ def complete(decoder, prompt: str, *, speculative: bool, n_predict: int, n_draft
 
 
 def _generate_all(decoder, problems, *, samples, n_predict, n_draft, temperature, seed, progress, options):
-    completions = []
+    """Every problem's completions in both modes: (completions, problems skipped with why, interrupted).
+    A problem whose prompt does not fit the context is skipped, the others go on; a Ctrl-C keeps the
+    problems completed in both modes (the one under way is dropped: it would compare one mode alone)."""
+    completions, skipped = [], []
     for index, problem in enumerate(problems):
-        modes = MODES if index % 2 == 0 else MODES[::-1]  # A B, then B A: drift falls on both
-        for sample in range(samples):
-            sample_seed = seed + index * samples + sample
-            for mode in modes:
-                text, tokens, stats, stopped = complete(
-                    decoder, problem["prompt"], speculative=mode == "speculative", n_predict=n_predict,
-                    n_draft=n_draft, temperature=temperature, seed=sample_seed, **options)
-                completions.append(Completion(
-                    problem["task_id"], mode, sample, sample_seed, truncate_at_stop(text), tokens,
-                    stats.n_predict, stats.decode_seconds, stats.n_drafted, stats.n_accept,
-                    "stop" if stopped else stats.stop_reason))
+        try:
+            completions += _complete_problem(decoder, problem, index, samples=samples, n_predict=n_predict,
+                                             n_draft=n_draft, temperature=temperature, seed=seed,
+                                             progress=progress, options=options)
+        except ContextFullError as exc:
+            skipped.append({"task_id": problem["task_id"], "reason": str(exc)})
+            for _ in range(samples * len(MODES)):  # its generations and checks will not come
                 _advance(progress)
+                _advance(progress)
+        except KeyboardInterrupt:
+            return completions, skipped, True
+    return completions, skipped, False
+
+
+def _complete_problem(decoder, problem, index, *, samples, n_predict, n_draft, temperature, seed, progress,
+                      options) -> list[Completion]:
+    completions = []
+    modes = MODES if index % 2 == 0 else MODES[::-1]  # A B, then B A: drift falls on both
+    for sample in range(samples):
+        sample_seed = seed + index * samples + sample
+        for mode in modes:
+            text, tokens, stats, stopped = complete(
+                decoder, problem["prompt"], speculative=mode == "speculative", n_predict=n_predict,
+                n_draft=n_draft, temperature=temperature, seed=sample_seed, **options)
+            completions.append(Completion(
+                problem["task_id"], mode, sample, sample_seed, truncate_at_stop(text), tokens,
+                stats.n_predict, stats.decode_seconds, stats.n_drafted, stats.n_accept,
+                "stop" if stopped else stats.stop_reason))
+            _advance(progress)
     return completions
 
 
@@ -182,16 +203,22 @@ def run_humaneval(decoder, *, limit: int | None = None, n_draft="auto", temperat
     if getattr(decoder, "draft", None) is None and options.get("drafter", "model") == "model":
         raise GgufspecError("eval compares the target alone with speculative decoding: give a draft model")
     problems = problems if problems is not None else load_problems(limit)
+    if seed < 0:  # -1: one random base seed for the run, said in the result so that it can be run again
+        seed = secrets.randbelow(2**31)
     bar = _progress_bar(progress, total_steps(len(problems), samples))
     try:
-        completions = _generate_all(decoder, problems, samples=samples, n_predict=n_predict, n_draft=n_draft,
-                                    temperature=temperature, seed=seed, progress=bar, options=options)
+        completions, skipped, interrupted = _generate_all(
+            decoder, problems, samples=samples, n_predict=n_predict, n_draft=n_draft,
+            temperature=temperature, seed=seed, progress=bar, options=options)
+        done = {c.task_id for c in completions}
+        problems = [p for p in problems if p["task_id"] in done]
         check_all(problems, completions, timeout=timeout, progress=bar)
     finally:
         if bar is not progress and bar is not None:
             bar.close()
-    return summarise(problems, completions, greedy=greedy, n_draft=n_draft, temperature=temperature,
-                     samples=samples, n_predict=n_predict, seed=seed, timeout=timeout, decoder=decoder)
+    result = summarise(problems, completions, greedy=greedy, n_draft=n_draft, temperature=temperature,
+                       samples=samples, n_predict=n_predict, seed=seed, timeout=timeout, decoder=decoder)
+    return {**result, "skipped": skipped, "interrupted": interrupted}
 
 
 def _progress_bar(progress, total: int):
@@ -316,6 +343,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | {100 * m['pass@1']:.1f}% ± {100 * m['pass@1_stderr']:.1f} | "
                      f"{m['n_passed']}/{m['n_completions']} | {m['n_tokens']} | {m['decode_tps']:.2f} | "
                      f"{speedup:.2f}x | {accepted} |")
+    if result.get("interrupted"):
+        lines += ["", f"Interrupted: the {result['n_problems']} problems completed in both modes before it."]
+    if result.get("skipped"):
+        lines += ["", f"Skipped {len(result['skipped'])}: "
+                      + "; ".join(f"{s['task_id']} ({s['reason']})" for s in result["skipped"])]
     greedy = result["greedy"]
     if greedy is not None:
         lines.append("")

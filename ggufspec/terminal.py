@@ -69,6 +69,9 @@ def chat_turn(decoder, history: list[dict], options: dict, color: bool) -> str:
     stop = threading.Event()
     stream = decoder.stream(decoder.render_chat(history), **options)
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())  # never interrupt llama.cpp mid-call
+    contexts = [ctx for ctx in (decoder.target, decoder.draft) if ctx is not None]
+    for ctx in contexts:  # a long prompt (or the draft's catch-up) stops between its chunks too
+        ctx.should_stop = stop.is_set
     texts = []
     try:
         for piece in stream:
@@ -80,6 +83,8 @@ def chat_turn(decoder, history: list[dict], options: dict, color: bool) -> str:
     finally:
         stream.close()
         signal.signal(signal.SIGINT, previous)
+        for ctx in contexts:
+            ctx.should_stop = None
     click.echo()
     stats = decoder.last_stats
     click.echo(chat_stats_line(stats, stopped=stop.is_set()), err=True)

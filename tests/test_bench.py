@@ -144,6 +144,45 @@ def test_record_trace_then_predict_every_configuration_from_it(tiny_pair, tmp_pa
     assert again.exit_code == 0, again.output
 
 
+def test_the_readmes_trace_recording_runs_the_target_alone(tiny_pair, tmp_path):
+    """README: `bench --draft "" --prompts P --record-trace T` (no draft setting to measure: a trace only)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "the cat"}\n')
+    result = CliRunner().invoke(main, ["bench", "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]), "--draft", "",
+                                       "--prompts", str(prompts), "-n", "8", "-c", "256", "-t", "1",
+                                       "--record-trace", str(tmp_path / "t.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "t.jsonl").exists() and "| a | target |" in result.output
+
+
+def test_a_prompt_past_the_context_is_skipped_with_its_name_and_the_rest_measured(tiny_pair, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "short", "prompt": "the cat"}\n' + json.dumps({"id": "long", "prompt": "x" * 400})
+                       + "\n")
+    result = CliRunner().invoke(main, ["bench", "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]), "--draft", "2",
+                                       "--prompts", str(prompts), "-n", "8", "-c", "256", "-t", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "prompt long skipped: it is" in result.output and "the context holds 256" in result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert {run["prompt"] for run in data["runs"]} == {"short"}
+
+
+def test_streams_refuses_the_options_it_would_ignore(tiny_pair):
+    result = CliRunner().invoke(main, ["bench", "-m", str(tiny_pair[0]), "--streams", "1,2", "--repeat", "3",
+                                       "--temp", "0.8"])
+    assert result.exit_code == 2 and "--repeat, --temp do not apply" in result.output, result.output
+
+
+@pytest.mark.parametrize("flag, value", [("--spec-draft-p-min", "1"), ("--spec-draft-n-max", "-1"),
+                                         ("--spec-draft-n-min", "-2")])
+def test_draft_flags_out_of_range_are_refused_before_loading(tiny_pair, flag, value):
+    for command in (["bench"], ["run", "-p", "x"]):
+        if command == ["bench"] and flag != "--spec-draft-p-min":
+            continue  # bench has only the gate of the three
+        result = CliRunner().invoke(main, [*command, "-m", str(tiny_pair[0]), "-md", str(tiny_pair[1]), flag, value])
+        assert result.exit_code == 2 and flag in result.output, result.output
+
+
 def test_a_trace_of_another_pair_or_an_empty_one_is_refused_before_running(tiny_pair, tmp_path):
     from ggufspec import simulate as S
     other = {"target": {"file": "big.gguf", "size": 1, "fingerprint": "ab"}, "draft": {"file": "s.gguf", "size": 2}}

