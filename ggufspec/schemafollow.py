@@ -128,7 +128,10 @@ def object_branch(schema: dict, where: str) -> Branch:
     properties = schema.get("properties") or {}
     if not isinstance(properties, dict):
         raise ToolError(f"the JSON schema's properties at {where} must be an object of schemas")
-    missing = [name for name in schema.get("required") or [] if name not in properties]
+    required = schema.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise ToolError(f"the JSON schema's required at {where} must be a list of property names")
+    missing = [name for name in required if name not in properties]
     if missing:  # the grammar writes the listed properties only: a required one not listed never comes
         raise ToolError(f"the JSON schema's required at {where} names {', '.join(map(repr, missing))}, which "
                         f"its properties do not define: an answer could not have it")
@@ -351,7 +354,7 @@ def integer_range(schema: dict, where: str) -> tuple[int, int] | None:
     for key, value in schema.items():
         if key not in INT_BOUNDS:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ToolError(f"the JSON schema's {key!r} at {where} must be a number, got {json.dumps(value)}")
         if key.endswith("inimum"):
             least = max(least, math.floor(value) + 1 if key == "exclusiveMinimum" else math.ceil(value))

@@ -83,6 +83,8 @@ def check_tools(tools: list[dict] | None) -> list[dict]:
         name = function.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.match(name):
             raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -, got {name!r}")
+        if any(name == t["function"]["name"] for t in checked):
+            raise ToolError(f"tools[{i}].function.name {name!r} is given twice: tool names must be unique")
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object")
@@ -96,7 +98,11 @@ def chosen_function(tool_choice, tools: list[dict]) -> str | None:
         if tool_choice not in (None, "auto", "none", "required"):
             raise ToolError(f"tool_choice must be auto, none, required or a named function, got {tool_choice!r}")
         return None
-    name = (tool_choice.get("function") or {}).get("name")
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ToolError('tool_choice must be auto, none, required or {"type": "function", "function": '
+                        '{"name": ...}} naming one of the tools')
     if name not in {t["function"]["name"] for t in tools}:
         raise ToolError(f"tool_choice names the function {name!r}, which is not in tools")
     return name
@@ -348,11 +354,13 @@ def schema_grammar(schema) -> str:
     is worse than an error."""
     if not isinstance(schema, dict):
         raise ToolError(f"the JSON schema must be an object, got {type(schema).__name__}")
-    schema = normalized(schema)
-    check_followed(schema, schema)
     try:
+        schema = normalized(schema)
+        check_followed(schema, schema)
         return grammar_for(schema)
-    except Exception as exc:
+    except ToolError:
+        raise
+    except Exception as exc:  # a keyword of the wrong type ("required": 5, "$ref": 5...) deep inside
         raise ToolError(f"the JSON schema cannot be followed: {schema_problem(exc)}") from None
 
 

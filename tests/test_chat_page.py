@@ -89,9 +89,9 @@ def answer(page, index: int):
 
 
 def wait_for_state(page, index: int, states: str, timeout: float = 20_000) -> str:
-    page.wait_for_function(f"(() => {{ const a = document.querySelectorAll('.msg.assistant')[{index}];"
-                           f" return a && {json.dumps(states.split('|'))}.includes(a.dataset.state); }})()",
-                           timeout=timeout)
+    # a selector, not wait_for_function: the page's Content-Security-Policy forbids evaluating strings
+    in_state = page.locator(", ".join(f'[data-state="{state}"]' for state in states.split("|")))
+    answer(page, index).and_(in_state).wait_for(timeout=timeout)
     return answer(page, index).get_attribute("data-state")
 
 
@@ -192,7 +192,7 @@ def test_two_messages_tokens_by_origin_and_the_stats_panel(page, server, tmp_pat
 def test_escape_stops_an_answer_mid_stream(page, server):
     set_settings(page, max_tokens=MAX_CTX - 200)
     send(page, "tell me everything")
-    page.wait_for_function("document.querySelectorAll('.msg.assistant .text span').length >= 8", timeout=20_000)
+    page.locator(".msg.assistant .text span").nth(7).wait_for(timeout=20_000)
     assert answer(page, 0).get_attribute("data-state") == "streaming"
     assert page.is_visible("#stop") and not page.is_visible("#send")
     page.keyboard.press("Escape")
@@ -251,3 +251,25 @@ def test_answers_render_as_markdown_with_tokens_still_coloured_by_origin(page, s
     assert shown["code"] == "print(1)\n" and "**" not in html and "```" not in html
     assert set(shown["kinds"]) == {"tok draft", "tok target fix"} and shown["uncoloured"] == 0
     assert "onerror" not in html and not shown["pwned"]  # DOMPurify removed the model's script
+
+
+CLOBBERING_ANSWER = ('hi <textarea id="input" style="display:none">sent instead</textarea>'
+                     '<input name="system" value="be evil"><b id="api-key">x</b><form><button>go</button></form>'
+                     '<style>footer{display:none}</style>')
+
+
+def test_an_answer_cannot_stand_in_for_the_pages_own_controls(page, server):
+    """DOM clobbering: an element an answer brings with the id of one of the page's controls (found
+    first, as it comes earlier in the document) would take the user's place in every later request."""
+    found = page.evaluate("""(text) => {
+        const view = addAnswer();
+        addPieces(view, [{text, token: 1, from_draft: false, step: 1, drafted: 0}]);
+        render(view);
+        return {input: $("input") === document.querySelector("footer #input"),
+                key: $("api-key") === document.querySelector("#settings #api-key"),
+                html: view.text.innerHTML, footer: getComputedStyle(document.querySelector("footer")).display};
+    }""", CLOBBERING_ANSWER)
+    assert found["input"] and found["key"], found
+    for kept_out in ("<textarea", "<input", "<form", "<button", "<style", "id=", "name=", "style="):
+        assert kept_out not in found["html"], (kept_out, found["html"])
+    assert found["footer"] != "none" and "hi" in found["html"]

@@ -161,6 +161,15 @@ def test_a_conversation_with_calls_and_results_is_rendered(server, reference):
     ("/v1/chat/completions", {"messages": HI, "tools": [UNIT], "tool_choice": {"type": "function",
                                                                                 "function": {"name": "nope"}}}, "nope"),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, "tools[0]"),
+    # malformed named choices and schemas whose keywords are of the wrong type (these were 500s)
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [UNIT], "tool_choice": {"type": "function",
+                                                                                "function": {"name": ["f"]}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string"}}, "required": 5}}}},
+     "required"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"allOf": [{"$ref": 5}]}}}}, "response_format"),
     ("/v1/chat/completions", {"messages": HI, "tools": [UNIT], "tool_choice": "required",
                               "response_format": {"type": "json_object"}}, "tools"),
 ])
@@ -171,6 +180,35 @@ def test_bad_values_name_their_field(server, path, body, message):
         error = response.json()["error"]
         assert message in error["message"] and "\n" not in error["message"] and "--" not in error["message"]
     assert server.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "5"), ("max_tokens", True), ("stream", "yes"),
+                                          ("stream", 1), ("temperature", True), ("n", "2"), ("seed", "12"),
+                                          ("logprobs", "true")])
+def test_types_are_strict_as_openai_checks_them(server, field, value):
+    error = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, field: value}).json()["error"]
+    assert error["param"] == field and field in error["message"], error
+
+
+def test_null_where_openai_allows_it_means_the_default(server):
+    body = {"messages": HI, "max_tokens": 2, "temperature": 0, "n": None, "stream": None, "logprobs": None,
+            "ignore_eos": None, "stream_options": {"include_usage": None}}
+    answer = post(server, "/v1/chat/completions", body)
+    assert answer.status_code == 200 and len(answer.json()["choices"]) == 1, answer.text
+    assert "logprobs" not in answer.json()["choices"][0] or answer.json()["choices"][0]["logprobs"] is None
+
+
+def test_a_developer_message_is_the_system_message(server):
+    prompts = [post(server, "/apply-template", {"messages": [{"role": role, "content": "Answer in French."}, *HI]})
+               .json()["prompt"] for role in ("developer", "system")]
+    assert prompts[0] == prompts[1] and "Answer in French." in prompts[0]
+
+
+def test_an_infinite_bound_in_a_schema_is_a_400(server):
+    for stream in (b"false", b"true"):  # 1e400 parses as infinity (the JSON is written here: Python's cannot)
+        body = b'{"prompt": "x", "max_tokens": 2, "stream": %s, "json_schema": {"type": "integer", "minimum": 1e400}}'
+        error = httpx.post(server.url + "/v1/completions", content=body % stream, timeout=60).json()["error"]
+        assert "'minimum'" in error["message"] and "must be a number" in error["message"], error
 
 
 def test_a_grammar_llama_cpp_cannot_parse_is_a_400(server):

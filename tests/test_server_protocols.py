@@ -426,6 +426,14 @@ BAD_MESSAGES = [
     ({"max_tokens": 8, "messages": HI, "output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#/x"}}}},
      "output_config.format"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "the cat " * 400}]}, "2048"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": ""}]}, "non-empty content"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": []}]}, "non-empty content"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "non-empty"),
+    ({"max_tokens": 8, "messages": [{"role": "assistant", "content": ""}, *HI]}, "messages[0]"),
+    ({"max_tokens": 8, "messages": HI, "temperature": True}, "temperature"),
+    ({"max_tokens": 8, "messages": HI, "tools": [ANTHROPIC_TOOL, ANTHROPIC_TOOL]}, "unique"),
+    ({"max_tokens": 8, "messages": HI, "tools": [{**ANTHROPIC_TOOL, "input_schema": {"type": "string"}}]},
+     "tools[0].input_schema.type"),
 ]
 
 
@@ -467,6 +475,7 @@ BAD_RESPONSES = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
     ({"input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "nope"),
     ({"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"input": "hi", "tool_choice": {"type": "function", "name": ["f"]}}, "tool_choice"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/nowhere"}}}},
      "text.format"),

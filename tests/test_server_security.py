@@ -269,7 +269,40 @@ def test_every_path_but_the_page_and_health_needs_the_key(keyed):
         assert httpx.get(keyed.url + path, timeout=10).status_code == 200, path
 
 
+def test_an_options_request_that_is_no_preflight_needs_the_key(keyed):
+    host = {"Host": host_of(keyed)}
+    assert raw(keyed, "OPTIONS", "/slots", host).status == 401  # was 405 with Allow: which routes exist
+    assert raw(keyed, "OPTIONS", "/slots", {**host, "Authorization": f"Bearer {KEY}"}).status == 405
+    preflight = raw(keyed, "OPTIONS", "/v1/chat/completions", {**host, "Origin": "http://localhost:3000",
+                                                               "Access-Control-Request-Method": "POST"})
+    assert preflight.status == 200  # a browser's preflight carries no key
+
+
+def test_the_chat_page_loads_nothing_from_elsewhere_and_is_framed_nowhere(server):
+    headers = httpx.get(server.url + "/", timeout=10).headers
+    policy = headers["content-security-policy"]
+    assert "img-src 'self' data:" in policy and "frame-ancestors 'none'" in policy and "connect-src 'self'" in policy
+    assert headers["x-frame-options"] == "DENY"
+
+
 # ---------------------------------------------------------------- bodies
+
+def test_a_body_on_a_get_is_capped_too(server):
+    """A GET (on /health: no key needed) streaming a body of megabytes is cut off at the cap, as a POST
+    is (under --rpc the front's proxy would otherwise have held it all)."""
+    chunk = b"x" * MIB
+    with socket.create_connection(address(server), timeout=10) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host_of(server)}\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        with contextlib.suppress(OSError):
+            for _ in range(5):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 413
+    announced = raw(server, "GET", "/health", {"Host": host_of(server), "Content-Length": str(50_000_000)})
+    assert announced.status == 413 and announced.seconds < 0.5
+    assert server.health()["status"] == "ok"
+
 
 def test_a_body_over_the_cap_is_413_at_once_and_the_next_request_is_answered(server):
     # 50 MB announced, a few bytes sent: refused from the header, nothing waited for
@@ -452,6 +485,7 @@ def test_sigterm_while_a_stream_is_open_and_another_waits(slow_target, tmp_path)
     ("--allowed-hosts", "a b", "is not a host name"),
     ("--max-body", "lots", "is not a size"),
     ("--max-body", "0", "is not a size"),
+    ("--api-key", "sesame ", "whitespace"),
 ])
 def test_bad_values_are_one_line_before_anything_loads(chat_pair, tmp_path, flag, value, message):
     import subprocess
@@ -478,6 +512,10 @@ def test_sizes_hosts_and_origins_parsed():
     assert not Exposure.listening("127.0.0.1", allowed_hosts=("*",)).check_host
     assert not loopback.origin_allowed("http://localhost.evil.example", "127.0.0.1:8080")
     assert not loopback.origin_allowed("null", "127.0.0.1:8080")
+    # every spelling that binds to loopback checks Host names as loopback does (DNS rebinding)
+    for host in ("LOCALHOST", "127.1", "0x7f000001", "::1"):
+        assert Exposure.listening(host).check_host, host
+    assert not Exposure.listening("10.0.0.1").check_host
 
 
 # ---------------------------------------------------------------- in the browser

@@ -22,6 +22,16 @@ from .props import chat_props, pair_props, system_fingerprint
 from .tokens import DetokenizeBody, TokenizeBody, detokenize_tokens, tokenize_text
 
 
+# The chat page's own script and style are inline; an answer's Markdown may not load anything from
+# elsewhere (a remote image's address could carry the conversation away), and no other site may frame
+# the page (which holds the API key).
+PAGE_POLICY = {"Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline'; "
+                                          "style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+                                          "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+                                          "form-action 'none'",
+               "X-Frame-Options": "DENY"}
+
+
 def chat_page() -> str:
     return resources.files("ggufspec").joinpath("static", "chat.html").read_text(encoding="utf-8")
 
@@ -79,7 +89,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
-        return HTMLResponse(chat_page(), headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(chat_page(), headers={"Cache-Control": "no-cache", **PAGE_POLICY})
 
     # the chat page's Markdown renderer and sanitiser (marked, DOMPurify), shipped with the package
     app.mount("/static", StaticFiles(packages=[("ggufspec", "static")]), name="static")

@@ -15,8 +15,8 @@ from ..errors import CacheFullError, ContextFullError, DecodeError, GgufspecErro
 log = logging.getLogger("ggufspec.server")
 
 # The engine's messages name the command-line flags; a client sent these JSON fields instead.
-FLAG_TO_FIELD = {"-n/--n-predict": "max_tokens", "--draft-p-min": "speculative.p_min",
-                 "--draft-min": "speculative.n_min", "--draft": "draft", "--temp": "temperature",
+FLAG_TO_FIELD = {"-n/--n-predict": "max_tokens", "--spec-draft-p-min": "speculative.p_min",
+                 "--spec-draft-n-min": "speculative.n_min", "--draft": "draft", "--temp": "temperature",
                  "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p"}
 
 
@@ -39,24 +39,25 @@ def anthropic_path(path: str) -> bool:
 
 
 def error_body(path: str, status: int, message: str, type: str = "invalid_request_error",
-               code: str | None = None) -> dict:
+               code: str | None = None, param: str | None = None) -> dict:
     """An error's JSON in the shape of the API that `path` belongs to: Anthropic's `{"type": "error",
-    "error": {"type", "message"}}` under /v1/messages, else OpenAI's `{"error": {"message", "type", "code"}}`
-    (`type` and `code` are OpenAI's; Anthropic's type follows from `status`)."""
+    "error": {"type", "message"}}` under /v1/messages, else OpenAI's `{"error": {"message", "type", "param",
+    "code"}}` (`type`, `param` and `code` are OpenAI's; Anthropic's type follows from `status`)."""
     if anthropic_path(path):
         return {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
-    return {"error": {"message": message, "type": type, "code": code}}
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.headers = status, message, type, code, headers
+        self.param = param  # the body's field at fault (OpenAI's `param`), where one is
 
     def body(self, path: str = "") -> dict:
         """In OpenAI's shape, or in that of the API `path` belongs to (`error_body`)."""
-        return error_body(path, self.status, self.message, self.type, self.code)
+        return error_body(path, self.status, self.message, self.type, self.code, self.param)
 
     def response(self, path: str = "") -> JSONResponse:
         return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
@@ -74,7 +75,7 @@ def engine_error(exc: Exception) -> APIError:
     if isinstance(exc, DecodeError) or not isinstance(exc, GgufspecError):
         return APIError(500, f"generation failed: {exc}", "server_error")
     message = str(exc)
-    for flag in sorted(FLAG_TO_FIELD, key=len, reverse=True):  # longest first: --draft-p-min before --draft
+    for flag in sorted(FLAG_TO_FIELD, key=len, reverse=True):  # longest first: --spec-draft-p-min before --draft
         message = message.replace(flag, FLAG_TO_FIELD[flag])
     return APIError(400, message, code="invalid_value")
 
@@ -107,6 +108,12 @@ def validation_message(errors: list[dict]) -> str:
     if error.get("type") == "too_short" and error.get("ctx", {}).get("min_length") == 1:
         return f"{where} must not be empty"
     return f"{where}: {error.get('msg')}"
+
+
+def invalid_body(errors: list[dict]) -> APIError:
+    """A 400 for pydantic's complaints, naming the field (OpenAI's `param`) where there is one."""
+    loc = tuple(part for part in errors[0].get("loc", ()) if part != "body" and not union_tag(part))
+    return APIError(400, validation_message(errors), param=place(loc) or None)
 
 
 def chosen_error(errors: list[dict]) -> tuple[dict, list[str]]:
@@ -161,11 +168,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc: RequestValidationError):
-        return APIError(400, validation_message(exc.errors())).response(request.url.path)
+        return invalid_body(exc.errors()).response(request.url.path)
 
     @app.exception_handler(ValidationError)
     async def invalid_value(request, exc: ValidationError):
-        return APIError(400, validation_message(exc.errors())).response(request.url.path)
+        return invalid_body(exc.errors()).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):

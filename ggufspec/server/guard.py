@@ -271,12 +271,14 @@ class Checks:
             return await refuse(scope, send, 403, f"requests from web pages of {origin.decode('latin-1')} are not "
                                 f"allowed here (--cors-origins allows origins beyond loopback ones)",
                                 "permission_error", "origin_not_allowed")
-        guarded = is_guarded(path) and method != "OPTIONS"
+        # a CORS preflight carries no key (browsers send none): the CORS layer answers it, nothing more
+        preflight = method == "OPTIONS" and origin is not None and b"access-control-request-method" in headers
+        guarded = is_guarded(path) and not preflight
         if guarded and self.key is not None and not exposure.trusted and not self.key_given(headers):
             return await refuse(scope, send, 401, "invalid or missing API key: send the header Authorization: "
                                 "Bearer KEY (or x-api-key: KEY)", "authentication_error", "invalid_api_key")
-        if method in WITH_BODY:
-            length = headers.get(b"content-length")
+        length = headers.get(b"content-length")
+        if method in WITH_BODY or length is not None or b"transfer-encoding" in headers:  # a GET's body too
             if length is not None and length.strip().isdigit() and int(length) > exposure.max_body:
                 return await self.too_large(scope, send)
             if length is None:  # chunked: read here, up to the cap, and handed on whole

@@ -2,7 +2,7 @@
 the conversation, the stop strings."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -12,6 +12,15 @@ from .errors import APIError
 class Strict(BaseModel):
     # NaN and infinity parse as JSON in Python; they are never a valid sampling value
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # fields the OpenAI API documents as nullable that have a default here: null means the default
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls.NULL_IS_DEFAULT):
+            data = {key: value for key, value in data.items() if not (value is None and key in cls.NULL_IS_DEFAULT)}
+        return data
 
 
 class Speculative(Strict):
@@ -34,22 +43,25 @@ class ResponseFormat(Strict):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    NULL_IS_DEFAULT = ("include_usage",)
+    include_usage: bool = Field(False, strict=True)
 
 
 class GenerationBody(Strict):
+    # numbers and flags strictly typed, as OpenAI's API checks them ("5" or true is not a max_tokens)
+    NULL_IS_DEFAULT = ("n", "stream", "ignore_eos", "echo", "logprobs")
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens (chat)
-    n_predict: int | None = None  # llama.cpp's name (llama-server reads it on these routes too): over max_tokens
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, strict=True)
+    max_completion_tokens: int | None = Field(None, strict=True)  # OpenAI's newer name for max_tokens (chat)
+    n_predict: int | None = Field(None, strict=True)  # llama.cpp's name (llama-server reads it here too): first
+    temperature: float | None = Field(None, strict=True)  # an integer is a number too; true or "1" is not
+    top_p: float | None = Field(None, strict=True)
+    top_k: int | None = Field(None, strict=True)
+    min_p: float | None = Field(None, strict=True)
+    seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)  # choices, in as many slots at once as are free
-    stream: bool = False
+    n: int = Field(1, ge=1, le=16, strict=True)  # choices, in as many slots at once as are free
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = None
     draft: Literal["auto"] | int | None = None  # ggufspec's own: K, 0 = the target alone, or "auto"
@@ -66,7 +78,7 @@ class GenerationBody(Strict):
     response_format: ResponseFormat | None = None
     grammar: str | None = None
     json_schema: dict | None = None
-    ignore_eos: bool = False  # llama.cpp's: the end-of-generation tokens never chosen (a bias of -inf)
+    ignore_eos: bool = Field(False, strict=True)  # llama.cpp's: the end-of-generation tokens never chosen (a bias of -inf)
 
     @model_validator(mode="before")
     @classmethod
@@ -90,9 +102,9 @@ SAMPLERS_NOT_HAD = {"mirostat": lambda v: v == 0, "typical_p": lambda v: v >= 1,
 
 class CompletionBody(GenerationBody):
     prompt: list[int] | str | list[str] | list[list[int]]  # ids first: a long list of ids is checked as ints at once
-    logprobs: int | None = Field(None, ge=0, le=20)  # the legacy API: how many alternatives per token
+    logprobs: int | None = Field(None, ge=0, le=20, strict=True)  # the legacy API: how many alternatives per token
     # OpenAI's, refused rather than ignored (as llama-server does): an answer without them would look whole
-    echo: bool = False
+    echo: bool = Field(False, strict=True)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -147,8 +159,8 @@ class Message(Strict):
 
 class ChatBody(GenerationBody):
     messages: list[Message] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -238,7 +250,9 @@ def message_dicts(messages: list[Message]) -> list[dict]:
             kind = "an assistant message without tool_calls" if m.role == "assistant" else f"a {m.role} message"
             raise APIError(400, f"messages[{i}].content is required for {kind}", code="invalid_value")
         content = content_text(m.content, f"messages[{i}].content")
-        result.append({**(m.model_extra or {}), "role": m.role, "content": content,
+        # OpenAI's developer messages are the system's instructions, which chat templates know by that name
+        role = "system" if m.role == "developer" else m.role
+        result.append({**(m.model_extra or {}), "role": role, "content": content,
                        **({"tool_calls": calls} if calls else {})})
     return result
 

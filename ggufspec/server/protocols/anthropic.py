@@ -85,10 +85,10 @@ class CountTokensBody(Strict):
 class MessagesBody(CountTokensBody):
     max_tokens: int = Field(ge=0, strict=True)  # required, as Anthropic's API has it; 0: the prompt into the cache
     stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range (OpenAI's is 0-2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    stream: bool = Field(False, strict=True)
+    temperature: float | None = Field(None, ge=0, le=1, strict=True)  # Anthropic's range (OpenAI's is 0-2)
+    top_p: float | None = Field(None, ge=0, le=1, strict=True)
+    top_k: int | None = Field(None, ge=0, strict=True)
     metadata: dict | None = None
     output_config: OutputConfig | None = None
 
@@ -129,6 +129,8 @@ def tool_schema(tool: AnthropicTool, i: int) -> dict:
     """A custom tool's input_schema, which Anthropic's API requires (server tools have none)."""
     if tool.input_schema is None:
         raise APIError(400, f"tools[{i}].input_schema is required: the JSON schema of the tool's input")
+    if tool.input_schema.get("type") != "object":  # as Anthropic's API: a tool's input is an object
+        raise APIError(400, f"tools[{i}].input_schema.type must be \"object\"")
     return tool.input_schema
 
 
@@ -140,6 +142,7 @@ def conversation(body: CountTokensBody) -> list[dict]:
             [block_text(b, f"system[{j}]") for j, b in enumerate(body.system)])
         messages.append({"role": "system", "content": system})
     for i, message in enumerate(body.messages):
+        check_not_empty(message, i, last=i == len(body.messages) - 1)
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
         elif message.role == "assistant":
@@ -147,6 +150,18 @@ def conversation(body: CountTokensBody) -> list[dict]:
         else:
             messages += user_messages(message.content, f"messages[{i}]")
     return messages
+
+
+def check_not_empty(message: AnthropicMessage, i: int, last: bool) -> None:
+    """As Anthropic's API: every message has content (the last, an assistant's prefill, may be empty),
+    and no text block is empty."""
+    content = message.content
+    if not content and not (last and message.role == "assistant"):
+        raise APIError(400, f"messages[{i}]: all messages must have non-empty content except for the optional "
+                            f"final assistant message")
+    for j, block in enumerate(content if isinstance(content, list) else []):
+        if block.type == "text" and block.text == "":
+            raise APIError(400, f"messages[{i}].content[{j}]: text content blocks must be non-empty")
 
 
 def block_text(block: Block, where: str) -> str:

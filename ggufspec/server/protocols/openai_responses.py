@@ -53,21 +53,22 @@ class TextOptions(Strict):
 
 class ResponsesBody(Strict):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # engine extras pass through (core.ENGINE_EXTRAS)
+    NULL_IS_DEFAULT = ("stream",)
     model: str | None = None
     input: str | Annotated[list[Item], Field(min_length=1)]
     instructions: str | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, as chat's (whose limit it has)
+    max_output_tokens: int | None = Field(None, ge=1, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)  # alternatives per token, as chat's (whose limit it has)
     include: list[str] | None = None  # "message.output_text.logprobs": each token's log-probability
-    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range for this API
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float | None = Field(None, ge=0, le=2, strict=True)  # OpenAI's range for this API
+    top_p: float | None = Field(None, strict=True)
+    top_k: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None  # not OpenAI's here, but harmless to honour
     text: TextOptions | None = None
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     previous_response_id: str | None = None
     conversation: str | dict | None = None  # a stored conversation (refused: nothing is stored)
     prompt: dict | None = None              # a stored prompt template (refused likewise)
