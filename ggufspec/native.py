@@ -29,7 +29,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
-from .errors import CacheFullError, DecodeError, Interrupted
+from .errors import CacheFullError, DecodeError, GgufspecError, Interrupted
 
 _SEQ = 0  # a context's sequence id, unless it is one of several slots (`slots`)
 
@@ -114,12 +114,17 @@ class Context:
         Long inputs go in chunks of n_batch; only the final chunk's tail gets logits. Where
         `should_stop` says so before a chunk, Interrupted (the cache holds the chunks before it).
         """
+        self._check_open()
         for start in range(0, len(tokens), self.n_batch):
             if start and self.should_stop is not None and self.should_stop():
                 raise Interrupted(f"stopped after {start} of {len(tokens)} tokens")
             chunk = tokens[start:start + self.n_batch]
             is_last = start + self.n_batch >= len(tokens)
             self._decode_chunk(chunk, n_logits if is_last else 0)
+
+    def _check_open(self) -> None:
+        if self._batch is None:  # closed (a stream made before close() and read after it): freed memory
+            raise GgufspecError("this SpeculativeDecoder is closed")
 
     def _decode_chunk(self, tokens: Sequence[int], n_logits: int) -> None:
         n = len(tokens)
@@ -355,6 +360,7 @@ class Context:
         Where `tokens` go on past it, the state there is kept along the conversation: for a next
         turn, the end of the previous answer. Where another slot's sequence shares more of `tokens`
         (`prefix_donors`), its cells are taken instead."""
+        self._check_open()
         self._wait_for_donors(tokens)
         n = common_prefix_length(self.tokens, tokens)
         donor, n_donor = self._best_donor(tokens)

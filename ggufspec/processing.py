@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import numbers
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -46,6 +48,7 @@ class Constraints:
     grammar_trigger_tokens: tuple[int, ...] = ()  # ...or token ids; with neither, it is on from the start
 
     def __post_init__(self):
+        self._check_types()
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value) or not -2.0 <= value <= 2.0:
@@ -59,6 +62,26 @@ class Constraints:
                 raise GgufspecError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             if not (math.isfinite(bias) or bias == -math.inf):
                 raise GgufspecError(f"logit_bias values must be numbers, got {bias!r} for token {token}")
+
+    def _check_types(self) -> None:
+        real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
+        whole = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)
+        for name in ("frequency_penalty", "presence_penalty", "repeat_penalty"):
+            if not real(getattr(self, name)):
+                raise GgufspecError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not whole(self.repeat_last_n):
+            raise GgufspecError(f"repeat_last_n must be a whole number, got {self.repeat_last_n!r}")
+        if not isinstance(self.logit_bias, Mapping) or not all(real(v) for v in self.logit_bias.values()):
+            raise GgufspecError("logit_bias must map token ids to numbers ({id: bias}), got "
+                                f"{self.logit_bias!r:.80}")
+        if not (self.grammar is None or isinstance(self.grammar, str)) or not isinstance(self.grammar_root, str):
+            raise GgufspecError("grammar and grammar_root must be texts (GBNF and a rule's name)")
+        if isinstance(self.grammar_patterns, str) or not all(isinstance(p, str) for p in self.grammar_patterns):
+            raise GgufspecError("grammar_patterns must be a sequence of regular expressions (texts)")
+        for pattern in self.grammar_patterns:
+            check_trigger_pattern(pattern)
+        if not all(whole(t) and t >= 0 for t in self.grammar_trigger_tokens):
+            raise GgufspecError(f"grammar_trigger_tokens must be token ids, got {self.grammar_trigger_tokens!r}")
 
     @property
     def penalises(self) -> bool:
@@ -118,8 +141,9 @@ class TargetProcessor:
                 self._grammar.mask_all_but_best(out, top_n)
             else:
                 self._grammar.mask(out)
-            if not np.isfinite(out.max()):
-                raise GgufspecError("the grammar allows no token here (it may need an end the model cannot reach)")
+        if not np.isfinite(out.max()):
+            raise GgufspecError("the grammar allows no token here (it may need an end the model cannot reach)"
+                                if self._grammar is not None else "logit_bias bans every token: none is left to choose")
         return out
 
     def accept(self, token: int) -> None:
@@ -161,6 +185,23 @@ def _penalise(logits: np.ndarray, history: Sequence[int], c: Constraints) -> Non
     seen = logits[ids]
     seen = np.where(seen <= 0, seen * c.repeat_penalty, seen / c.repeat_penalty)
     logits[ids] = seen - n * c.frequency_penalty - c.presence_penalty
+
+
+# What ECMAScript regexes (llama.cpp's std::regex) lack of Python's: named groups, lookbehind, inline
+# flags, comments, atomic groups, possessive quantifiers. std::regex throws on them, which aborts the process.
+NOT_ECMASCRIPT = re.compile(r"\(\?(?:P|<|[a-zA-Z#>]|\()|[*+?}][+]")
+
+
+def check_trigger_pattern(pattern: str) -> None:
+    """A lazy grammar's trigger: a regex llama.cpp's std::regex can compile (an invalid one aborts it)."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise GgufspecError(f"grammar_patterns: {pattern!r} is not a regular expression ({exc})") from None
+    plain = re.sub(r"\[\^?\]?[^\]]*\]", "_", re.sub(r"\\.", "_", pattern))  # escapes and classes aside
+    if NOT_ECMASCRIPT.search(plain):
+        raise GgufspecError(f"grammar_patterns: {pattern!r} uses syntax llama.cpp's regexes (ECMAScript) lack: "
+                            "named or lookbehind groups, inline flags, atomic groups or possessive quantifiers")
 
 
 _TOKEN_DATA = np.dtype(  # llama_token_data
@@ -248,6 +289,8 @@ class TargetJudge:
         self.draws = Draws(params.seed)
         self.n_logprobs = n_logprobs
         self._is_end = target.is_end_of_generation
+        if constraints is not None and not isinstance(constraints, Constraints):
+            raise GgufspecError(f"constraints must be a ggufspec.Constraints, got {type(constraints).__name__}")
         active = constraints is not None and constraints.active
         self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab) if active else None
         self.needs_history = active and constraints.penalises

@@ -158,7 +158,7 @@ class Slots:
         decoder, checked = self.decoder, []
         for i, prompt in enumerate(prompts):
             try:
-                if isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
+                if isinstance(prompt, (bytes, bytearray, dict)) or not hasattr(prompt, "__iter__"):
                     raise GgufspecError(f"a prompt is a text or a list of token ids, got {type(prompt).__name__}")
                 if isinstance(prompt, str) and not prompt:  # as `generate` (not the BOS alone)
                     raise GgufspecError("the prompt is empty")

@@ -313,6 +313,8 @@ class SpeculativeDecoder:
             llm = open_model(model, role, params, strict=strict)
             self._owned.append(llm)
             return llm
+        if not isinstance(model, llama_cpp.Llama):
+            raise GgufspecError(f"the {role} model must be a GGUF path or a llama_cpp.Llama, got {type(model).__name__}")
         return model
 
     @property
@@ -341,7 +343,7 @@ class SpeculativeDecoder:
     def tokenize(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None) -> list[int]:
         from .load import chat_prompt, tokenize
         self._check_open()
-        if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
+        if isinstance(prompt, (bytes, bytearray, dict)) or not hasattr(prompt, "__iter__"):
             raise GgufspecError(f"a prompt is a text or a list of token ids, got {type(prompt).__name__}")
         if system is not None and not chat:
             raise GgufspecError("system= is the chat template's system message: give chat=True too")

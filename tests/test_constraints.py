@@ -183,6 +183,17 @@ def test_sampling_matches_the_constrained_target(tiny_decoder, plain_target, k, 
     ({"repeat_penalty": 0.0}, "repeat_penalty must be > 0"),
     ({"repeat_last_n": -2}, "repeat_last_n must be >= -1"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": [(5, 1.0)]}, "logit_bias must map token ids to numbers"),
+    ({"logit_bias": {5: "x"}}, "logit_bias must map token ids to numbers"),
+    ({"frequency_penalty": None}, "frequency_penalty must be a number"),
+    ({"repeat_last_n": 2.5}, "repeat_last_n must be a whole number"),
+    ({"grammar": 5}, "grammar and grammar_root must be texts"),
+    ({"grammar": 'root ::= "a"', "grammar_patterns": ("(",)}, "is not a regular expression"),
+    ({"grammar": 'root ::= "a"', "grammar_patterns": ("a{2,1}",)}, "is not a regular expression"),
+    ({"grammar": 'root ::= "a"', "grammar_patterns": ("(?P<n>a)",)}, "ECMAScript"),  # std::regex aborted on these
+    ({"grammar": 'root ::= "a"', "grammar_patterns": ("(?<=a)b",)}, "ECMAScript"),
+    ({"grammar": 'root ::= "a"', "grammar_patterns": "ab"}, "a sequence of regular expressions"),
+    ({"grammar": 'root ::= "a"', "grammar_trigger_tokens": (-1,)}, "grammar_trigger_tokens must be token ids"),
 ])
 def test_bad_constraints_are_one_line(kwargs, says):
     with pytest.raises(GgufspecError, match=None) as caught:

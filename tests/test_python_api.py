@@ -4,6 +4,8 @@ n-gram drafting, a Llama object given back empty)."""
 from __future__ import annotations
 
 import llama_cpp
+import math
+
 import pytest
 
 from ggufspec import SpeculativeDecoder
@@ -21,10 +23,12 @@ def test_a_closed_decoder_says_so_instead_of_crashing(tiny_pair):
     decoder = SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1)
     left_open = decoder.stream("the cat", n_predict=40, n_draft=0)
     next(left_open)
+    never_read = decoder.stream("the dog", n_predict=4)  # made before close, read after it
     decoder.close()
     calls = [lambda: decoder.chat([{"role": "user", "content": "hi"}]), lambda: decoder.generate_many(["a"]),
              lambda: decoder.tokenize("a"), lambda: decoder.render_chat([{"role": "user", "content": "hi"}]),
-             lambda: decoder.n_layer, lambda: decoder.generate("a"), lambda: list(left_open)]
+             lambda: decoder.n_layer, lambda: decoder.generate("a"), lambda: list(left_open),
+             lambda: list(never_read)]
     for call in calls:
         with pytest.raises(GgufspecError, match="closed"):
             call()
@@ -66,12 +70,26 @@ def test_bad_arguments_are_one_line_errors(decoder, options, says):
         decoder.generate("the cat", n_predict=4, **options)
 
 
-@pytest.mark.parametrize("prompt, says", [(b"the cat", "got bytes"), ("", "empty"), (5, "got int")])
+@pytest.mark.parametrize("prompt, says", [(b"the cat", "got bytes"), ("", "empty"), (5, "got int"),
+                                          ({5: "x"}, "got dict")])
 def test_a_prompt_that_is_no_prompt_is_refused(decoder, prompt, says):
     with pytest.raises(GgufspecError, match=says):
         decoder.generate(prompt, n_predict=4)
     with pytest.raises(GgufspecError, match=says):  # one of several too
         decoder.generate_many(["the cat", prompt], n_predict=4)
+
+
+def test_constraints_and_models_of_the_wrong_kind_are_one_line_errors(decoder, tiny_pair):
+    from ggufspec.processing import Constraints
+    for constraints in ("x", {}, 5):
+        with pytest.raises(GgufspecError, match="constraints must be a ggufspec.Constraints"):
+            decoder.generate("the cat", n_predict=4, constraints=constraints)
+    with pytest.raises(GgufspecError, match="logit_bias bans every token"):
+        decoder.generate("the cat", n_predict=4, n_draft=2,
+                         constraints=Constraints(logit_bias=dict.fromkeys(range(decoder.target.n_vocab), -math.inf)))
+    with pytest.raises(GgufspecError, match="the target model must be a GGUF path or a llama_cpp.Llama"):
+        SpeculativeDecoder(5, tiny_pair[1])
+    assert decoder.generate("the cat", n_predict=4, n_draft=2).tokens  # still usable
 
 
 def test_seed_minus_one_is_random_as_in_the_cli(decoder):
