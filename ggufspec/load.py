@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -266,6 +267,12 @@ def chat_template(llm: llama_cpp.Llama) -> ChatTemplate:
     return ChatTemplate(text, False) if text else ChatTemplate(DEFAULT_CHAT_TEMPLATE, True)
 
 
+def check_messages(messages) -> None:
+    if (not isinstance(messages, (list, tuple)) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        raise GgufspecError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
+
+
 def chat_prompt(llm: llama_cpp.Llama, user: str, system: str | None = None) -> str:
     """The target's own chat template applied to one user turn (ChatML where it has none:
     `chat_template(llm).fallback` says so)."""
@@ -278,8 +285,12 @@ def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | 
     """The target's chat template over a conversation, ending with the assistant's turn opened.
     llama-cpp-python's formatter renders it in a sandboxed Jinja. `tools` (OpenAI's tool objects) and
     other `variables` are passed to the template. A model without a template gets ChatML
-    (`chat_template(llm).fallback` is then true, for the caller to say so)."""
-    template = chat_template(llm).text
+    (`chat_template(llm).fallback` is then true, and a warning says so once)."""
+    check_messages(messages)
+    found = chat_template(llm)
+    if found.fallback:  # once per process (Python's warnings): the markers may be no tokens of this model
+        warnings.warn("the model has no chat template: the conversation is rendered as ChatML", stacklevel=3)
+    template = found.text
     vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
     token_text = lambda t: (llama_cpp.llama_vocab_get_text(vocab, t) or b"").decode(errors="replace") if t >= 0 else ""
     try:

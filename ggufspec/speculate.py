@@ -360,9 +360,8 @@ class SpeculativeDecoder:
     def chat(self, messages: list[dict], **options) -> Generation:
         """The assistant's next message. A conversation that grows call by call reuses the KV cache:
         only what is new since the last call is evaluated."""
-        if (not isinstance(messages, (list, tuple)) or not messages
-                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-            raise GgufspecError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
+        from .load import check_messages
+        check_messages(messages)
         if options.pop("chat", False):
             raise GgufspecError("chat() renders the messages through the chat template already: drop chat=True")
         if "system" in options:  # the system message, as generate(..., chat=True, system=...) takes it

@@ -92,6 +92,14 @@ def test_constraints_and_models_of_the_wrong_kind_are_one_line_errors(decoder, t
     assert decoder.generate("the cat", n_predict=4, n_draft=2).tokens  # still usable
 
 
+def test_render_chat_checks_its_messages_and_says_when_there_is_no_template(decoder):
+    for messages in ("x", [1], []):
+        with pytest.raises(GgufspecError, match="messages must be a non-empty list"):
+            decoder.render_chat(messages)
+    with pytest.warns(UserWarning, match="no chat template: the conversation is rendered as ChatML"):
+        assert "<|im_start|>user" in decoder.render_chat([{"role": "user", "content": "hi"}])
+
+
 def test_seed_minus_one_is_random_as_in_the_cli(decoder):
     texts = {decoder.generate("the", n_predict=32, n_draft=0, temperature=1.0, seed=-1).text for _ in range(3)}
     assert len(texts) > 1
