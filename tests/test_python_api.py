@@ -92,12 +92,16 @@ def test_constraints_and_models_of_the_wrong_kind_are_one_line_errors(decoder, t
     assert decoder.generate("the cat", n_predict=4, n_draft=2).tokens  # still usable
 
 
-def test_render_chat_checks_its_messages_and_says_when_there_is_no_template(decoder):
+def test_render_chat_checks_its_messages_and_says_when_there_is_no_template(decoder, tmp_path):
+    from ggufspec.tinymodels import Shape, make_weights, write_model
     for messages in ("x", [1], []):
         with pytest.raises(GgufspecError, match="messages must be a non-empty list"):
             decoder.render_chat(messages)
-    with pytest.warns(UserWarning, match="no chat template: the conversation is rendered as ChatML"):
-        assert "<|im_start|>user" in decoder.render_chat([{"role": "user", "content": "hi"}])
+    shape = Shape(eos_bias=4.0)
+    bare = write_model(tmp_path / "bare.gguf", shape, make_weights(shape, 0), chat_template=None)
+    with SpeculativeDecoder(bare, n_ctx=256, n_threads=1) as without_template:
+        with pytest.warns(UserWarning, match="no chat template: the conversation is rendered as ChatML"):
+            assert "<|im_start|>user" in without_template.render_chat([{"role": "user", "content": "hi"}])
 
 
 def test_seed_minus_one_is_random_as_in_the_cli(decoder):
