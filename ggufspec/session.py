@@ -177,11 +177,14 @@ def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld, log: Log
     target = P.read_shape(target_path)
     draft = P.read_shape(draft_path) if draft_path else None
     result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx, ctx_given=True, n_draft=n_draft)
+    draft_placed = result.draft_if_used if fixed_draft else result.draft
+    if draft is not None and (ngl is not None or ngld is not None):  # one given: the other fitted around it
+        chosen = P.around_given(target, draft, n_ctx, gpu, ngl, ngld, with_draft=draft_placed is not None)
+        log(f"offload: -ngl {chosen[0]} -ngld {chosen[1]} ({'-ngl' if ngl is not None else '-ngld'} as given, "
+            f"the other fitted to the GPU memory it leaves)")
+        return chosen
     log(result.summary())
-    draft = result.draft_if_used if fixed_draft else result.draft
-    planned_draft = draft.n_gpu_layers if draft else 0
-    return (ngl if ngl is not None else result.target.n_gpu_layers,
-            ngld if ngld is not None else planned_draft)
+    return result.target.n_gpu_layers, ngld if ngld is not None else draft_placed.n_gpu_layers if draft_placed else 0
 
 
 def memory_devices(vram: str | None = None, ram: str | None = None):

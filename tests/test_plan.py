@@ -553,3 +553,65 @@ def test_plan_without_threads_reads_the_costs_measured_at_the_nearest_thread_cou
     data = {costs_key(target, draft, n, 0, 0): {"threads": n} for n in (1000, default_threads(), 64)}
     key, entry = _entry(data, target, draft, None, 0, 0)
     assert entry == {"threads": default_threads()}
+
+
+def _write_llama(path, split_max_tensors: int = 0) -> None:
+    """A small llama-shaped GGUF (4 layers), in one file or split as llama.cpp's gguf-split does."""
+    import gguf
+    import numpy as np
+    writer = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
+    for method, value in (("add_block_count", 4), ("add_embedding_length", 8), ("add_head_count", 2),
+                          ("add_head_count_kv", 1), ("add_feed_forward_length", 16), ("add_context_length", 64)):
+        getattr(writer, method)(value)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    for i in range(4):
+        writer.add_tensor(f"blk.{i}.attn_q.weight", np.zeros((8, 8), np.float32))
+    writer.add_tensor("output.weight", np.zeros((16, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_split_gguf_is_planned_from_all_its_shards(tmp_path, monkeypatch):
+    from ggufspec.plan.gguf_header import read_shape
+    from ggufspec.plan.units import PlanError
+    monkeypatch.setenv("GGUFSPEC_HOME", str(tmp_path / "home"))
+    _write_llama(tmp_path / "whole.gguf")
+    _write_llama(tmp_path / "split.gguf", split_max_tensors=2)
+    shards = sorted(p.name for p in tmp_path.glob("split-*.gguf"))
+    assert shards == [f"split-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    whole, split = read_shape(tmp_path / "whole.gguf"), read_shape(tmp_path / shards[0])
+    assert split.layer_bytes == whole.layer_bytes and split.weight_bytes == whole.weight_bytes
+    assert split.output_bytes == whole.output_bytes  # not taken for a tied embedding
+    (tmp_path / shards[2]).unlink()
+    (tmp_path / shards[0]).touch()  # another modification time: read again, not remembered
+    with pytest.raises(PlanError, match="shard 3 of 3 .* is missing"):
+        read_shape(tmp_path / shards[0])
+
+
+@pytest.mark.parametrize("given", [{"ngl": 60}, {"ngl": 99}, {"ngld": 99}, {"ngld": 0}])
+def test_one_offload_given_the_other_fits_in_what_it_leaves(seed_pair, monkeypatch, given):
+    """-ngl (or -ngld) given for the 70B + 8B seed pair on a 24 GiB card: the planned other one took
+    the plan's own value for the given one, and put up to 35 GiB on the GPU (QA)."""
+    from ggufspec import session
+    target, draft = "t70.gguf", "d8.gguf"
+    shapes = dict(zip((target, draft), seed_pair))
+    monkeypatch.setattr(P, "read_shape", lambda path: shapes[str(path)])
+    gpu = cuda(24)
+    monkeypatch.setattr(P, "gpu_offload_supported", lambda: True)
+    monkeypatch.setattr(session, "memory_devices", lambda *args: (gpu, RAM))
+    said = []
+    ngl, ngld = session.planned_offload(str(target), str(draft), 4096, 3, given.get("ngl"), given.get("ngld"),
+                                        said.append, fixed_draft=True)
+    assert (ngl, ngld) == (given.get("ngl", ngl), given.get("ngld", ngld))
+    used = (P.placement(shapes[str(target)], ngl, 4096).gpu_bytes
+            + P.placement(shapes[str(draft)], ngld, 4096).gpu_bytes)
+    if given.get("ngl") != 99 and given.get("ngld") != 99:  # what is given may overfill: the rest may not
+        assert used <= P.gpu_budget(gpu), (ngl, ngld, used / GiB)
+    else:
+        other = P.placement(shapes[str(draft)], ngld, 4096) if "ngl" in given else P.placement(shapes[str(target)], ngl, 4096)
+        assert other.gpu_bytes == 0 or used <= P.gpu_budget(gpu)  # nothing more where the given fills it
+    if given == {"ngld": 0}:
+        assert ngl == P.max_layers(shapes[target], 4096, P.gpu_budget(gpu))  # the whole GPU to the target
+    assert "as given" in said[-1]

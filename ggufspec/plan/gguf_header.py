@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -138,14 +139,46 @@ def _read_shape_uncached(path: str | None, name: str, data: bytes | None = None)
     lib = _ggml_base()
     if lib is None:
         return _read_shape_with_gguf_package(path, name)
+    header = _open_header(lib, path, data, name)
     try:
-        header = _GGMLHeader(lib, path, data)
-    except PlanError as exc:
-        raise PlanError(f"{name}: cannot read the GGUF header ({exc}); the file may be truncated") from None
-    try:
-        return shape_from_header(header.value, header.tensors(), header.array_length("tokenizer.ggml.tokens"), name)
+        tensors = header.tensors() + _other_shards_tensors(lib, path, header.value("split.count", 1), name)
+        return shape_from_header(header.value, tensors, header.array_length("tokenizer.ggml.tokens"), name)
     finally:
         header.close()
+
+
+def _open_header(lib, path: str | None, data: bytes | None, name: str) -> "_GGMLHeader":
+    try:
+        return _GGMLHeader(lib, path, data)
+    except PlanError as exc:
+        raise PlanError(f"{name}: cannot read the GGUF header ({exc}); the file may be truncated") from None
+
+
+SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # NAME-00001-of-00003.gguf, llama.cpp's split files
+
+
+def _other_shards_tensors(lib, path: str | None, n_shards, name: str) -> list[tuple[str, int]]:
+    """A split GGUF's other shards' tensors (the first holds the metadata, each its share of the
+    weights): a plan from the first shard alone would count a fraction of the model's bytes."""
+    if path is None or not isinstance(n_shards, int) or n_shards <= 1:
+        return []
+    found = SHARD.search(path)
+    if found is None:
+        raise PlanError(f"{name} is one of {n_shards} shards of a split GGUF, but its name is not "
+                        f"NAME-00001-of-{n_shards:05d}.gguf: the other shards cannot be found")
+    tensors = []
+    for i in range(1, n_shards + 1):
+        shard = f"{path[:found.start()]}-{i:05d}-of-{n_shards:05d}.gguf"
+        if i == int(found[1]):
+            continue
+        if not os.path.isfile(shard):
+            raise PlanError(f"{name}: shard {i} of {n_shards} ({Path(shard).name}) is missing beside it")
+        header = _open_header(lib, shard, None, Path(shard).name)
+        try:
+            tensors += header.tensors()
+        finally:
+            header.close()
+    return tensors
 
 
 def _read_shape_with_gguf_package(path: str, name: str) -> ModelShape:
@@ -175,8 +208,10 @@ def _cached_shape(key: str, name: str, read) -> ModelShape:
     known = read_json(SHAPES_FILE).get(key)
     if known is not None and set(known) == {f.name for f in fields(ModelShape)} - {"name"}:
         try:
-            return ModelShape(name=name, **known)
-        except TypeError:  # written by another version of ModelShape: read the header again
+            remembered = ModelShape(name=name, **known)
+            remembered.weight_bytes, remembered.kv_bytes(1)  # a damaged entry ("2" for 2) fails here
+            return remembered
+        except (TypeError, ValueError, PlanError):  # another version's ModelShape, or damaged: read again
             pass
     shape = read()
     _remember_shape(key, shape)

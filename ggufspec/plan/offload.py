@@ -145,6 +145,20 @@ def make_plan(target: ModelShape, draft: ModelShape | None, *, gpu: DeviceMemory
     return plan
 
 
+def around_given(target: ModelShape, draft: ModelShape, n_ctx: int, gpu: DeviceMemory | None,
+                 ngl: int | None, ngld: int | None, with_draft: bool) -> tuple[int, int]:
+    """-ngl or -ngld as the user gave it, the other fitted to the GPU memory it leaves (the plan's own
+    choice for the other assumed its own value for the given one, and could overfill the GPU).
+    The draft goes whole on the GPU or stays on the CPU, as in the plan; `with_draft`: the plan uses it."""
+    budget = gpu_budget(gpu)
+    if ngl is not None:
+        left = budget - placement(target, ngl, n_ctx).gpu_bytes
+        whole = placement(draft, draft.n_layer + 1, n_ctx)
+        return ngl, draft.n_layer + 1 if with_draft and whole.gpu_bytes <= left else 0
+    left = budget - placement(draft, ngld, n_ctx).gpu_bytes
+    return max_layers(target, n_ctx, left) if left > 0 else 0, ngld
+
+
 def _draft_sparing_the_target(best: _Option, with_draft: list[_Option]) -> Placement | None:
     """The fastest draft placement at the plan's context that takes no GPU layer from its target."""
     spare = [o for o in with_draft if o.n_ctx == best.n_ctx and o.target.n_gpu_layers >= best.target.n_gpu_layers]
