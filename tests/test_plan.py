@@ -13,6 +13,7 @@ from llamacpp_log import buffer_sizes
 from ggufspec.tinymodels import write_header_only
 
 GiB = 1 << 30
+MiB = 1 << 20
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
@@ -615,3 +616,22 @@ def test_one_offload_given_the_other_fits_in_what_it_leaves(seed_pair, monkeypat
     if given == {"ngld": 0}:
         assert ngl == P.max_layers(shapes[target], 4096, P.gpu_budget(gpu))  # the whole GPU to the target
     assert "as given" in said[-1]
+
+
+def test_a_tiny_gpu_plans_no_worse_than_none_and_the_host_holds_the_draft_too(seed_pair):
+    target, draft = seed_pair
+    no_gpu = P.make_plan(target, draft, gpu=None, ram=RAM, n_ctx=4096)
+    for mib in (100, 512):  # less than the runtime's own overhead: a negative budget left out the CPU draft
+        tiny = P.DeviceMemory("cuda", "small GPU", mib * MiB, mib * MiB, 300)
+        assert P.make_plan(target, draft, gpu=tiny, ram=RAM, n_ctx=4096).predicted_tps >= no_gpu.predicted_tps
+    short = P.DeviceMemory("cpu", "system RAM", 32 * GiB, 30 * GiB, 60)  # the 70B fits, not with the 8B beside it
+    plan = P.make_plan(target, draft, gpu=None, ram=short, n_ctx=2048, ctx_given=True)
+    assert plan.draft is None or "the pair needs" in plan.reason, plan.reason
+
+
+def test_the_target_alone_keeps_its_context_for_a_few_per_cent(seed_pair):
+    """QA: the 70B alone on a 24 GiB card was cut to -c 1024 for 3% more speed, "to fit", where 4096 fits."""
+    target, _ = seed_pair
+    plan = P.make_plan(target, None, gpu=cuda(24), ram=P.DeviceMemory("cpu", "system RAM", 64 * GiB, 64 * GiB, 60),
+                       n_ctx=4096)
+    assert plan.n_ctx == 4096 and "shrunk" not in plan.reason, plan.reason

@@ -88,7 +88,7 @@ def _options_at(n_ctx: int, target: ModelShape, draft: ModelShape | None, gpu, r
         return options
     for draft_ngl in {draft.n_layer + 1, 0} if budget > 0 else {0}:
         d = placement(draft, draft_ngl, n_ctx)
-        if d.gpu_bytes > budget:
+        if d.gpu_bytes > max(budget, 0):  # a GPU too small for anything still leaves the draft on the CPU
             continue
         t = placement(target, max_layers(target, n_ctx, budget - d.gpu_bytes), n_ctx)
         curve = (measured(t.n_gpu_layers, d.n_gpu_layers) if measured else None) \
@@ -107,11 +107,15 @@ def make_plan(target: ModelShape, draft: ModelShape | None, *, gpu: DeviceMemory
               acceptance: float = DEFAULT_ACCEPTANCE, trace: Trace | None = None, measured=None) -> Plan:
     """Draft fully on the GPU first, then as many target layers as fit; compare the options (the
     target alone among them) by predicted speed and keep the fastest. Shrinks the context only when
-    the user did not set -c. `trace`: the pair's acceptance trace (else `acceptance`, assumed);
-    `measured(ngl, ngld)`: this machine's measured CostCurve for an offload, or None."""
+    the user did not set -c, and only to fit the draft. `trace`: the pair's acceptance trace (else
+    `acceptance`, assumed); `measured(ngl, ngld)`: this machine's measured CostCurve for an offload,
+    or None."""
     budget = gpu_budget(gpu)
     replayed = trace if trace is not None else synthetic_trace(acceptance)
-    contexts = [n_ctx] if ctx_given else [c for c in (n_ctx, n_ctx // 2, n_ctx // 4) if c >= 1024] or [n_ctx]
+    # a context given, or no draft to fit: the context asked (a few more target layers are not worth
+    # half the context; fitting the whole draft on the GPU may be)
+    contexts = ([n_ctx] if ctx_given or draft is None
+                else [c for c in (n_ctx, n_ctx // 2, n_ctx // 4) if c >= 1024] or [n_ctx])
     options: list[_Option] = []
     for ctx in contexts:
         at_ctx = _options_at(ctx, target, draft, gpu, ram, budget, n_draft, replayed, measured)
@@ -120,7 +124,7 @@ def make_plan(target: ModelShape, draft: ModelShape | None, *, gpu: DeviceMemory
                                      for o in at_ctx):
             break  # the draft fits whole at this context: no need to shrink it further
     # the first option (the target alone at the asked context) stands even when the host is short
-    fits = [o for o in options if o.target.cpu_bytes <= ram.free or o is options[0]]
+    fits = [o for o in options if _host_bytes(o) <= ram.free or o is options[0]]
     best = max(fits, key=lambda o: (o.tps, o.n_ctx))
     with_draft = [o for o in fits if o.draft is not None]
     best_draft = max(with_draft, key=lambda o: (o.tps, o.n_ctx), default=None)
@@ -138,8 +142,9 @@ def make_plan(target: ModelShape, draft: ModelShape | None, *, gpu: DeviceMemory
     plan.draft_curve = best_draft.curve if best_draft else None  # for the report (not a field: not in to_dict)
     if draft is not None and gpu is not None:
         plan.reason += _draft_too_big(draft, best.n_ctx, budget)
-    if best.target.cpu_bytes > ram.free:
-        plan.reason += (f"; the target needs {best.target.cpu_bytes / MiB:.0f} MiB of host memory but only "
+    if _host_bytes(best) > ram.free:
+        plan.reason += (f"; {'the pair' if best.draft else 'the target'} needs {_host_bytes(best) / MiB:.0f} MiB "
+                        f"of host memory but only "
                         f"{max(ram.free, 0) / MiB:.0f} MiB is available: it will swap or fail to load "
                         f"(a smaller quantization, a smaller -c, or more layers on a GPU)")
     return plan
@@ -157,6 +162,10 @@ def around_given(target: ModelShape, draft: ModelShape, n_ctx: int, gpu: DeviceM
         return ngl, draft.n_layer + 1 if with_draft and whole.gpu_bytes <= left else 0
     left = budget - placement(draft, ngld, n_ctx).gpu_bytes
     return max_layers(target, n_ctx, left) if left > 0 else 0, ngld
+
+
+def _host_bytes(option: _Option) -> int:
+    return option.target.cpu_bytes + (option.draft.cpu_bytes if option.draft is not None else 0)
 
 
 def _draft_sparing_the_target(best: _Option, with_draft: list[_Option]) -> Placement | None:
