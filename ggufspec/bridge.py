@@ -27,6 +27,9 @@ class VocabBridge:
     def n_past(self) -> int:
         return len(self.tokens)
 
+    def is_end_of_generation(self, token: int) -> bool:  # a drafted id is one of the draft's own
+        return self.inner.is_end_of_generation(token)
+
     def _draft_ids(self, token: int) -> list[int]:
         if token < self.inner.n_vocab:
             return [token]

@@ -85,7 +85,9 @@ class ModelDrafter:
                 if self.p_min > 0 and q[token] < self.p_min and proposals:
                     break
             proposals.append(token)
-            if len(proposals) == k or ctx.n_past + 1 >= ctx.n_ctx or (guide is not None and not guide.accept(token)):
+            # nothing after an end of generation is output: the draft stops there (a guide says so too)
+            ends = not guide.accept(token) if guide is not None else ctx.is_end_of_generation(token)
+            if len(proposals) == k or ctx.n_past + 1 >= ctx.n_ctx or ends:
                 break
             try:
                 ctx.decode([token], n_logits=1)

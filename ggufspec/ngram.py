@@ -50,7 +50,9 @@ class NgramPool:
     within a slot cost nothing but the forgotten entry) and the token that last followed it."""
 
     def __init__(self, size: int = DEFAULT_POOL_SIZE, orders: tuple[int, ...] = POOL_ORDERS):
-        if not isinstance(size, int) or not 1 <= size <= MAX_POOL_SIZE:
+        if not orders or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in orders):
+            raise GgufspecError(f"the pool's orders must be n-gram lengths >= 1, got {orders!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_POOL_SIZE:
             raise GgufspecError(f"--lookup-pool must be 1 to {MAX_POOL_SIZE} (n-grams the pool keeps, 12 bytes "
                                 f"each; default {DEFAULT_POOL_SIZE}), got {size}")
         self.size, self.orders = size, tuple(sorted(orders, reverse=True))
@@ -193,11 +195,15 @@ class NgramDrafter:
         return self._to_the_end(found)
 
     def _to_the_end(self, found: Candidate | None) -> Candidate | None:
-        """The candidate up to its first end-of-generation token, included."""
-        if found is None or self.is_end is None:
+        """The candidate up to its first end-of-generation token, included, and before any id the
+        target's vocabulary lacks (a pool shared with another model's decoder could hold some: no
+        grammar may be asked about them)."""
+        if found is None:
             return found
         for j, token in enumerate(found.tokens):
-            end = self._ends.get(token)
+            if token >= self.n_vocab:
+                return Candidate(found.tokens[:j], found.match_length, found.source)
+            end = self._ends.get(token) if self.is_end is not None else False
             if end is None:
                 end = self._ends[token] = bool(self.is_end(token))
             if end:

@@ -111,7 +111,7 @@ class Slots:
             return decoder
         view = copy.copy(decoder)
         view.target, view.draft, view.last_stats = slot.target, slot.draft, None
-        view.is_slot, view.id_slot, view._owned = True, slot.index, []
+        view.is_slot, view.id_slot, view._owned, view.root = True, slot.index, [], decoder
         return view
 
     def generate_many(self, prompts, **options) -> list:

@@ -185,7 +185,7 @@ def _verify(target: Context, tokens: list[int], proposals: list[int], judge: Tar
         history = tokens + proposals[:i] if judge.needs_history and i else tokens
         token, score = judge.decide(target.logits(i), history, len(tokens) + i)
         scores.append(score)
-        if token != proposed:
+        if token != proposed or target.is_end_of_generation(token):  # an accepted end is the last (own) one
             return i, token, scores
     raise AssertionError("unreachable: the last row has no proposal, so its token differs")
 
@@ -450,10 +450,11 @@ class SpeculativeDecoder:
         if n_min < 0:
             raise GgufspecError(f"--spec-draft-n-min must be >= 0, got {n_min}")
         if kind == "lookup":  # n-grams of this sequence, and the pool every request of this decoder adds to
-            if getattr(self, "ngram_pool", None) is None:
+            owner = getattr(self, "root", self)  # a slot's view (`Slots._view`): the decoder all slots share
+            if getattr(owner, "ngram_pool", None) is None:
                 from .ngram import NgramPool
-                self.ngram_pool = NgramPool()  # the default size; a session sets its own (--lookup-pool)
-            return LookupDrafter(self.target.n_vocab, self.ngram_pool, is_end=self.target.is_end_of_generation)
+                owner.ngram_pool = NgramPool()  # the default size; a session sets its own (--lookup-pool)
+            return LookupDrafter(self.target.n_vocab, owner.ngram_pool, is_end=self.target.is_end_of_generation)
         if self.draft is None:
             raise GgufspecError(f"the {kind} drafter needs a draft model: give -md, or use --lookup alone")
         from .mtp import MtpContext, MtpDrafter

@@ -73,6 +73,57 @@ def test_the_pool_is_bounded():
             NgramPool(size)
 
 
+def test_a_pool_holding_another_vocabularys_ids_never_proposes_them():
+    """A pool shared with another model's decoder: its ids past this vocabulary reached the grammar,
+    whose native code aborted the process on them (QA)."""
+    pool = NgramPool(1 << 12)
+    earlier = [1] + list(range(260, 270)) + [100_000, 100_001]
+    NgramDrafter(300, pool).candidate(earlier, 4)
+    found = NgramDrafter(300, pool).candidate([1, 7] + list(range(262, 270)), 4)
+    assert found.tokens == [] or max(found.tokens) < 300, found
+    for orders in ((), (0,), (-3,), ("2",)):
+        with pytest.raises(GgufspecError, match="orders must be n-gram lengths"):
+            NgramPool(64, orders)
+    with pytest.raises(GgufspecError, match="--lookup-pool must be 1 to"):
+        NgramPool(True)
+
+
+def test_stats_count_only_what_is_output_and_the_draft_stops_at_an_end(tiny_pair):
+    """A draft model drafted past an end of generation and the target verified past it: n_accept
+    counted tokens never output (more than the whole answer)."""
+    from ggufspec.drafting import ModelDrafter
+    proposed = []
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1) as decoder:
+        real = ModelDrafter.propose
+
+        def spy(self, tokens, k, *args, **kwargs):
+            proposals = real(self, tokens, k, *args, **kwargs)
+            proposed.append(proposals)
+            return proposals
+        ended = 0
+        for prompt in prompts(12, seed=9):
+            ModelDrafter.propose = spy
+            try:
+                steps = list(decoder.stream(prompt, n_predict=40, n_draft=8, drafter="model"))
+            finally:
+                ModelDrafter.propose = real
+            stats = decoder.last_stats
+            assert stats.n_accept == sum(step.from_draft for step in steps) <= stats.n_predict
+            ended += stats.stop_reason == "eos"
+        ends = [decoder.target.is_end_of_generation(t) for p in proposed for t in p[:-1]]
+        assert not any(ends)  # an end is a proposal's last token, if it has one
+    assert ended > 0, "no answer ended: the test shows nothing"
+
+
+def test_slots_share_the_pool_as_one_decoder_does(looping_target):
+    prompt = [1] + [260, 261, 262, 263, 264, 265] * 3
+    with SpeculativeDecoder(looping_target, None, n_ctx=512, n_threads=1, n_parallel=2) as decoder:
+        first = decoder.generate_many([prompt], n_predict=30, n_draft=4, drafter="lookup")[0]
+        again = decoder.generate_many([prompt], n_predict=30, n_draft=4, drafter="lookup")[0]
+        assert again.tokens == first.tokens and decoder.ngram_pool.used > 0
+        assert again.stats.n_accept >= first.stats.n_accept  # the answer was learned: copied whole
+
+
 def test_a_collision_is_a_miss_not_a_wrong_token():
     pool = NgramPool(1)  # every n-gram in one slot: the latest wins, the others miss
     pool.add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 3, 10)
@@ -116,7 +167,7 @@ def test_auto_drafts_long_copies_and_probes_cheaply():
     auto = AutoDrafting(NgramDrafter(300, NgramPool(1 << 10)), None, memory_bound_costs(), k_max=8)
     auto.choose(8)
     proposals = auto.propose(tokens, 8, GREEDY, None)
-    cycle = [264, 265, 266, 267, 268, 269] + list(range(260, 270))  # up to NGRAM_K_MAX = 16
+    cycle = [264, 265, 266, 267, 268, 269] + list(range(260, 270))  # up to NGRAM_K_MAX
     assert len(proposals) >= 8 and proposals == cycle[:len(proposals)]
     # where a bucket's proposals are seldom kept, only a one-token probe now and then
     costs = memory_bound_costs()
