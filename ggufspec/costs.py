@@ -6,9 +6,11 @@ machine, and `slots` prices a shared batch with. Measured, not modelled: the lea
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 
 from .costmodel import tokens_per_second
+from .errors import GgufspecError
 from .ngram import NgramTallies
 
 
@@ -34,10 +36,14 @@ class Costs:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Costs":
+        """The costs to_dict wrote; ValueError for a damaged record (a time that is not a positive,
+        finite number of seconds: it would make T(n) zero, negative or NaN)."""
         costs = cls()
-        costs.draft_times.extend(float(t) for t in data.get("draft", []))
+        costs.draft_times.extend(seconds(t) for t in data.get("draft", []))
         for n, times in data.get("batch", {}).items():
-            costs.batch_times[int(n)] = deque((float(t) for t in times), maxlen=8)
+            if int(n) < 1:
+                raise ValueError(f"a batch of {n} tokens")
+            costs.batch_times[int(n)] = deque((seconds(t) for t in times), maxlen=8)
         costs.ngram = NgramTallies(data.get("ngram") if isinstance(data.get("ngram"), dict) else None)
         return costs
 
@@ -69,6 +75,8 @@ class Costs:
 
     def batch_model(self):
         """T(n) for every n: the measured least where there is one, else a line through them."""
+        if not self.batch_times:
+            raise GgufspecError("no target batch has been timed yet: T(n) is unknown (time one first: add_batch)")
         if self._model is None:
             self._model = _batch_model({n: min(times) for n, times in self.batch_times.items()})
             self._best_rates = {}
@@ -111,6 +119,13 @@ class Costs:
         batch = self.batch_model()  # acceptance 1: every draft token kept
         best_possible = max(tokens_per_second(k, 1.0, self.t_draft, batch(k + 1)) for k in range(1, max_k + 1))
         return best_possible > 1.05 / batch(1)
+
+
+def seconds(value) -> float:
+    """A remembered time, checked: a positive, finite number of seconds (else ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{value!r} is not a time in seconds")
+    return float(value)
 
 
 def _batch_model(measured: dict[int, float]):

@@ -18,6 +18,7 @@ whose it is, and replays it. It imports only engine modules.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -130,7 +131,10 @@ def runs_from_agreement(agrees: list[bool], limit: int = MAX_RUN) -> list[int]:
 
 
 def write_trace(path, pair: dict, prompts: list[PromptTrace], meta: dict | None = None) -> None:
-    """JSON lines: a header (format, pair, meta), a line per prompt, an end line counting them."""
+    """JSON lines: a header (format, pair, meta), a line per prompt, an end line counting them. A
+    prompt that generated nothing (no position) is left out: there is nothing of it to replay."""
+    if not (prompts := [p for p in prompts if p.runs]):
+        raise TraceError(f"{os.fspath(path)}: no prompt generated a token: no trace to write (raise -n)")
     lines = [{"format": TRACE_FORMAT, "version": TRACE_VERSION, "pair": pair, "max_run": MAX_RUN, **(meta or {})}]
     lines += [p.to_json() for p in prompts] + [{"end": len(prompts)}]
     Path(path).write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines), encoding="utf-8")
@@ -140,7 +144,7 @@ def read_trace(path) -> Trace:
     """A trace file, checked whole: one clear line for an empty, damaged or truncated one."""
     name = os.fspath(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise TraceError(f"{name}: no such trace file (write one with `ggufspec bench --record-trace FILE`)") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -161,28 +165,44 @@ def read_trace(path) -> Trace:
         raise TraceError(f"{name}: not a ggufspec trace (its first line has no \"format\": \"{TRACE_FORMAT}\")")
     if header.get("version") != TRACE_VERSION:
         raise TraceError(f"{name}: trace version {header.get('version')!r}; this ggufspec reads {TRACE_VERSION}")
-    end = records[-1]
+    end, pair = records[-1], header.get("pair") or {}
+    if not isinstance(pair, dict) or not all(isinstance(m := pair.get(role, {}), dict) and _whole(m.get("size", 0))
+                                             for role in ("target", "draft")):
+        raise TraceError(f"{name}: its \"pair\" is not the two models' file, size and fingerprint: a damaged "
+                         f"trace, record it again")
     if len(records) < 2 or not isinstance(end, dict) or "end" not in end:
         raise TraceError(f"{name}: the trace stops after {len(records) - 1} prompt(s) without its end line: "
                          f"truncated, record it again")
     prompts = [_prompt_trace(name, number, r) for number, r in enumerate(records[1:-1], 2)]
-    if end["end"] != len(prompts) or not prompts:
-        raise TraceError(f"{name}: the end line counts {end['end']} prompt(s) but the file holds {len(prompts)}")
+    if not _whole(end["end"]):
+        raise TraceError(f"{name}: its end line's count {end['end']!r} is not a number: a damaged trace, record it again")
+    if end["end"] != len(prompts):
+        raise TraceError(f"{name}: the end line counts {end['end']} prompt(s) but the file holds {len(prompts)}: "
+                         f"a damaged trace, record it again")
+    if not (prompts := [p for p in prompts if p.runs]):  # a prompt that generated nothing: nothing to replay
+        raise TraceError(f"{name}: the trace holds no generated token: record it again with a larger -n")
     meta = {k: v for k, v in header.items() if k not in ("format", "version", "pair")}
-    return Trace(header.get("pair") or {}, prompts, name, meta)
+    return Trace(pair, prompts, name, meta)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prompt_trace(name: str, number: int, record) -> PromptTrace:
     try:
-        runs = [int(r) for r in record["runs"]]
-        trace = PromptTrace(str(record["prompt"]), record.get("kind", "raw"), int(record["n_prompt"]), runs,
-                            bool(record.get("eos", False)), record.get("p"), record.get("tokens"),
-                            int(record.get("n_predict", 0)))
-        assert runs and all(0 <= r <= MAX_RUN for r in runs) and trace.n_prompt >= 1
-        assert trace.p is None or len(trace.p) == len(runs)
-        assert trace.tokens is None or len(trace.tokens) == trace.n_prompt + len(runs)
+        runs, p, tokens = record["runs"], record.get("p"), record.get("tokens")
+        trace = PromptTrace(str(record["prompt"]), str(record.get("kind", "raw")), record["n_prompt"], runs,
+                            bool(record.get("eos", False)) and bool(runs), p, tokens, record.get("n_predict", 0))
+        assert isinstance(runs, list) and all(_whole(r) and 0 <= r <= MAX_RUN for r in runs)
+        assert _whole(trace.n_prompt) and trace.n_prompt >= 1 and _whole(trace.n_predict)
+        assert p is None or isinstance(p, list) and len(p) == len(runs) and all(
+            isinstance(x, (int, float)) and 0 <= x <= 1 for x in p)
+        assert tokens is None or isinstance(tokens, list) and len(tokens) == trace.n_prompt + len(runs) and all(
+            _whole(t) for t in tokens)
     except (KeyError, TypeError, ValueError, AssertionError):
-        raise TraceError(f"{name}:{number}: not a prompt's trace (prompt, n_prompt, runs of 0..{MAX_RUN})") from None
+        raise TraceError(f"{name}:{number}: not a prompt's trace (prompt, n_prompt, runs of 0..{MAX_RUN}, "
+                         f"its tokens whole numbers and p probabilities): a damaged trace, record it again") from None
     return trace
 
 
@@ -198,12 +218,16 @@ def trace_files() -> list[Path]:
 
 
 def known_traces(identity: dict) -> list[Trace]:
-    """Every known trace recorded on this pair (unreadable ones are passed over: they are only hints)."""
+    """Every known trace recorded on this pair (unreadable ones are passed over, said on stderr: they
+    are only hints, and never stop a plan or a bench)."""
+    import sys
     found = []
     for path in trace_files():
         try:
             trace = read_trace(path)
-        except TraceError:
+        except Exception as exc:  # noqa: BLE001  whatever is wrong with the file
+            reason = str(exc).removeprefix(f"{path}: ") or type(exc).__name__
+            print(f"ggufspec: passed over the known trace {path} ({reason})", file=sys.stderr)
             continue
         if same_pair(trace.pair, identity):
             found.append(trace)
@@ -373,7 +397,9 @@ class Process:
 def replay_prompt(trace: PromptTrace, curve: CostCurve, policy: Policy, process: Process | None = None) -> Replay:
     """One prompt's generation under `policy`, timed by `curve` (see `speculate.speculative_steps`);
     `process`: what earlier generations left (else a fresh process)."""
-    sequence = trace.tokens or list(range(-2, -3 - trace.n_prompt - len(trace.runs), -1))  # unknown: never repeats
+    if trace.tokens is None:  # unknown tokens, never repeating: a prompt of them as long as what is generated
+        trace = dataclasses.replace(trace, n_prompt=min(trace.n_prompt, len(trace.runs) + 1))  # does the same
+    sequence = trace.tokens or list(range(-2, -3 - trace.n_prompt - len(trace.runs), -1))
     draft = _TraceDraft(trace, sequence, curve, policy.p_min)
     drafter, controller = draft, FixedK(policy.k)
     if policy.auto:
@@ -425,7 +451,8 @@ def predict(trace: Trace, curve: CostCurve, policy: Policy, prompts: list[str] |
     as bench runs it, and the median of their speedups, as bench reports its measurement. Otherwise
     every prompt of the trace, pooled (all tokens over all seconds): the trace stands for text like
     it, and a long answer weighs more than a short one."""
-    chosen = [p for p in trace.prompts if prompts is None or p.prompt in prompts] or trace.prompts
+    replayable = [p for p in trace.prompts if p.runs]  # a prompt that generated nothing tells nothing
+    chosen = [p for p in replayable if prompts is None or p.prompt in prompts] or replayable
     per_prompt, total, alone = {}, Replay(), Replay()
     process = Process(curve) if policy.auto else None
     for p in chosen:
@@ -438,7 +465,7 @@ def predict(trace: Trace, curve: CostCurve, policy: Policy, prompts: list[str] |
                 setattr(total, name, getattr(total, name) + getattr(run, name))
             alone.tokens, alone.seconds = alone.tokens + by_itself.tokens, alone.seconds + by_itself.seconds
     pooled = total.tokens_per_second / alone.tokens_per_second if alone.seconds else 0.0
-    speedup = statistics.median(per_prompt.values()) if prompts is not None else pooled
+    speedup = statistics.median(per_prompt.values()) if prompts is not None and per_prompt else pooled
     return Prediction(policy.name, speedup, total.tokens_per_second,
                       total.accepted / total.drafted if total.drafted else 0.0, per_prompt)
 

@@ -50,11 +50,18 @@ def _cuda(name: str, total: int, free: int) -> DeviceMemory:
 
 
 def parse_nvidia_smi(text: str) -> list[DeviceMemory]:
-    """`nvidia-smi --query-gpu=name,memory.total,memory.free --format=csv,noheader,nounits` (MiB)."""
+    """`nvidia-smi --query-gpu=name,memory.total,memory.free --format=csv,noheader,nounits` (MiB).
+    A GPU whose memory it does not report ("[N/A]": unified memory, like the GB10's) is left out, as
+    is a line it cannot read: the planner knows nothing of its memory (--vram says it)."""
     devices = []
     for line in text.strip().splitlines():
-        name, total, free = [part.strip() for part in line.rsplit(",", 2)]
-        devices.append(_cuda(name, int(float(total)) * MiB, int(float(free)) * MiB))
+        try:
+            name, total, free = [part.strip() for part in line.rsplit(",", 2)]
+            total_mib, free_mib = float(total), float(free)
+        except ValueError:
+            continue
+        if 0 <= free_mib <= total_mib < 1 << 40:  # and neither is NaN
+            devices.append(_cuda(name, int(total_mib) * MiB, int(free_mib) * MiB))
     return devices
 
 
@@ -118,21 +125,29 @@ def _rocm_gpus() -> list[DeviceMemory]:
         return []
     try:
         return parse_rocm_smi(out)
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError):
         return []
 
 
 def detect_gpus() -> list[DeviceMemory]:
-    """NVIDIA (NVML, else nvidia-smi), Apple Silicon (sysctl), AMD (rocm-smi); [] when none answers."""
+    """NVIDIA (NVML, else nvidia-smi), Apple Silicon (sysctl), AMD (rocm-smi); [] when none answers.
+    A source whose answer cannot be read is passed over: a GPU not detected, never a crash."""
     try:
         return _nvml_devices()
-    except Exception:  # no driver, no library: try the next source
+    except Exception:  # no driver, no library, memory not reported (unified): try the next source
         pass
     if out := _run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"]):
-        return parse_nvidia_smi(out)
+        try:
+            if nvidia := parse_nvidia_smi(out):
+                return nvidia
+        except Exception:  # an answer of another form: no GPU known from it
+            pass
     if platform.system() == "Darwin" and platform.machine() == "arm64":
-        if apple := _apple_gpu():
-            return apple
+        try:
+            if apple := _apple_gpu():
+                return apple
+        except ValueError:  # sysctl answered something else than a number
+            pass
     return _rocm_gpus()
 
 

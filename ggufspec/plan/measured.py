@@ -9,7 +9,7 @@ import os
 from importlib import metadata
 
 from ..backends import build_backends, find_lib
-from ..costs import Costs
+from ..costs import Costs, seconds
 from ..home import read_json, write_json
 from ..simulate import CostCurve
 
@@ -84,20 +84,31 @@ def measured_curve(target_path, draft_path, n_threads, ngl: int, ngld: int, warn
     try:
         costs = Costs.from_dict(model)
         usable = 1 in costs.batch_times and len(costs.batch_times) >= 2 and costs.t_draft > 0
-    except (ValueError, TypeError, AttributeError):
-        usable = False
+    except (ValueError, TypeError, AttributeError) as exc:  # only remembered figures: estimate instead
+        if warn:
+            warn(f"costs.json: the costs remembered for this pair are damaged ({exc}): estimating instead "
+                 f"(`ggufspec bench` measures them again)")
+        return None
     if not usable:
         return None
     threads = key.split("|")[2][1:]
     where = f"-t {threads}, " if threads != "None" else ""
     try:
-        batches = {int(n): float(t) for n, t in (model.get("draft_batch") or {}).items()}
-        step, row = float(model.get("step_seconds", 0.0)), float(model.get("row_seconds", 0.0))
+        batches = {int(n): seconds(t) for n, t in (model.get("draft_batch") or {}).items()}
+        step, row = (_seconds_or_zero(model.get(name)) for name in ("step_seconds", "row_seconds"))
         sampled = bench_costs(model.get("sampled"))
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError) as exc:
+        if warn:
+            warn(f"costs.json: bench's figures for this pair are damaged ({exc}): using the costs "
+                 f"`--draft auto` remembered (`ggufspec bench` measures them again)")
         batches, step, row, sampled = {}, 0.0, 0.0, None
     return CostCurve(sampled or costs, step, row, f"measured on this machine ({where}-ngl {ngl} -ngld {ngld})",
                      batches, remembered=costs)
+
+
+def _seconds_or_zero(value) -> float:
+    """step_seconds, row_seconds: 0 where bench did not stamp them, else a time (ValueError if damaged)."""
+    return 0.0 if value is None or value == 0 else seconds(value)
 
 
 def bench_costs(sampled) -> Costs | None:
@@ -107,9 +118,8 @@ def bench_costs(sampled) -> Costs | None:
     included, is left out of the per-token time) and take the luckiest of a few batches."""
     if not isinstance(sampled, dict) or "target_1" not in sampled or not sampled.get("draft_1"):
         return None
-    costs = Costs()
-    for key, seconds in sampled.items():
-        if key.startswith("target_"):
-            costs.add_batch(int(key[7:]), float(seconds))
-    costs.draft_times.append(float(sampled["draft_1"]))
+    costs = Costs.from_dict({"batch": {key[7:]: [t] for key, t in sampled.items() if key.startswith("target_")},
+                             "draft": [sampled["draft_1"]]})  # checked as remembered costs are
+    if len(costs.batch_times) < 2:  # T(1) alone would flatten the curve: keep the fuller remembered costs
+        return None
     return costs

@@ -24,6 +24,8 @@ KV_BYTES = 2                  # F16 cache
 # architecture (src/models/*.cpp, load_swa_pattern): n means n - 1 window layers, then a full one.
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2,
                 "exaone4": 4, "olmo2": 4, "plamo3": 8}
+MAX_LAYERS = 10_000           # a sanity bound on block_count (the largest models have a few hundred)
+MAX_DIMENSION = 1 << 32       # and on any other size in the header (widths, heads, vocabulary, context)
 
 
 @dataclass
@@ -48,6 +50,13 @@ class ModelShape:
 
     def __post_init__(self):
         self.swa_layers = tuple(self.swa_layers)  # a list, when remembered as JSON
+        sizes = [self.n_layer, self.n_embd, self.n_head, self.n_head_kv, self.n_embd_k_gqa, self.n_embd_v_gqa,
+                 self.n_ff, self.n_vocab, self.embd_bytes, self.output_bytes, self.other_bytes, self.n_ctx_train,
+                 self.n_swa, *self.layer_bytes]
+        if (not all(_is_count(v, 0, 1 << 62) for v in sizes) or not 1 <= self.n_layer <= MAX_LAYERS
+                or len(self.layer_bytes) != self.n_layer or (self.n_swa and len(self.swa_layers) != self.n_layer)):
+            raise PlanError(f"{self.name}: an impossible model shape ({self.n_layer!r} layers, "
+                            f"{len(self.layer_bytes)} sized): read its GGUF header again")
 
     @property
     def weight_bytes(self) -> int:
@@ -69,12 +78,30 @@ class ModelShape:
         return max(output, attention)
 
 
-def _tensor_bytes(tensors: list[tuple[str, int]], n_layer: int) -> tuple[list[int], int, int, int]:
+def _is_count(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _count(name: str, key: str, value, low: int = 0, high: int = MAX_DIMENSION, per_layer: bool = False) -> int:
+    """A size from the header, checked: a whole number in [low, high] (NaN, a string, a negative
+    count are a damaged or misconverted file), or a per-layer list of them, sized by its largest."""
+    values = value if per_layer and isinstance(value, list) and value else [value]
+    if not all(_is_count(v, 0, high) for v in values) or max(values) < low:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise PlanError(f"{name}: {key} is {shown} in the GGUF header, not a whole number from {low} to {high}: "
+                        f"the file is damaged or was converted wrongly (convert it again, or use another file)")
+    return max(values)
+
+
+def _tensor_bytes(tensors: list[tuple[str, int]], n_layer: int, name: str, key: str) -> tuple[list[int], int, int, int]:
     """(bytes per layer, token embedding, output, everything else) from the tensor list."""
     layers = [0] * n_layer
     embd = output = other = 0
     for tensor_name, size in tensors:
         if m := re.match(r"blk\.(\d+)\.", tensor_name):
+            if int(m[1]) >= n_layer:
+                raise PlanError(f"{name}: tensor {tensor_name} is past the {n_layer} layers {key} gives: the "
+                                f"file is damaged or was converted wrongly (convert it again, or use another file)")
             layers[int(m[1])] += size
         elif tensor_name.startswith("token_embd."):
             embd += size
@@ -87,45 +114,48 @@ def _tensor_bytes(tensors: list[tuple[str, int]], n_layer: int) -> tuple[list[in
     return layers, embd, output, other
 
 
-def _largest(value):
-    """Some architectures give a per-layer list where most give one number: size for the largest."""
-    return max(value) if isinstance(value, list) else value
-
-
 def shape_from_header(kv, tensors: list[tuple[str, int]], n_tokens: int | None, name: str) -> ModelShape:
     """kv: key -> value for the keys the planner needs; tensors: (name, bytes); n_tokens: the
     tokenizer's vocabulary length (None when the file has no token list)."""
     arch = kv("general.architecture")
     if not arch:
         raise PlanError(f"{name}: no general.architecture in the GGUF header")
-    get = lambda key, default=None: kv(f"{arch}.{key}", default)
-    n_layer = get("block_count")
+    if not isinstance(arch, str):
+        raise PlanError(f"{name}: general.architecture is {arch!r} in the GGUF header, not a name: the file is damaged")
+
+    def get(key, default=None, low=0, high=MAX_DIMENSION, per_layer=False):  # a size, checked (None: absent)
+        value = kv(f"{arch}.{key}", default)
+        return None if value is None else _count(name, f"{arch}.{key}", value, low, high, per_layer)
+    n_layer = get("block_count", low=1, high=MAX_LAYERS)
     if n_layer is None:
         raise PlanError(f"{name}: no {arch}.block_count in the GGUF header")
-    sizes = _tensor_bytes(tensors, n_layer)
+    sizes = _tensor_bytes(tensors, n_layer, name, f"{arch}.block_count")
     n_vocab = n_tokens if n_tokens is not None else get("vocab_size", 0)
-    n_embd, n_head = get("embedding_length"), get("attention.head_count")
-    n_ctx_train = get("context_length", 0) or 0
-    if n_embd is None or not n_head:
+    n_embd, n_head = get("embedding_length", low=1), get("attention.head_count", per_layer=True)
+    n_ctx_train = get("context_length", 0)
+    if n_embd is None or not n_head:  # 0 heads: an attention-free model (mamba writes 0)
         warnings.warn(f"{name}: architecture {arch!r} lacks the usual shape keys; sizing from tensors alone")
         return ModelShape(name, arch, n_layer, n_embd or 0, 1, 1, 0, 0, 0, n_vocab, *sizes, n_ctx_train)
-    n_head = _largest(n_head)
-    n_head_kv = _largest(get("attention.head_count_kv", n_head))
+    n_head_kv = get("attention.head_count_kv", n_head, per_layer=True)
     key_len = get("attention.key_length", n_embd // n_head)
     value_len = get("attention.value_length", key_len)
-    n_ff = _largest(get("feed_forward_length", 4 * n_embd))
-    n_swa = get("attention.sliding_window", 0) or 0
+    n_ff = get("feed_forward_length", 4 * n_embd, per_layer=True)
+    n_swa = get("attention.sliding_window", 0)
+    swa = _swa_layers(name, arch, n_layer, kv(f"{arch}.attention.sliding_window_pattern")) if n_swa else ()
     return ModelShape(name, arch, n_layer, n_embd, n_head, n_head_kv, n_head_kv * key_len,
-                      n_head_kv * value_len, n_ff, n_vocab, *sizes, n_ctx_train, n_swa,
-                      _swa_layers(arch, n_layer, get("attention.sliding_window_pattern")) if n_swa else ())
+                      n_head_kv * value_len, n_ff, n_vocab, *sizes, n_ctx_train, n_swa, swa)
 
 
-def _swa_layers(arch: str, n_layer: int, pattern) -> tuple[bool, ...]:
+def _swa_layers(name: str, arch: str, n_layer: int, pattern) -> tuple[bool, ...]:
     """Which layers use the sliding window: the header's per-layer list, or a pattern n (n - 1 window
     layers, then a full one), or llama.cpp's default for the architecture (all layers if unknown)."""
+    key = f"{arch}.attention.sliding_window_pattern"
     if isinstance(pattern, list):
+        if len(pattern) < n_layer or not all(_is_count(x, 0, 1) or isinstance(x, bool) for x in pattern):
+            raise PlanError(f"{name}: {key} holds {len(pattern)} value(s) for {n_layer} layers, not one true or "
+                            f"false a layer: the file is damaged or was converted wrongly (convert it again)")
         return tuple(bool(x) for x in pattern[:n_layer])
-    n = pattern if isinstance(pattern, int) else SWA_PATTERNS.get(arch, 0)
+    n = SWA_PATTERNS.get(arch, 0) if pattern is None else _count(name, key, pattern, 0, MAX_LAYERS)
     return tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
 
 
