@@ -292,8 +292,8 @@ def test_ctrl_c_while_a_model_loads_stops_once_the_load_returns():
     threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         open_model(target, "target", LoadParams(n_threads=1))
-        time.sleep(5)  # a Ctrl-C after the load would land here
-    assert time.perf_counter() - started < 5
+        time.sleep(60)  # a Ctrl-C lost in the load would land here (or never: 60 s)
+    assert time.perf_counter() - started < 45  # the load alone, however busy the machine
 
 
 def _cli(*args, env=None, **kwargs):
