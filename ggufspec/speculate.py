@@ -58,7 +58,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     draft_ctx = drafter.context if drafter is not None else None
     guide = judge.draft_guide()  # the request's constraints over the proposals too (more of them kept)
     try:
-        _prefill(target, draft_ctx, tokens, stats, reuse_cache)
+        first_row = _prefill(target, draft_ctx, tokens, stats, reuse_cache)
     except Interrupted:  # the caller stopped a long prompt (`Context.should_stop`): nothing generated
         stats.stop_reason = "interrupted"
         judge.close()
@@ -73,7 +73,7 @@ def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, contro
     try:
         # the prompt's last row decides the first token (as llama-server samples it from the prompt's
         # batch): it comes without waiting for a verification, which with other slots is one more round
-        first, score = judge.decide(target.logits(0), tokens, len(tokens))
+        first, score = judge.decide(first_row, tokens, len(tokens))
         kept, scores, n_accepted = [first], [score], 0
         while True:
             for i, token in enumerate(kept):
@@ -139,9 +139,9 @@ def _step(target: Context, drafter, tokens: list[int], room: int, controller, ju
     return kept, scores, n_accepted
 
 
-def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats, reuse: bool = True) -> None:
+def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: Stats, reuse: bool = True):
     """Evaluate the prompt on the target, reusing what its cache already holds (with `reuse` False,
-    nothing: the caches are emptied first), with the logits of its last token.
+    nothing: the caches are emptied first). Returns the logits of its last token.
 
     The last token is evaluated even where the cache holds it, so there are always fresh logits. The
     draft only drops what no longer matches: it catches up when it next drafts, so a run where
@@ -149,14 +149,11 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
     """
     kept = tokens[:-1] if reuse else []
     stats.n_prompt = len(tokens)
-    if draft is not None:  # first: taking another slot's cells may let rounds run, which would replace
-        draft.reuse_prefix(kept)  # the logits the target's prompt leaves for the first token
     stats.n_prompt_cached = target.reuse_prefix(kept)
     t0 = time.perf_counter()
     if target.rollback == "snapshot" and len(tokens) - stats.n_prompt_cached > 1:
         # a state that cannot be cut back: kept one token short too, where the same prompt asked again
-        # resumes (it reuses all but the last token, which gives the fresh logits)
-        # (a next turn, which goes on past the prompt, starts from there too: one checkpoint, not two)
+        # (or a next turn, going on past it) resumes, re-evaluating the last token: one checkpoint
         target.decode(tokens[stats.n_prompt_cached:-1], n_logits=0)
         target.checkpoint(upcoming=0, persistent=True)
         target.decode(tokens[-1:], n_logits=1)
@@ -164,6 +161,10 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
         target.decode(tokens[stats.n_prompt_cached:], n_logits=1)
         target.checkpoint(upcoming=0, persistent=True)  # where the next turn of a conversation starts from
     stats.prompt_seconds = time.perf_counter() - t0
+    first_row = target.logits(0) if draft is None else target.logits(0).copy()  # a copy: the draft's taking
+    if draft is not None:  # of another slot's cells may let rounds run, whose decodes replace the logits
+        draft.reuse_prefix(kept)
+    return first_row
 
 
 def _verify(target: Context, tokens: list[int], proposals: list[int], judge: TargetJudge) -> tuple[int, int, list[tuple]]:

@@ -225,7 +225,7 @@ def test_refusals_under_v1_messages_have_anthropics_shape(keyed, server):
 def test_error_bodies_by_path():
     from ggufspec.server.errors import error_body
     assert error_body("/v1/chat/completions", 401, "no", "authentication_error", "invalid_api_key") == {
-        "error": {"message": "no", "type": "authentication_error", "code": "invalid_api_key"}}
+        "error": {"message": "no", "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         assert error_body(path, 413, "big") == {"type": "error", "error": {"type": "request_too_large",
                                                                           "message": "big"}}
