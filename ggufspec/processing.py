@@ -368,19 +368,25 @@ class DraftGuide:
         return out if np.isfinite(out.max()) else None
 
     def accept(self, token: int) -> bool:
-        """Walk the copy past a proposed token; False at an end of generation (nothing follows it)."""
+        """Walk the copy past a proposed token; False at an end of generation (nothing follows it), or
+        at a token the grammar forbids (an unmasked row's, with top-k off: llama.cpp's grammar aborts
+        the process when it is made to accept one; the target rejects the token anyway)."""
         if self._is_end(token):
             return False
         if self._grammar is not None:
+            if not self._allows(token):
+                return False
             self._grammar.accept(token)
         return True
+
+    def _allows(self, token: int) -> bool:
+        return bool(self._grammar.allows(np.array([token]), np.zeros(1, np.float32))[0])
 
     def allowed_prefix(self, proposals: Sequence[int]) -> int:
         """How many leading proposals (an n-gram match) the grammar and -inf biases allow."""
         with self:
             for i, token in enumerate(proposals):
-                if self.processor.forbids(token) or (self._grammar is not None and not self._grammar.allows(
-                        np.array([token]), np.zeros(1, np.float32))[0]):
+                if self.processor.forbids(token) or (self._grammar is not None and not self._allows(token)):
                     return i
                 if not self.accept(token):
                     return i + 1
