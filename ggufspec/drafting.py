@@ -91,7 +91,7 @@ class ModelDrafter:
                 break
             try:
                 ctx.decode([token], n_logits=1)
-            except DecodeError:
+            except (DecodeError, Interrupted):  # no room, or its client left while it waited for some
                 break
         return proposals
 

@@ -26,6 +26,8 @@ from typing import Callable
 
 import llama_cpp
 
+from .errors import Interrupted
+
 
 class _Request:
     __slots__ = ("ctx", "tokens", "n_logits", "thread", "rc", "first_logit", "done")
@@ -98,7 +100,14 @@ class Lockstep:
             self._holder = None
             self._round_if_all_wait()
             self._cond.notify_all()
-            self._cond.wait_for(lambda: request.done or self._closing)
+            # (a round holds the lock while it decodes: only a request carried over for want of room
+            # in the cache, between rounds, looks at its caller's should_stop)
+            while not self._cond.wait_for(lambda: request.done or self._closing, timeout=0.25):
+                if ctx.should_stop is not None and ctx.should_stop():  # its client left meanwhile
+                    self._waiting.remove(request)
+                    self._turns.append(me)
+                    self._take_turn(me)
+                    raise Interrupted(f"stopped while {len(tokens)} tokens waited for room in the cache")
             if not request.done:  # closed while it waited (carried round after round for want of room)
                 self._waiting.remove(request)
                 return -1, 0

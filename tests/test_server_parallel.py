@@ -305,3 +305,53 @@ def test_a_client_gone_during_a_long_prompt_frees_its_slot_within_a_chunk(long_s
         time.sleep(0.05)
     assert time.monotonic() - gone < full_seconds / 2, (time.monotonic() - gone, full_seconds)
     assert long_server.health()["last"]["stop_reason"] == "interrupted"
+
+
+# ---------------------------------------------------------------- waiting is not hanging
+
+@pytest.fixture(scope="module")
+def roomy_server(slow_target, tmp_path_factory):
+    """Two slots sharing one unified cache of 8192 cells."""
+    with serving(tmp_path_factory.mktemp("roomy"), "-m", str(slow_target), "--no-draft", "-c", "8192",
+                 "--parallel", "2") as running:
+        yield running
+
+
+def test_a_long_prefill_is_progress_for_the_hang_watch(roomy_server):
+    """`/health`'s stalled_s (what `serve --rpc` compares with --rpc-timeout to find a hung worker)
+    counted only tokens: a prompt of thousands of tokens, evaluated chunk by chunk, looked hung and
+    had its model process killed (QA)."""
+    prompt = [1] + [260 + i % 20 for i in range(7000)]
+    answered = {}
+    thread = threading.Thread(target=lambda: answered.update(r=httpx.post(
+        roomy_server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)))
+    started = time.monotonic()
+    thread.start()
+    stalled = []
+    while thread.is_alive():
+        stalled.append(roomy_server.health()["stalled_s"])
+        time.sleep(0.1)
+    seconds = time.monotonic() - started
+    assert answered["r"].status_code == 200
+    assert seconds > 3, "the prompt went too fast to show anything"
+    resets = sum(later < earlier for earlier, later in zip(stalled, stalled[1:]))
+    assert resets >= 5 and max(stalled) < 0.4 * seconds, (seconds, stalled)  # each chunk counts (512 tokens)
+
+
+def test_a_client_gone_while_its_prompt_waits_for_room_frees_its_slot(roomy_server):
+    """A's prompt and answer hold most of the cells; B's prompt waits for room, carried round after
+    round, and its client gives up: its slot must free at once, for C, not when A's answer ends."""
+    a = Stream(roomy_server.url, [1] + [260 + i % 20 for i in range(7500)], max_tokens=600)
+    a.thread.start()
+    while a.first is None:
+        time.sleep(0.02)
+    with pytest.raises(httpx.TimeoutException):  # B: 600 tokens where about 690 cells are left, and shrinking
+        httpx.post(roomy_server.url + "/v1/completions", json={"prompt": [1] + [261] * 800, "max_tokens": 4},
+                   timeout=0.7)
+    asked = time.monotonic()
+    c = httpx.post(roomy_server.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 2}, timeout=60)
+    answered = time.monotonic()
+    a.thread.join()
+    assert c.status_code == 200 and a.status == 200
+    assert answered < a.last, "C waited for A's answer to end"
+    assert answered - asked < 2.0

@@ -115,6 +115,12 @@ class Job:
         self.cancelled.set()  # the other parts stop at their next token
         self.emit("error", exc)
 
+    def gone(self) -> bool:
+        """Whether its client has left: asked between a long prompt's chunks and while it waits for
+        room in the cache, which are progress too (not a hung RPC worker: `stalled_seconds`)."""
+        self.progressed_at = time.monotonic()
+        return self.cancelled.is_set()
+
     def emit(self, kind: str, value: Any = None) -> None:
         self.progressed_at = time.monotonic()
         try:
@@ -254,7 +260,7 @@ class Engine:
             prompt_index = part.choices[0] // job.n
             try:  # a prompt that found no room in the unified cache: again once a slot ends
                 self.slots.retrying(lambda: self._generate_in_a_slot(part, prompt_index, every_tokens[prompt_index],
-                                                                     options), given_up=job.cancelled.is_set,
+                                                                     options), given_up=job.gone,
                                     patience=None)  # until its client leaves, as before
             except CacheFullError:
                 if self._stopping and job.cancelled.is_set():
@@ -281,7 +287,7 @@ class Engine:
         job.start(len(tokens))
         contexts = [ctx for ctx in (decoder.target, decoder.draft) if ctx is not None]
         for ctx in contexts:  # a client gone stops a long prompt, or the draft's catch-up, between chunks
-            ctx.should_stop = job.cancelled.is_set
+            ctx.should_stop = job.gone
         try:
             ended_by = relay(stream, stats, job, index, pieces)
         finally:
