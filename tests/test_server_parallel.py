@@ -341,12 +341,12 @@ def test_a_long_prefill_is_progress_for_the_hang_watch(roomy_server):
 def test_a_client_gone_while_its_prompt_waits_for_room_frees_its_slot(roomy_server):
     """A's prompt and answer hold most of the cells; B's prompt waits for room, carried round after
     round, and its client gives up: its slot must free at once, for C, not when A's answer ends."""
-    a = Stream(roomy_server.url, [1] + [260 + i % 20 for i in range(7500)], max_tokens=600)
+    a = Stream(roomy_server.url, [1] + [260 + i % 20 for i in range(7900)], max_tokens=250)
     a.thread.start()
     while a.first is None:
         time.sleep(0.02)
-    with pytest.raises(httpx.TimeoutException):  # B: 600 tokens where about 690 cells are left, and shrinking
-        httpx.post(roomy_server.url + "/v1/completions", json={"prompt": [1] + [261] * 800, "max_tokens": 4},
+    with pytest.raises(httpx.TimeoutException):  # B: one chunk of 400 tokens, where fewer than 290 cells are left
+        httpx.post(roomy_server.url + "/v1/completions", json={"prompt": [1] + [261] * 399, "max_tokens": 4},
                    timeout=0.7)
     asked = time.monotonic()
     c = httpx.post(roomy_server.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 2}, timeout=60)
