@@ -591,7 +591,7 @@ def test_a_split_gguf_is_planned_from_all_its_shards(tmp_path, monkeypatch):
         read_shape(tmp_path / shards[0])
 
 
-@pytest.mark.parametrize("given", [{"ngl": 60}, {"ngl": 99}, {"ngld": 99}, {"ngld": 0}])
+@pytest.mark.parametrize("given", [{"ngl": 60}, {"ngl": 99}, {"ngld": 99}, {"ngld": 0}, {"ngl": -1}, {"ngld": -1}])
 def test_one_offload_given_the_other_fits_in_what_it_leaves(seed_pair, monkeypatch, given):
     """-ngl (or -ngld) given for the 70B + 8B seed pair on a 24 GiB card: the planned other one took
     the plan's own value for the given one, and put up to 35 GiB on the GPU (QA)."""
@@ -606,13 +606,14 @@ def test_one_offload_given_the_other_fits_in_what_it_leaves(seed_pair, monkeypat
     ngl, ngld = session.planned_offload(str(target), str(draft), 4096, 3, given.get("ngl"), given.get("ngld"),
                                         said.append, fixed_draft=True)
     assert (ngl, ngld) == (given.get("ngl", ngl), given.get("ngld", ngld))
-    used = (P.placement(shapes[str(target)], ngl, 4096).gpu_bytes
-            + P.placement(shapes[str(draft)], ngld, 4096).gpu_bytes)
-    if given.get("ngl") != 99 and given.get("ngld") != 99:  # what is given may overfill: the rest may not
-        assert used <= P.gpu_budget(gpu), (ngl, ngld, used / GiB)
-    else:
-        other = P.placement(shapes[str(draft)], ngld, 4096) if "ngl" in given else P.placement(shapes[str(target)], ngl, 4096)
-        assert other.gpu_bytes == 0 or used <= P.gpu_budget(gpu)  # nothing more where the given fills it
+    every = lambda n, shape: shape.n_layer + 1 if n < 0 else n  # -1: every layer
+    on_gpu = {name: P.placement(shapes[path], every(n, shapes[path]), 4096).gpu_bytes
+              for name, path, n in (("target", target, ngl), ("draft", draft, ngld))}
+    given_name, other_name = ("target", "draft") if "ngl" in given else ("draft", "target")
+    if on_gpu[given_name] <= P.gpu_budget(gpu):  # the rest fits in what the given one leaves
+        assert sum(on_gpu.values()) <= P.gpu_budget(gpu), (ngl, ngld, sum(on_gpu.values()) / GiB)
+    else:  # the given one overfills the GPU alone (the user's call): nothing more goes there
+        assert on_gpu[other_name] == 0, (ngl, ngld)
     if given == {"ngld": 0}:
         assert ngl == P.max_layers(shapes[target], 4096, P.gpu_budget(gpu))  # the whole GPU to the target
     assert "as given" in said[-1]

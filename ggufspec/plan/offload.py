@@ -156,11 +156,12 @@ def around_given(target: ModelShape, draft: ModelShape, n_ctx: int, gpu: DeviceM
     choice for the other assumed its own value for the given one, and could overfill the GPU).
     The draft goes whole on the GPU or stays on the CPU, as in the plan; `with_draft`: the plan uses it."""
     budget = gpu_budget(gpu)
+    every = lambda value, shape: shape.n_layer + 1 if value < 0 else value  # -1: all of them, as llama.cpp
     if ngl is not None:
-        left = budget - placement(target, ngl, n_ctx).gpu_bytes
+        left = budget - placement(target, every(ngl, target), n_ctx).gpu_bytes
         whole = placement(draft, draft.n_layer + 1, n_ctx)
         return ngl, draft.n_layer + 1 if with_draft and whole.gpu_bytes <= left else 0
-    left = budget - placement(draft, ngld, n_ctx).gpu_bytes
+    left = budget - placement(draft, every(ngld, draft), n_ctx).gpu_bytes
     return max_layers(target, n_ctx, left) if left > 0 else 0, ngld
 
 

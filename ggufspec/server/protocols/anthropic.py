@@ -142,7 +142,6 @@ def conversation(body: CountTokensBody) -> list[dict]:
             [block_text(b, f"system[{j}]") for j, b in enumerate(body.system)])
         messages.append({"role": "system", "content": system})
     for i, message in enumerate(body.messages):
-        check_not_empty(message, i, last=i == len(body.messages) - 1)
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
         elif message.role == "assistant":
@@ -150,18 +149,6 @@ def conversation(body: CountTokensBody) -> list[dict]:
         else:
             messages += user_messages(message.content, f"messages[{i}]")
     return messages
-
-
-def check_not_empty(message: AnthropicMessage, i: int, last: bool) -> None:
-    """As Anthropic's API: every message has content (the last, an assistant's prefill, may be empty),
-    and no text block is empty."""
-    content = message.content
-    if not content and not (last and message.role == "assistant"):
-        raise APIError(400, f"messages[{i}]: all messages must have non-empty content except for the optional "
-                            f"final assistant message")
-    for j, block in enumerate(content if isinstance(content, list) else []):
-        if block.type == "text" and block.text == "":
-            raise APIError(400, f"messages[{i}].content[{j}]: text content blocks must be non-empty")
 
 
 def block_text(block: Block, where: str) -> str:
