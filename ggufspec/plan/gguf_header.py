@@ -160,19 +160,8 @@ SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # NAME-00001-of-00003.gguf, l
 def _other_shards_tensors(lib, path: str | None, n_shards, name: str) -> list[tuple[str, int]]:
     """A split GGUF's other shards' tensors (the first holds the metadata, each its share of the
     weights): a plan from the first shard alone would count a fraction of the model's bytes."""
-    if path is None or not isinstance(n_shards, int) or n_shards <= 1:
-        return []
-    found = SHARD.search(path)
-    if found is None:
-        raise PlanError(f"{name} is one of {n_shards} shards of a split GGUF, but its name is not "
-                        f"NAME-00001-of-{n_shards:05d}.gguf: the other shards cannot be found")
     tensors = []
-    for i in range(1, n_shards + 1):
-        shard = f"{path[:found.start()]}-{i:05d}-of-{n_shards:05d}.gguf"
-        if i == int(found[1]):
-            continue
-        if not os.path.isfile(shard):
-            raise PlanError(f"{name}: shard {i} of {n_shards} ({Path(shard).name}) is missing beside it")
+    for shard in _other_shards(path, n_shards, name):
         header = _open_header(lib, shard, None, Path(shard).name)
         try:
             tensors += header.tensors()
@@ -181,13 +170,36 @@ def _other_shards_tensors(lib, path: str | None, n_shards, name: str) -> list[tu
     return tensors
 
 
+def _other_shards(path: str | None, n_shards, name: str) -> list[str]:
+    """The paths of a split GGUF's other shards, each checked to be there ([] for a single file)."""
+    if path is None or not isinstance(n_shards, int) or n_shards <= 1:
+        return []
+    found = SHARD.search(path)
+    if found is None:
+        raise PlanError(f"{name} is one of {n_shards} shards of a split GGUF, but its name is not "
+                        f"NAME-00001-of-{n_shards:05d}.gguf: the other shards cannot be found")
+    shards = [f"{path[:found.start()]}-{i:05d}-of-{n_shards:05d}.gguf" for i in range(1, n_shards + 1)
+              if i != int(found[1])]
+    for shard in shards:
+        if not os.path.isfile(shard):
+            raise PlanError(f"{name}: shard {Path(shard).name} of a split GGUF is missing beside it")
+    return shards
+
+
 def _read_shape_with_gguf_package(path: str, name: str) -> ModelShape:
+    def tensors_of(shard: str) -> list[tuple[str, int]]:
+        return [(t.name, int(t.n_bytes)) for t in _gguf_reader(shard, Path(shard).name).tensors]
+    return shape_from_reader(_gguf_reader(path, name), name,
+                             lambda n_shards: [t for shard in _other_shards(path, n_shards, name)
+                                               for t in tensors_of(shard)])
+
+
+def _gguf_reader(path: str, name: str):
     from gguf import GGUFReader
     try:
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except (ValueError, IndexError, OSError, KeyError) as exc:
         raise PlanError(f"{name}: cannot read the GGUF header ({exc}); the file may be truncated") from None
-    return shape_from_reader(reader, name)
 
 
 # ---------------------------------------------------------------- remembered shapes
@@ -228,7 +240,8 @@ def read_shape(path: str | os.PathLike, name: str | None = None) -> ModelShape:
         raise PlanError(f"{name}: cannot read the GGUF header ({exc.strerror})") from None
     if os.path.isdir(path):
         raise PlanError(f"{path} is a folder: give a .gguf file")
-    key = f"{os.path.abspath(os.fspath(path))}|{stat.st_size}|{stat.st_mtime_ns}"
+    # "shards": a split file's shape counts every shard since; one remembered before counted the first
+    key = f"shards|{os.path.abspath(os.fspath(path))}|{stat.st_size}|{stat.st_mtime_ns}"
     return _cached_shape(key, name, lambda: _read_shape_uncached(os.fspath(path), name))
 
 

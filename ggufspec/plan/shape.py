@@ -159,11 +159,12 @@ def _swa_layers(name: str, arch: str, n_layer: int, pattern) -> tuple[bool, ...]
     return tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
 
 
-def shape_from_reader(reader, name: str) -> ModelShape:
-    """The same from the gguf package's GGUFReader (slow on big vocabularies: the fallback only)."""
+def shape_from_reader(reader, name: str, other_shards=lambda n_shards: []) -> ModelShape:
+    """The same from the gguf package's GGUFReader (slow on big vocabularies: the fallback only).
+    `other_shards(split.count)`: a split GGUF's other shards' tensors, as (name, bytes)."""
     def kv(key, default=None):
         f = reader.fields.get(key)
         return default if f is None else f.contents()
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return shape_from_header(kv, [(t.name, int(t.n_bytes)) for t in reader.tensors],
-                             None if tokens is None else len(tokens.data), name)
+    tensors = [(t.name, int(t.n_bytes)) for t in reader.tensors] + other_shards(kv("split.count", 1))
+    return shape_from_header(kv, tensors, None if tokens is None else len(tokens.data), name)
