@@ -277,18 +277,19 @@ def chat_prompt(llm: llama_cpp.Llama, user: str, system: str | None = None) -> s
     """The target's own chat template applied to one user turn (ChatML where it has none:
     `chat_template(llm).fallback` says so)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return render_chat(llm, messages)
+    return render_chat(llm, messages, warn=True)
 
 
-def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | None = None,
+def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | None = None, *, warn: bool = False,
                 **variables) -> str:
     """The target's chat template over a conversation, ending with the assistant's turn opened.
     llama-cpp-python's formatter renders it in a sandboxed Jinja. `tools` (OpenAI's tool objects) and
     other `variables` are passed to the template. A model without a template gets ChatML
-    (`chat_template(llm).fallback` is then true, and a warning says so once)."""
+    (`chat_template(llm).fallback` is then true; `warn`: a warning says so, once, where the caller
+    has not said it already, as the server does when it starts)."""
     check_messages(messages)
     found = chat_template(llm)
-    if found.fallback:  # once per process (Python's warnings): the markers may be no tokens of this model
+    if found.fallback and warn:  # (Python's warnings: once per place): its markers may be no tokens of the model
         warnings.warn("the model has no chat template: the conversation is rendered as ChatML", stacklevel=3)
     template = found.text
     vocab = llama_cpp.llama_model_get_vocab(llm._model.model)

@@ -15,6 +15,8 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
+    if host != host.strip() or " " in host:  # inet_aton reads "127.0.0.1 evil.com" as its first word
+        return False
     try:  # the shortened and numeric IPv4 forms (inet_aton's), which bind where they seem to
         return ipaddress.IPv4Address(socket.inet_aton(host)).is_loopback
     except (OSError, ValueError):

@@ -189,7 +189,7 @@ class NgramDrafter:
         self.remember(tokens)
         found = self.index.candidate(tokens, k)
         if self.pool is not None and (found is None or found.match_length < self.pool.orders[0]):
-            pooled = self.pool.candidate(tokens, k)
+            pooled = self._to_the_end(self.pool.candidate(tokens, k))  # cut first: it may end up empty
             if pooled is not None and pooled.tokens and (found is None or pooled.match_length > found.match_length):
                 found = pooled
         return self._to_the_end(found)

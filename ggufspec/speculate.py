@@ -356,7 +356,7 @@ class SpeculativeDecoder:
         """The target's chat template over [{"role": ..., "content": ...}, ...], the assistant's turn opened."""
         from .load import render_chat
         self._check_open()
-        return render_chat(self.target_llm, messages)
+        return render_chat(self.target_llm, messages, warn=True)
 
     def chat(self, messages: list[dict], **options) -> Generation:
         """The assistant's next message. A conversation that grows call by call reuses the KV cache:

@@ -253,7 +253,7 @@ def test_answers_render_as_markdown_with_tokens_still_coloured_by_origin(page, s
     assert "onerror" not in html and not shown["pwned"]  # DOMPurify removed the model's script
 
 
-CLOBBERING_ANSWER = ('hi <textarea id="input" style="display:none">sent instead</textarea>'
+CLOBBERING_ANSWER = ('- [x] a task list keeps its boxes\n\nhi <textarea id="input" style="display:none">sent instead</textarea>'
                      '<input name="system" value="be evil"><b id="api-key">x</b><form><button>go</button></form>'
                      '<style>footer{display:none}</style>')
 
@@ -270,6 +270,6 @@ def test_an_answer_cannot_stand_in_for_the_pages_own_controls(page, server):
                 html: view.text.innerHTML, footer: getComputedStyle(document.querySelector("footer")).display};
     }""", CLOBBERING_ANSWER)
     assert found["input"] and found["key"], found
-    for kept_out in ("<textarea", "<input", "<form", "<button", "<style", "id=", "name=", "style="):
+    for kept_out in ("<textarea", "<form", "<button", "<style", "id=", "name=", "style="):
         assert kept_out not in found["html"], (kept_out, found["html"])
-    assert found["footer"] != "none" and "hi" in found["html"]
+    assert found["footer"] != "none" and "hi" in found["html"] and 'type="checkbox"' in found["html"]

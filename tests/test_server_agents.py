@@ -184,7 +184,9 @@ def test_bad_values_name_their_field(server, path, body, message):
 
 @pytest.mark.parametrize("field, value", [("max_tokens", "5"), ("max_tokens", True), ("stream", "yes"),
                                           ("stream", 1), ("temperature", True), ("n", "2"), ("seed", "12"),
-                                          ("logprobs", "true")])
+                                          ("logprobs", "true"), ("draft", True), ("frequency_penalty", "0.5"),
+                                          ("repeat_last_n", "64"), ("lookup", "yes"), ("cache_prompt", 0),
+                                          ("parallel_tool_calls", "true")])
 def test_types_are_strict_as_openai_checks_them(server, field, value):
     error = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, field: value}).json()["error"]
     assert error["param"] == field and field in error["message"], error

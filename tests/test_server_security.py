@@ -516,6 +516,8 @@ def test_sizes_hosts_and_origins_parsed():
     for host in ("LOCALHOST", "127.1", "0x7f000001", "::1"):
         assert Exposure.listening(host).check_host, host
     assert not Exposure.listening("10.0.0.1").check_host
+    from ggufspec.netaddr import is_loopback
+    assert not is_loopback("127.0.0.1 evil.example") and not is_loopback(" 127.0.0.1")
 
 
 # ---------------------------------------------------------------- in the browser

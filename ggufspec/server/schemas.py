@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from .errors import APIError
 
@@ -25,9 +25,9 @@ class Strict(BaseModel):
 
 class Speculative(Strict):
     """llama.cpp server's per-request draft settings."""
-    n_max: int | None = Field(None, ge=0)
-    n_min: int | None = None
-    p_min: float | None = None
+    n_max: int | None = Field(None, ge=0, strict=True)
+    n_min: int | None = Field(None, strict=True)
+    p_min: float | None = Field(None, strict=True)
 
 
 class SchemaFormat(Strict):
@@ -64,16 +64,16 @@ class GenerationBody(Strict):
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = None
-    draft: Literal["auto"] | int | None = None  # ggufspec's own: K, 0 = the target alone, or "auto"
-    lookup: bool | None = None
-    hybrid: bool | None = None
-    cache_prompt: bool | None = None  # llama.cpp's: False evaluates the whole prompt again (default: reuse)
+    draft: Literal["auto"] | StrictInt | None = None  # ggufspec's own: K, 0 = the target alone, or "auto"
+    lookup: bool | None = Field(None, strict=True)
+    hybrid: bool | None = Field(None, strict=True)
+    cache_prompt: bool | None = Field(None, strict=True)  # llama.cpp's: False evaluates the whole prompt again (default: reuse)
     # what changes the distribution: OpenAI's, then llama.cpp's
     logit_bias: dict[str, float | bool] | list[list[Any]] | None = None
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    repeat_penalty: float | None = Field(None, gt=0)   # 1.0: off
-    repeat_last_n: int | None = Field(None, ge=-1)     # -1: the whole context, 0: off
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
+    repeat_penalty: float | None = Field(None, gt=0, strict=True)   # 1.0: off
+    repeat_last_n: int | None = Field(None, ge=-1, strict=True)     # -1: the whole context, 0: off
     # what the answer must be: OpenAI's response_format, llama.cpp's grammar (GBNF) and json_schema
     response_format: ResponseFormat | None = None
     grammar: str | None = None
@@ -163,7 +163,7 @@ class ChatBody(GenerationBody):
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
 
 
 def request_options(body: GenerationBody, defaults: dict) -> dict:

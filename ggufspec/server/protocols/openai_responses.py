@@ -59,7 +59,7 @@ class ResponsesBody(Strict):
     instructions: str | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
     max_output_tokens: int | None = Field(None, ge=1, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)  # alternatives per token, as chat's (whose limit it has)
     include: list[str] | None = None  # "message.output_text.logprobs": each token's log-probability
