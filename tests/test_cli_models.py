@@ -158,3 +158,21 @@ def test_plan_refuses_the_model_flags_run_refuses(args, words):
     result = CliRunner().invoke(main, ["plan", *args, "--vram", "0", "--ram", "8GiB"])
     assert result.exit_code == 2, result.output
     assert words in result.stderr and result.stderr.strip().count("\n") == 0
+
+
+def test_plan_reads_every_shard_of_a_split_hub_model(hub, tmp_path):
+    """A split GGUF on the hub, planned before it is pulled: every shard's header is read (by range
+    request), not the first one's alone, which holds a third of the tensors here."""
+    from test_plan import _write_llama
+    _write_llama(tmp_path / "whole.gguf")
+    _write_llama(tmp_path / "split.gguf", split_max_tensors=2)
+    for shard in sorted(tmp_path.glob("split-*.gguf")):
+        hub.state.add("org/split-GGUF", shard.name, shard.read_bytes())
+    hub.state.add("org/whole-GGUF", "whole.gguf", (tmp_path / "whole.gguf").read_bytes())
+    plans = [CliRunner().invoke(main, ["plan", "-m", ref, "--vram", "0", "--ram", "8GiB", "--json"])
+             for ref in ("hf://org/split-GGUF/split-00001-of-00003.gguf", "hf://org/whole-GGUF/whole.gguf")]
+    assert all(p.exit_code == 0 for p in plans), [p.output for p in plans]
+    split, whole = (json.loads(p.stdout) for p in plans)
+    assert split["plan"]["target"]["cpu_bytes"] == whole["plan"]["target"]["cpu_bytes"]
+    gets = [r for r in hub.state.requests if r[0] == "GET" and "split-0000" in r[1]]
+    assert len({r[1] for r in gets}) == 3 and all(r[2].startswith("bytes=0-") for r in gets)

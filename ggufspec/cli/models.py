@@ -263,8 +263,9 @@ def _entry_shape(entry, name: str):
     if store.is_complete(entry):
         path = str(store.final_path(entry, entry.first_file))
         return planner.read_shape(path, name), path
-    remote = store.remote_files(entry)[0]
-    return planner.read_remote_shape(remote.url, remote.size or entry.size, name), None
+    first, *shards = store.remote_files(entry)  # a split GGUF's first shard holds the metadata
+    return planner.read_remote_shape(first.url, first.size or entry.size, name,
+                                     shards=tuple((shard.url, shard.size or entry.size) for shard in shards)), None
 
 
 @main.command(name="plan")

@@ -247,14 +247,29 @@ def read_shape(path: str | os.PathLike, name: str | None = None) -> ModelShape:
 
 # ---------------------------------------------------------------- a hub file's header
 
-def read_remote_shape(url: str, size: int, name: str, first_bytes: int = 8 * MiB) -> ModelShape:
+def read_remote_shape(url: str, size: int, name: str, first_bytes: int = 8 * MiB,
+                      shards: tuple[tuple[str, int], ...] = ()) -> ModelShape:
     """The header of a hub file, without downloading the file: a range request for its first bytes,
     parsed by ggml's reader from memory (without it: placed in a sparse file of the full size for the
-    gguf package's reader). Remembered per URL and size."""
-    return _cached_shape(f"{url}|{size}", name, lambda: _read_remote_shape(url, size, name, first_bytes))
+    gguf package's reader). `shards`: a split GGUF's other shards (url, size), whose tensors count
+    too. Remembered per URL and size."""
+    key = "|".join([url, str(size), *(shard_url for shard_url, _ in shards)])
+    return _cached_shape(key, name, lambda: _read_remote_shape(url, size, name, first_bytes, shards))
 
 
-def _read_remote_shape(url: str, size: int, name: str, first_bytes: int) -> ModelShape:
+def _read_remote_shape(url: str, size: int, name: str, first_bytes: int,
+                       shards: tuple[tuple[str, int], ...] = ()) -> ModelShape:
+    def shape(header) -> ModelShape:
+        return shape_from_header(header.value, header.tensors() + others,
+                                 header.array_length("tokenizer.ggml.tokens"), name)
+    others = [t for shard_url, shard_size in shards
+              for t in _from_first_bytes(shard_url, shard_size, first_bytes, name, lambda header: header.tensors())]
+    return _from_first_bytes(url, size, first_bytes, name, shape)
+
+
+def _from_first_bytes(url: str, size: int, first_bytes: int, name: str, read):
+    """read(the header) of a hub file, from its first bytes, asked for again, more of them, while the
+    header does not fit in them."""
     from huggingface_hub.utils import http_backoff
 
     from ..huberrors import download_headers  # the token to the hub only, never to its CDN
@@ -262,18 +277,42 @@ def _read_remote_shape(url: str, size: int, name: str, first_bytes: int) -> Mode
         response = http_backoff("GET", url, headers={**download_headers(url), "Range": f"bytes=0-{first_bytes - 1}"})
         response.raise_for_status()
         try:
-            return _shape_from_first_bytes(response.content, size, name)
+            return _parsed(response.content, size, name, read)
         except PlanError:
             if first_bytes >= min(size, 256 * MiB):
                 raise
         first_bytes *= 4  # a header bigger than we asked for (large vocabularies): ask for more
 
 
-def _shape_from_first_bytes(data: bytes, size: int, name: str) -> ModelShape:
-    if _ggml_base() is not None:
-        return _read_shape_uncached(None, name, data=data)
+class _ReaderHeader:
+    """The gguf package's reader behind _GGMLHeader's methods (where libggml-base cannot be loaded)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def value(self, key, default=None):
+        found = self.reader.fields.get(key)
+        return default if found is None else found.contents()
+
+    def array_length(self, key):
+        found = self.reader.fields.get(key)
+        return None if found is None else len(found.data)
+
+    def tensors(self):
+        return [(t.name, int(t.n_bytes)) for t in self.reader.tensors]
+
+
+def _parsed(data: bytes, size: int, name: str, read):
+    """read(header) of a file of `size` bytes whose first bytes are `data`."""
+    lib = _ggml_base()
+    if lib is not None:
+        header = _open_header(lib, None, data, name)
+        try:
+            return read(header)
+        finally:
+            header.close()
     with tempfile.NamedTemporaryFile(suffix=".gguf") as sparse:  # the gguf package reads files only
         sparse.write(data)
         sparse.truncate(size)
         sparse.flush()
-        return _read_shape_uncached(sparse.name, name)
+        return read(_ReaderHeader(_gguf_reader(sparse.name, name)))
