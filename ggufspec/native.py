@@ -474,6 +474,15 @@ class Context:
             cached = self._pieces[token] = buf.raw[:n]
         return cached
 
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        """The tokens' text, control tokens included, in a buffer as large as llama.cpp asks for
+        (llama-cpp-python's Llama.detokenize gives 32 bytes a token: a longer one came back empty)."""
+        ids, n = (llama_cpp.llama_token * len(tokens))(*tokens), -max(64, 8 * len(tokens))
+        while n < 0:  # a first size, then the one llama.cpp asks for
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_detokenize(self.vocab, ids, len(tokens), buf, len(buf), False, True)
+        return buf.raw[:n]
+
     def _forget(self, llm) -> None:
         """This sequence's cells emptied, and llama-cpp-python told (it would reuse what it thinks is there)."""
         if getattr(getattr(llm, "_ctx", None), "ctx", None) is None:

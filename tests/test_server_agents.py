@@ -368,3 +368,17 @@ def test_json_schema_answers_parse_and_are_the_same_speculating_or_not(server):
     assert isinstance(json.loads(raw["choices"][0]["text"])["ok"], bool)
     grammar = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "grammar": 'root ::= "yes" | "no"'})
     assert grammar.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_a_token_longer_than_32_bytes_is_detokenized_whole(tmp_path):
+    """llama-cpp-python's Llama.detokenize gives 32 bytes a token: /detokenize, /tokenize's pieces and
+    /completion's prompt came back empty for one longer (runs of spaces or dashes in code models)."""
+    from ggufspec.server.tokens import DetokenizeBody, detokenize_tokens
+    from ggufspec.tinymodels import vocabulary
+    vocab, _ = vocabulary()
+    vocab[280] = "▁" + "-" * 48
+    shape = Shape()
+    path = write_model(tmp_path / "long.gguf", shape, make_weights(shape, 0), tokens=vocab)
+    with SpeculativeDecoder(path, n_ctx=256, n_threads=1) as decoder:
+        assert detokenize_tokens(decoder, DetokenizeBody(tokens=[280, 280]))["content"].strip() == \
+            "-" * 48 + " " + "-" * 48

@@ -144,6 +144,10 @@ def test_n_predict_0_warms_the_cache_as_llama_vim_does(server, decoder):
     assert answer["timings"]["cache_n"] == len(prompt) - 1 and answer["tokens_predicted"] > 0
     fields = post(server, "/infill", {**body, "n_predict": 2, "response_fields": ["content", "timings/prompt_n", "nope"]})
     assert set(fields.json()) == {"content", "timings/prompt_n"}
+    with httpx.stream("POST", server.url + "/infill", json={**body, "n_predict": 2, "stream": True,
+                                                             "response_fields": ["content", "stop"]}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["stop"] is True and set(chunks[-1]) == {"content", "stop"}  # the final one too
     refused = post(server, "/v1/completions", {"prompt": "the", "max_tokens": 0})  # OpenAI's API: at least 1
     assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
 

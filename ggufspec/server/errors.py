@@ -112,7 +112,9 @@ def validation_message(errors: list[dict]) -> str:
 
 def invalid_body(errors: list[dict]) -> APIError:
     """A 400 for pydantic's complaints, naming the field (OpenAI's `param`) where there is one."""
-    loc = tuple(part for part in errors[0].get("loc", ()) if part != "body" and not union_tag(part))
+    cleaned = [{**e, "loc": tuple(part for part in e.get("loc", ()) if part != "body")} for e in errors]
+    error = chosen_error(cleaned)[0]  # the complaint the message shows
+    loc = () if error.get("type") == "json_invalid" else tuple(p for p in error["loc"] if not union_tag(p))
     return APIError(400, validation_message(errors), param=place(loc) or None)
 
 

@@ -25,7 +25,7 @@ def tokenize_text(decoder, body: TokenizeBody) -> dict:
     ids = llm.tokenize(body.content.encode("utf-8"), add_bos=body.add_special, special=body.parse_special)
     if not body.with_pieces:
         return {"tokens": ids}
-    return {"tokens": [{"id": token, "piece": piece_text(llm.detokenize([token], special=True))} for token in ids]}
+    return {"tokens": [{"id": token, "piece": piece_text(decoder.target.detokenize([token]))} for token in ids]}
 
 
 def piece_text(raw: bytes) -> str | list[int]:
@@ -40,5 +40,5 @@ def detokenize_tokens(decoder, body: DetokenizeBody) -> dict:
     bad = next((t for t in body.tokens if not 0 <= t < n_vocab), None)
     if bad is not None:
         raise APIError(400, f"tokens: id {bad} is not in [0, {n_vocab})", code="invalid_value")
-    text = decoder.target_llm.detokenize(body.tokens, special=True)
+    text = decoder.target.detokenize(body.tokens)
     return {"content": text.decode("utf-8", errors="replace")}

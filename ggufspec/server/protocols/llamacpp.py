@@ -134,7 +134,7 @@ class NativeReply:
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
             return self.prompt
-        text = self.serving.decoder.target_llm.detokenize(self.prompt, special=True)
+        text = self.serving.decoder.target.detokenize(self.prompt)
         return text.decode("utf-8", errors="replace")
 
 
@@ -175,7 +175,7 @@ class NativeReplies:
                 elif kind == "pieces":
                     yield data(self.replies[value[0]].chunk(value[1]))
                 elif kind == "choice":
-                    yield data(self.replies[value[0]].final(value[1], streamed=True))
+                    yield data(picked(self.replies[value[0]].final(value[1], streamed=True), self.body.response_fields))
                 elif kind in ("done", "error"):
                     if kind == "error":
                         yield data(engine_error(value).body())
