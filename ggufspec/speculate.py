@@ -26,12 +26,10 @@ from .native import Context
 from .stats import Stats
 from .stepcosts import measure_step_costs
 from .costs import Costs
-from .drafting import (AdaptiveK, AutoDrafting, FixedK, HybridDrafter, LookupDrafter, ModelDrafter,
-                       VocabBridge)
+from .drafting import AdaptiveK, AutoDrafting, FixedK, HybridDrafter, LookupDrafter, ModelDrafter, VocabBridge
 from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams
-from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs  # noqa: F401  (speculate._costs_key)
-from .costmemory import offloaded_layers
+from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs, offloaded_layers  # noqa: F401
 from .generation import Generation, Piece, pieces  # noqa: F401  (ggufspec.Piece)
 
 
@@ -143,9 +141,8 @@ def _prefill(target: Context, draft: Context | None, tokens: list[int], stats: S
     """Evaluate the prompt on the target, reusing what its cache already holds (with `reuse` False,
     nothing: the caches are emptied first). Returns the logits of its last token.
 
-    The last token is evaluated even where the cache holds it, so there are always fresh logits. The
-    draft only drops what no longer matches: it catches up when it next drafts, so a run where
-    `--draft auto` drafts nothing never spends time on it.
+    The last token is evaluated even where the cache holds it (fresh logits). The draft only drops what
+    no longer matches: it catches up when it next drafts (a run where auto drafts nothing never does).
     """
     kept = tokens[:-1] if reuse else []
     stats.n_prompt = len(tokens)
@@ -269,6 +266,7 @@ class SpeculativeDecoder:
                                    flash_attn=flash_attn, devices=devices, swa_full=swa_full, load_mtp=mtp, exact=exact,
                                    tensor_split=tuple(tensor_split) if tensor_split else None, n_seq=n_parallel)
         draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, n_seq=n_parallel,
+                                  kv_unified=not (strict or exact),  # per slot, as the target (rollbacks never lack cells)
                                   n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
         try:
             self.target_llm = self._open(target, "target", target_params, strict)
@@ -316,6 +314,8 @@ class SpeculativeDecoder:
             return llm
         if not isinstance(model, llama_cpp.Llama):
             raise GgufspecError(f"the {role} model must be a GGUF path or a llama_cpp.Llama, got {type(model).__name__}")
+        if strict or params.exact:  # how it computes (micro-batches, caches) is set as it loads
+            raise GgufspecError(f"strict and exact load the {role} model themselves: give its path, not a Llama")
         return model
 
     @property

@@ -335,3 +335,32 @@ def test_the_first_token_comes_from_the_prompts_logits_whatever_runs_before_it(t
         monkeypatch.setattr(Context, "reuse_prefix", another_round_meanwhile)
         got = decoder.generate(PROMPTS[0], n_predict=6, n_draft=3, cache_prompt=False).tokens
     assert got[0] == expected[0]
+
+
+def test_a_hybrid_draft_in_slots_under_strict_rolls_back_without_running_out_of_cells(tmp_path):
+    """Under strict every target sequence has a cache of its own; the draft's was shared, and a hybrid
+    (LFM2) draft re-evaluating after a rollback found its cells taken by the other slot: answers ended
+    early as at the context's end (QA). The draft now has the target's layout."""
+    from ggufspec.tinymodels import make_lfm2_pair
+    pair = make_lfm2_pair(tmp_path)
+    prompts_ = [[1, 262, 266], [1, 270, 271, 259, 263, 277, 265, 280], [1, 275, 260, 268, 261], "the cat sat on the mat"]
+    options = dict(n_predict=-1, temperature=0, constraints=Constraints(logit_bias={2: float("-inf")}))
+    with SpeculativeDecoder(*pair, n_ctx=256, n_threads=1, strict=True) as alone:
+        expected = [alone.generate(p, n_draft=0, **options).tokens for p in prompts_]
+    with SpeculativeDecoder(*pair, n_ctx=256, n_threads=1, strict=True, n_parallel=2) as decoder:
+        got = decoder.generate_many(prompts_, n_draft=6, **options)
+    assert [g.tokens for g in got] == expected
+
+
+def test_strict_with_a_loaded_llama_is_refused(tiny_pair):
+    """strict and exact set how the target computes as it loads: a Llama given already loaded kept its
+    own micro-batches, and the answers were not bit-exact though the decoder said "strict" (QA)."""
+    from llama_cpp import Llama
+
+    from ggufspec.errors import GgufspecError
+    llm = Llama(str(tiny_pair[0]), n_ctx=256, n_threads=1, verbose=False)
+    try:
+        with pytest.raises(GgufspecError, match="give its path, not a Llama"):
+            SpeculativeDecoder(llm, tiny_pair[1], strict=True)
+    finally:
+        llm.close()
