@@ -318,14 +318,9 @@ class SpeculativeDecoder:
             raise GgufspecError(f"strict and exact load the {role} model themselves: give its path, not a Llama")
         return model
 
-    @property
-    def costs(self) -> dict[str, Costs]:
-        """What `--draft auto` has learned of this machine's step costs, per drafter (remembered on close)."""
-        return self._costs
-
-    @costs.setter
-    def costs(self, learned: dict[str, Costs]) -> None:  # a benchmark keeps one set per condition it varies
-        self._costs = learned
+    costs = property(lambda self: self._costs, lambda self, learned: setattr(self, "_costs", learned),
+                     doc="What `--draft auto` has learned of this machine's step costs, per drafter (remembered on "
+                         "close); a benchmark sets one set per condition it varies.")
 
     def _check_open(self) -> None:
         if self._closed:  # its llama.cpp contexts are freed: using them would crash the process
@@ -348,7 +343,9 @@ class SpeculativeDecoder:
             raise GgufspecError(f"a prompt is a text or a list of token ids, got {type(prompt).__name__}")
         if system is not None and not chat:
             raise GgufspecError("system= is the chat template's system message: give chat=True too")
-        if not isinstance(prompt, str):
+        if not isinstance(prompt, str):  # token ids are the prompt as it is: no template to render them through
+            if chat:
+                raise GgufspecError("chat=True renders a text through the chat template: give the text, or drop chat=True")
             return list(prompt)
         return tokenize(self.target_llm, chat_prompt(self.target_llm, prompt, system) if chat else prompt)
 

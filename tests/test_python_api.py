@@ -79,6 +79,16 @@ def test_a_prompt_that_is_no_prompt_is_refused(decoder, prompt, says):
         decoder.generate_many(["the cat", prompt], n_predict=4)
 
 
+def test_chat_true_with_a_prompt_of_token_ids_is_refused_not_ignored(decoder):
+    """A list of ids is the prompt as it is: there is no text to render through the template, and the
+    answer given without it silently was not the one asked for."""
+    ids = decoder.tokenize("the cat")
+    for call in (lambda: decoder.generate(ids, chat=True, n_predict=4),
+                 lambda: decoder.generate_many(["the cat", ids], chat=True, n_predict=4)):
+        with pytest.raises(GgufspecError, match="chat=True renders a text"):
+            call()
+
+
 def test_constraints_and_models_of_the_wrong_kind_are_one_line_errors(decoder, tiny_pair):
     from ggufspec.processing import Constraints
     for constraints in ("x", {}, 5):
