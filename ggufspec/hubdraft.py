@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from .errors import GgufspecError, StoreError
 from .finddraft import MIN_SIZE_RATIO
 from .fingerprint import Fingerprint, HeaderCutShort, describe, differences, fingerprint_of_bytes
+from .hubrefs import first_shard, shard_names
 from .registry import ModelEntry, load_registry
 from . import store
 
@@ -62,7 +63,7 @@ def find_draft(target: ModelEntry, registry=None) -> HubDraft:
     name = ref(target.repo, target.first_file)
     remote = store.remote_files(target)
     target_size = sum(r.size or 0 for r in remote)
-    target_print = _remote_fingerprint(remote[0].url, remote[0].size, name)
+    target_print, target_header = _remote_fingerprint(remote[0].url, remote[0].size, name)
     result = HubDraft(name)
     candidates = _candidates(target, registry or load_registry())
     small = [(repo, files, size) for repo, files, size in candidates
@@ -74,11 +75,11 @@ def find_draft(target: ModelEntry, registry=None) -> HubDraft:
         candidate = ModelEntry(ref(repo, files[0]), repo, files)
         try:
             found = store.remote_files(ModelEntry(candidate.name, repo, files[:1]))[0]
-            draft_print = _remote_fingerprint(found.url, found.size, candidate.name)
+            draft_print, draft_header = _remote_fingerprint(found.url, found.size, candidate.name)
         except GgufspecError as exc:
             result.skipped.append({"model": candidate.name, "reason": f"header not read ({exc})"})
             continue
-        if why_not := differences(target_print, draft_print):
+        if why_not := differences(target_print, draft_print, target_header, draft_header):
             result.skipped.append({"model": candidate.name, "reason": "tokenizer differs: " + "; ".join(why_not)})
             continue
         result.draft = candidate
@@ -116,12 +117,14 @@ def _candidates(target: ModelEntry, registry) -> list[tuple[str, tuple[str, ...]
         for file in sorted(sizes):
             if not file.endswith(".gguf") or "mmproj" in file.lower():
                 continue
-            files = store._with_shards(repo, file)
-            if files[0] != file or (repo, file) in keys or (repo == target.repo and file in target.files):
+            if first_shard(file) != file or (repo, file) in keys or (repo == target.repo and file in target.files):
                 continue
             keys.add((repo, file))
-            total = sum(sizes.get(f) or 0 for f in files) if all(f in sizes for f in files) else None
-            found.append((repo, files, total))
+            if not all(f in sizes for f in shard_names(file)):  # a shard not listed (stops there): no size
+                found.append((repo, (file,), None))
+                continue
+            files = store._with_shards(repo, file)
+            found.append((repo, files, sum(sizes.get(f) or 0 for f in files)))
     return found
 
 
@@ -153,8 +156,9 @@ def _repo_sizes(repo: str) -> dict[str, int | None]:
     return {name: s.size for name, s in zip(names, siblings)}
 
 
-def _remote_fingerprint(url: str, size: int | None, name: str) -> Fingerprint:
-    """A hub file's tokenizer fingerprint from its first bytes (Range requests, grown while the header is longer)."""
+def _remote_fingerprint(url: str, size: int | None, name: str) -> tuple[Fingerprint, bytes]:
+    """A hub file's tokenizer fingerprint from its first bytes (Range requests, grown while the header
+    is longer), and those bytes (to compare the token texts of two vocabularies of different sizes)."""
     from huggingface_hub.utils import hf_raise_for_status, http_backoff
     first = FIRST_BYTES
     while True:
@@ -163,7 +167,7 @@ def _remote_fingerprint(url: str, size: int | None, name: str) -> Fingerprint:
             hf_raise_for_status(response)
         data = response.content
         try:
-            return fingerprint_of_bytes(data, name)
+            return fingerprint_of_bytes(data, name), data
         except HeaderCutShort:
             if len(data) < first or (size is not None and first >= size) or first >= MAX_HEADER_BYTES:
                 raise

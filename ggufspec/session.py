@@ -116,6 +116,9 @@ def resolve_models(pair, options: ModelOptions, log: Log = _stderr):
         return str(target), None if skip else str(draft), draft_k, choice
     if pair is not None:
         raise GgufspecError("give a PAIR name or -m/-md files, not both")
+    for flag, given in (("-m", options.model), ("-md", options.model_draft)):
+        if given is not None and not str(given).strip():
+            raise GgufspecError(f"{flag} is empty: give a GGUF file")
     target = store.resolve_model_arg(options.model)
     if skip:
         return target, None, None, skip

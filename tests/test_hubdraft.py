@@ -158,3 +158,25 @@ def test_a_candidate_that_is_not_gguf_is_skipped_with_the_reason(hub, files):
     assert result.exit_code == 0, result.output
     assert "skipped hf://org/Tiny-7B-GGUF/broken-F32.gguf: header not read" in result.output
     assert "no draft on the hub" in result.output
+
+
+def test_a_draft_whose_vocabulary_is_a_few_ids_longer_is_found_when_the_ids_both_have_agree(hub, files, tmp_path):
+    """llama.cpp pairs vocabularies up to 128 ids apart (Qwen2.5's 0.5B has 151,936 ids, its 32B
+    152,064) when the texts of the ids both have agree. The hub search compared those texts only with
+    the two files on disk, so every such draft was "tokenizer differs": it reads them from the headers."""
+    from ggufspec.tinymodels import vocabulary
+    padded = Shape(n_layer=1, extra_words=16)
+    weights = make_weights(padded, 3)
+    tokens = vocabulary(16)[0]
+    tokens[270] = "\u2581zebra"
+    good = write_model(tmp_path / "good.gguf", padded, weights).read_bytes()
+    bad = write_model(tmp_path / "bad.gguf", padded, weights, tokens=tokens).read_bytes()
+    assert len(good) * 5 <= len(files["target"])
+    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
+    hub.state.add("org/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf", good)
+    result = pull(TARGET, "--with-draft", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)[0]["draft_search"]["chosen"] == "hf://org/Tiny-0.5B-GGUF/tiny-0.5b-F32.gguf"
+    hub.state.add("org/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf", bad)  # one shared id's text differs
+    search = hubdraft.find_draft(ModelEntry(TARGET, "org/Tiny-7B-GGUF", ("tiny-7b-F32.gguf",)))
+    assert search.draft is None and "token texts (of the" in search.skipped[0]["reason"]
