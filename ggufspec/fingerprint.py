@@ -58,7 +58,11 @@ class Fingerprint:
 
 # Fields whose difference keeps two models apart (as llama.cpp: BOS, EOS and the add flags);
 # eot, pad and unk are shown but not decisive (conversions of one family differ there).
-DECISIVE = ("model", "pre", "bos", "eos", "add_bos", "add_eos")
+# What llama.cpp's common_speculative_are_compatible compares, besides the token texts: the tokenizer
+# type, the add-BOS/EOS flags, and the BOS (EOS) id only where it is added. Not the pre-tokenizer, nor
+# an EOS that is not added (an instruct target's <|im_end|> and a base draft's <|endoftext|> pair): the
+# draft reads the target's token ids and never tokenizes text, and the target alone decides the end.
+DECISIVE = ("model", "add_bos", "add_eos")
 LABELS = {"model": "tokenizer type", "pre": "pre-tokenizer", "n_vocab": "vocabulary size",
           "tokens_sha256": "token texts", "bos": "BOS id", "eos": "EOS id", "add_bos": "add-BOS flag",
           "add_eos": "add-EOS flag"}
@@ -113,7 +117,8 @@ def differences(target: Fingerprint, draft: Fingerprint, target_path=None, draft
     Vocabulary sizes may differ by up to VOCAB_MAX_SIZE_DIFFERENCE (llama.cpp pairs such models,
     `VocabBridge` maps the ids); the texts of the ids both have must then agree, which needs the two
     token lists again (each a path, or a hub file's header bytes), else the texts count as different."""
-    found = [f"{LABELS[f]} {getattr(draft, f)!r} vs {getattr(target, f)!r}" for f in DECISIVE
+    decisive = DECISIVE + (("bos",) if target.add_bos else ()) + (("eos",) if target.add_eos else ())
+    found = [f"{LABELS[f]} {getattr(draft, f)!r} vs {getattr(target, f)!r}" for f in decisive
              if getattr(target, f) != getattr(draft, f)]
     if abs(target.n_vocab - draft.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
         found.append(f"vocabulary sizes differ by more than {VOCAB_MAX_SIZE_DIFFERENCE}: "

@@ -207,16 +207,17 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
 
 
 def check_compatible(target: Context, draft: Context) -> None:
-    """The checks llama.cpp's speculative example makes before pairing two models."""
+    """The checks llama.cpp makes before pairing two models (common_speculative_are_compatible): a BOS
+    or EOS id counts only where it is added (see `fingerprint.DECISIVE`)."""
     t, d = target.vocab, draft.vocab
     if llama_cpp.llama_vocab_type(t) != llama_cpp.llama_vocab_type(d):
         raise IncompatibleModelsError("draft and target use different vocabulary types")
-    for what, get in (("BOS", llama_cpp.llama_vocab_bos), ("EOS", llama_cpp.llama_vocab_eos)):
-        if get(t) != get(d):
+    for what, added, get in (("BOS", llama_cpp.llama_vocab_get_add_bos, llama_cpp.llama_vocab_bos),
+                             ("EOS", llama_cpp.llama_vocab_get_add_eos, llama_cpp.llama_vocab_eos)):
+        if bool(added(t)) != bool(added(d)):
+            raise IncompatibleModelsError(f"draft and target add-{what} flags differ")
+        if added(t) and get(t) != get(d):
             raise IncompatibleModelsError(f"draft and target {what} ids differ: {get(d)} vs {get(t)}")
-    for what, get in (("add-BOS", llama_cpp.llama_vocab_get_add_bos), ("add-EOS", llama_cpp.llama_vocab_get_add_eos)):
-        if bool(get(t)) != bool(get(d)):
-            raise IncompatibleModelsError(f"draft and target {what} flags differ")
     if abs(target.n_vocab - draft.n_vocab) > VOCAB_MAX_SIZE_DIFFERENCE:
         raise IncompatibleModelsError(
             f"vocabulary sizes differ by more than {VOCAB_MAX_SIZE_DIFFERENCE}: "

@@ -82,9 +82,27 @@ def test_special_ids_left_out_or_out_of_range_pair_as_llama_cpp_loads_them(tmp_p
         check_draft(target, draft)
     with SpeculativeDecoder(target, tmp_path / "no-bos.gguf", n_ctx=64, n_threads=1) as decoder:  # llama.cpp's check
         assert decoder.generate([1, 260, 261], n_predict=4, n_draft=2).stats.stop_reason != "error"
-    other = write(tmp_path / "eos3.gguf", eos=3)  # a different EOS still keeps them apart, as in llama.cpp
+
+
+def test_what_llama_cpp_does_not_compare_does_not_keep_a_draft_out(tmp_path):
+    """llama.cpp pairs models whose pre-tokenizers differ, or whose EOS differs where none is added (a
+    base draft's <|endoftext|> for an instruct target's <|im_end|>): the draft reads the target's ids and
+    the target alone decides the end. They were refused here ('EOS id 3 vs 2'); the greedy text is the
+    target alone's. An EOS that is added still keeps them apart, in both checks."""
+    target = write(tmp_path / "target.gguf", n_layer=2)
+    for name, keys in (("eos3", {"eos": 3}), ("pre", {"pre": "smaug-bpe"})):
+        draft = write(tmp_path / f"{name}.gguf", **keys)
+        assert differences(read_fingerprint(target), read_fingerprint(draft), target, draft) == [], name
+        check_draft(target, draft)
+        with SpeculativeDecoder(target, draft, n_ctx=64, n_threads=1, strict=True) as decoder:
+            alone = decoder.generate([1, 260, 261], n_predict=12, n_draft=0)
+            drafted = decoder.generate([1, 260, 261], n_predict=12, n_draft=3)
+        assert drafted.tokens == alone.tokens and drafted.stats.n_drafted > 0, name
+    adding, adding_other = (write(tmp_path / f"add-{eos}.gguf", eos=eos, add_eos=True) for eos in (2, 3))
     with pytest.raises(IncompatibleModelsError, match="EOS id 3 vs 2"):
-        check_draft(target, other)
+        check_draft(adding, adding_other)
+    with pytest.raises(IncompatibleModelsError, match="EOS ids differ"):
+        SpeculativeDecoder(adding, adding_other, n_ctx=64, n_threads=1).close()
 
 
 def byte_level_tokens():
