@@ -52,13 +52,25 @@ def hub_errors(label: str, *, transfer: bool = False, where: str | None = None):
         except hf_errors.HfHubHTTPError as exc:
             status = getattr(getattr(exc, "response", None), "status_code", None)
             hint = ": set HF_TOKEN (or `hf auth login`) to a token that may read it" if status in (401, 403) else ""
+            if status is not None and (status >= 500 or status == 429):
+                hint = ": the hub is failing or busy; run pull again later (what was downloaded is kept)"
             raise StoreError(f"{label}: hub error: {str(exc).splitlines()[0]}{hint}") from None
         except OSError as exc:
+            if exc.errno in (errno.EFBIG, errno.EROFS):  # the store's disk refuses the file: not a cut transfer
+                raise StoreError(f"{label}: the download cannot be written ({_reason(exc)}): set GGUFSPEC_HOME to "
+                                 f"a folder on a writable file system that takes files this large (FAT32 takes "
+                                 f"none over 4 GiB), then run pull again") from None
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise_transport(exc)
                 raise
             raise StoreError(f"{label}: the disk is full ({_reason(exc)}): free some space, or set GGUFSPEC_HOME "
                              f"to a folder on another disk, then run pull again to resume") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if transfer:
+                raise
+            # an answer that is not what a hub sends (not JSON, or JSON of another shape): a mirror or a proxy's page
+            raise StoreError(f"{label}: the hub at {where or endpoint()} answered with something no hub sends "
+                             f"({type(exc).__name__}: {_reason(exc)}): check HF_ENDPOINT") from None
         except Exception as exc:
             raise_transport(exc)
             raise

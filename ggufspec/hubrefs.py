@@ -54,19 +54,35 @@ def checked_listing(repo: str, names: list[str]) -> list[str]:
     return names
 
 
+def _split(file: str) -> re.Match | None:
+    """The shard numbers of a split GGUF's file name; None for a file of its own (or numbers no split has)."""
+    m = SPLIT_SHARD.search(file)
+    return m if m and 1 <= int(m[1]) <= int(m[2]) <= MAX_LISTING else None
+
+
+def shard_names(file: str):
+    """A split GGUF's shard names in order, from any one shard's name (made one at a time: a listing may
+    claim thousands); the file alone otherwise."""
+    m = _split(file)
+    if m is None:
+        yield file
+        return
+    for i in range(1, int(m[2]) + 1):
+        yield f"{file[:m.start()]}-{i:05d}-of-{m[2]}.gguf"
+
+
+def first_shard(file: str) -> str:
+    return next(shard_names(file))
+
+
 def with_shards(repo: str, file: str) -> tuple[str, ...]:
     """A split GGUF's shard list, from any one shard's name; a single file otherwise."""
-    m = SPLIT_SHARD.search(file)
-    if not m:
-        return (file,)
-    stem, total = file[:m.start()], int(m[2])
-    return tuple(f"{stem}-{i:05d}-of-{total:05d}.gguf" for i in range(1, total + 1))
+    return tuple(shard_names(file))
 
 
-def _models_in(repo: str, names: list[str]) -> list[tuple[str, ...]]:
-    """The GGUF models of a listing (a split model once, as its shard list), projectors left out."""
-    models = {with_shards(repo, n) for n in names if n.endswith(".gguf") and "mmproj" not in n.lower()}
-    return sorted(models)
+def _models_in(repo: str, names: list[str]) -> list[str]:
+    """The GGUF models of a listing, each by its first file (a split model once), projectors left out."""
+    return sorted({first_shard(n) for n in names if n.endswith(".gguf") and "mmproj" not in n.lower()})
 
 
 def _tagged(quant: str) -> re.Pattern:
@@ -78,8 +94,8 @@ def quants_of(repo: str, names: list[str]) -> list[str]:
     """The quantizations a listing holds, as tags (a model whose name has none: its file name)."""
     found = set()
     for model in _models_in(repo, names):
-        words = [w for w in re.split(r"[-./]", SPLIT_SHARD.sub("", model[0])) if QUANT_WORD.fullmatch(w)]
-        found.add(words[-1] if words else model[0])
+        words = [w for w in re.split(r"[-./]", SPLIT_SHARD.sub("", model)) if QUANT_WORD.fullmatch(w)]
+        found.add(words[-1] if words else model)
     return sorted(found)
 
 
@@ -88,11 +104,11 @@ def quant_files(repo: str, quant: str, names: list[str], where: str) -> tuple[st
 
     `where` says whose listing it is (the hub's, the store's) for the error lines."""
     tagged = _tagged(quant)
-    matches = [m for m in _models_in(repo, names) if any(tagged.search(f) for f in m)]
+    matches = [m for m in _models_in(repo, names) if tagged.search(m)]
     if len(matches) == 1:
-        return matches[0]
+        return with_shards(repo, matches[0])
     if matches:
-        named = ", ".join(m[0] for m in matches[:MAX_NAMED]) + (", ..." if len(matches) > MAX_NAMED else "")
+        named = ", ".join(matches[:MAX_NAMED]) + (", ..." if len(matches) > MAX_NAMED else "")
         raise BadReferenceError(f"{repo}:{quant} is ambiguous, {len(matches)} models in {where} match it ({named}): "
                                 f"name one as hf://{repo}/FILE.gguf, or give the whole quant tag")
     have = quants_of(repo, names)

@@ -221,6 +221,7 @@ class RemoteFile:
     size: int | None
     lfs_sha256: str | None
     url: str  # where the bytes are (the hub's redirect target, when it gives one)
+    etag: str = ""  # the hub's ETag: with the size, names an upload the hub gives no sha256 for
 
 
 def remote_files(entry: ModelEntry) -> list[RemoteFile]:
@@ -236,7 +237,7 @@ def remote_files(entry: ModelEntry) -> list[RemoteFile]:
             raise StoreError(f"{entry.repo}/{file}: the hub at {endpoint()} reports a size of {meta.size} bytes, "
                              f"which no GGUF file has; nothing was written")
         etag = (meta.etag or "").strip('"').lower()
-        found.append(RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None, meta.location or url))
+        found.append(RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None, meta.location or url, etag))
     return found
 
 
@@ -249,12 +250,13 @@ def _check_disk_room(needed: int, where: Path) -> None:
 
 # downloads/OWNER__REPO/FILE.KEY.incomplete, KEY the start of the remote's sha256: a partial download
 # of an older upload is never resumed with the new upload's bytes (huggingface_hub keys its
-# .incomplete files by ETag). No KEY where the hub gives no sha256.
+# .incomplete files by ETag). Where the hub gives no sha256, KEY hashes its ETag and size instead.
 PARTIAL = re.compile(r"(?:\.[0-9a-f]{16})?\.incomplete$")
 
 
 def _partial_path(entry: ModelEntry, remote: RemoteFile) -> Path:
-    key = f".{remote.lfs_sha256[:16]}" if remote.lfs_sha256 else ""
+    upload = remote.lfs_sha256 or hashlib.sha256(f"{remote.etag}:{remote.size}".encode()).hexdigest()
+    key = f".{upload[:16]}" if remote.lfs_sha256 or remote.etag or remote.size is not None else ""
     return _inside(downloads_dir(), entry, remote.file, key + ".incomplete")
 
 
