@@ -31,6 +31,9 @@ WHOLE_CALL_OPENINGS = ("{", "```json", PYTHON_TAG)
 CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", PYTHON_TAG)
 # whitespace between the parts of a call: bounded, so a grammar cannot let a model loop on newlines
 GRAMMAR_WS = "tc-ws ::= [ \\t\\n]{0,4}"
+# what a negated class inside a JSON string must leave out too: the converter's `char` ([^"\\]), its
+# pattern `dot` ([^\x0A\x0D]) and a pattern's [^0-9] let a raw newline, a quote or a backslash in: no JSON
+NOT_IN_JSON_STRINGS = r'"\\\x7F\x00-\x1F'
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class ToolFormat:
     native: bool         # the chat template renders `tools` itself
     start: str           # the text a call starts with
     args_key: str        # "arguments" (hermes, mistral) or "parameters" (llama3)
+    # mistral's newer templates (Devstral, Ministral 3, Small 3.2): `[TOOL_CALLS]name[ARGS]{...}` for each
+    # call, Small 3.2's with `[CALL_ID]` and a 9-character id before `[ARGS]`: "[ARGS]" or "[CALL_ID]"
+    named: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ def detect_format(template: str) -> ToolFormat:
     """The family a chat template belongs to, from the markers its text contains."""
     native = "tools" in template
     if "[TOOL_CALLS]" in template:
-        return ToolFormat("mistral", native, "[TOOL_CALLS]", "arguments")
+        named = next((marker for marker in ("[CALL_ID]", "[ARGS]") if marker in template), "")
+        return ToolFormat("mistral", native, "[TOOL_CALLS]", "arguments", named)
     if "<tool_call>" in template:
         return ToolFormat("hermes", native, "<tool_call>", "arguments")
     if "<|start_header_id|>" in template and native:
@@ -130,11 +137,14 @@ def trigger_texts(fmt: ToolFormat) -> tuple[str, ...]:
     return (PYTHON_TAG,) if fmt.name == "llama3" else (fmt.start,)
 
 
-def trigger_patterns(fmt: ToolFormat) -> tuple[str, ...]:
+def trigger_patterns(fmt: ToolFormat, names: frozenset = frozenset()) -> tuple[str, ...]:
     """Regexes (searched in the text so far) whose match starts a call; the grammar takes the text
-    from the match's start. A llama3 call is a whole message: a `{"name"` at its start."""
+    from the match's start, and llama.cpp aborts the process where the grammar does not take it. A
+    llama3 call is a whole message: `{"name": "<a tool>"` at its start, spaced as the grammar spaces it
+    (a JSON answer, `{"name": "Alice"` or `{\\n  "name"`, stays free: content, or a call if parsed as one)."""
     if fmt.name == "llama3":
-        return (r'^\s*\{\s*"name"', re.escape(PYTHON_TAG))
+        known = "|".join(sorted(name.replace(".", "\\.") for name in names))
+        return (r'^[ \t\n]{0,4}\{ ?"name"' + (f' ?: ?"(?:{known})"' if known else ""), re.escape(PYTHON_TAG))
     return (re.escape(fmt.start),)
 
 
@@ -217,9 +227,19 @@ def _call_from(obj, names: frozenset, need_known: bool = False) -> ToolCall | No
     arguments = obj.get("arguments", obj.get("parameters"))
     if arguments is None and need_known:
         return None
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-    return ToolCall(obj["name"], arguments)
+    if isinstance(arguments, str):  # the arguments as a JSON text (OpenAI's shape): JSON a client can load
+        try:
+            arguments = JSON.decode(arguments) if arguments.strip() else {}
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], json.dumps(arguments if arguments is not None else {}, ensure_ascii=False))
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is no JSON")  # Python's decoder takes NaN and Infinity; clients' do not
+
+
+JSON = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _json_at(text: str, position: int):
@@ -227,7 +247,7 @@ def _json_at(text: str, position: int):
     while position < len(text) and text[position].isspace():
         position += 1
     try:
-        return json.JSONDecoder().raw_decode(text, position)
+        return JSON.raw_decode(text, position)
     except ValueError:
         return None, position
 
@@ -258,7 +278,7 @@ def _parse_mistral(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
         calls = [_call_from(item, names) for item in obj]
         return (text[:start] + text[end:], calls) if calls and all(calls) else (text, [])
     calls = []  # the newer form: name[ARGS]{...}, repeated
-    pattern = re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?")
+    pattern = re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\][A-Za-z0-9_-]*)?(?:\[ARGS\])?")
     while (match := pattern.match(text, position)) and match.end() < len(text):
         arguments, end = _json_at(text, match.end())
         if not isinstance(arguments, dict):
@@ -321,7 +341,7 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
     # integer bounds followed too (a tool's "level" from 1 to 5 took 99); what the grammar cannot follow
     # is not refused here, as response_format's is: agents send large tool schemas and check the arguments
     converter = BoundedConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    alternatives = []
+    alternatives, named = [], []
     try:
         for i, tool in enumerate(tools):
             function = tool["function"]
@@ -331,12 +351,20 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
             alternatives.append({"type": "object", "properties": {"name": {"const": function["name"]},
                                                                   fmt.args_key: parameters},
                                  "required": ["name", fmt.args_key]})
-        schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-        converter.visit(schema, "tc-call")
-        rules = converter.format_grammar()
+            if fmt.named:
+                named.append(f'"{function["name"]}" tc-mid {converter.visit(parameters, f"tc-args-{i}")}')
+        if not fmt.named:
+            converter.visit(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}, "tc-call")
+        rules = json_strings_only(converter.format_grammar())
+        if empty := re.search(r"^(\S+) ::=\s*$", rules, re.M):  # an enum or anyOf of nothing: llama.cpp refuses it
+            raise ValueError(f"nothing can follow {empty[1]} (an empty enum or anyOf)")
     except Exception as exc:  # the converter's asserts, KeyErrors and ValueErrors alike
         raise ToolError(f"a tool's parameters are not a JSON schema this server can follow: {schema_problem(exc)}") from None
-    if fmt.name == "mistral":
+    if fmt.named:  # as llama.cpp's grammar for Ministral 3: each call its own [TOOL_CALLS], no space
+        mid = '"[CALL_ID]" [a-zA-Z0-9]{9} "[ARGS]"' if fmt.named == "[CALL_ID]" else '"[ARGS]"'
+        one = f'tc-call ::= {" | ".join(named)}\ntc-mid ::= {mid}'
+        root = f'{one}\nroot ::= "[TOOL_CALLS]" tc-call' + (' ("[TOOL_CALLS]" tc-call)*' if parallel else "")
+    elif fmt.name == "mistral":
         calls = 'tc-call (tc-ws "," tc-ws tc-call)*' if parallel else "tc-call"
         root = f'root ::= "[TOOL_CALLS]" tc-ws "[" tc-ws {calls} tc-ws "]"'
     elif fmt.name == "llama3":
@@ -357,11 +385,21 @@ def schema_grammar(schema) -> str:
     try:
         schema = normalized(schema)
         check_followed(schema, schema)
-        return grammar_for(schema)
+        return json_strings_only(grammar_for(schema))
     except ToolError:
         raise
     except Exception as exc:  # a keyword of the wrong type ("required": 5, "$ref": 5...) deep inside
         raise ToolError(f"the JSON schema cannot be followed: {schema_problem(exc)}") from None
+
+
+GBNF_LITERAL_OR_CLASS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')
+
+
+def json_strings_only(grammar: str) -> str:
+    """The grammar with each negated class ([^...]: only ever inside a JSON string) leaving out what a
+    JSON string cannot hold raw, as llama.cpp's own converter writes `char`."""
+    return GBNF_LITERAL_OR_CLASS.sub(lambda m: "[^" + NOT_IN_JSON_STRINGS + m[0][2:] if m[0].startswith("[^")
+                                     else m[0], grammar)
 
 
 def schema_problem(exc: Exception) -> str:

@@ -44,7 +44,7 @@ def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids
     if grammar is not None:
         constraints["grammar"] = grammar
         if lazy:
-            constraints["grammar_patterns"] = toolkit.trigger_patterns(fmt)
+            constraints["grammar_patterns"] = toolkit.trigger_patterns(fmt, plan.names)
     return Shaping(constraints, triggers if lazy else (), plan, fmt, requested_logprobs(body))
 
 
