@@ -32,7 +32,7 @@ Loading a model onto ggml devices is a loading concern: `ggufspec.load.load_on_d
 """
 from .devices import (GgmlDevice, layer_devices, layer_placement, local_devices, register_workers, target_devices,
                       worker_memory)
-from .endpoints import Endpoint, WorkerInfo, parse_endpoint, parse_endpoints, probe, round_trip_time
+from .endpoints import Endpoint, WorkerInfo, parse_endpoint, parse_endpoints, probe, probe_all, round_trip_time
 from .faults import abort_message, exit_when_a_worker_leaves, install_abort_message, keepalive
 from .native import (ABORT_EXIT_CODE, DEFAULT_HOST, DEFAULT_PORT, REBUILD_COMMAND, RPC_PROTO_MAJOR_VERSION,
                      RPC_PROTO_MINOR_VERSION, RpcError, RpcUnsupportedError, WorkerUnreachableError, _Native,
@@ -43,7 +43,7 @@ __all__ = [
     "ABORT_EXIT_CODE", "DEFAULT_HOST", "DEFAULT_PORT", "Endpoint", "GgmlDevice", "REBUILD_COMMAND",
     "RPC_PROTO_MAJOR_VERSION", "RPC_PROTO_MINOR_VERSION", "RpcError", "RpcUnsupportedError", "WorkerInfo",
     "WorkerUnreachableError", "_Native", "abort_message", "exit_when_a_worker_leaves", "install_abort_message",
-    "keepalive", "layer_devices", "layer_placement", "local_devices", "network_warning", "parse_endpoint", "parse_endpoints", "probe",
+    "keepalive", "layer_devices", "layer_placement", "local_devices", "network_warning", "parse_endpoint", "parse_endpoints", "probe", "probe_all",
     "register_workers", "require_rpc", "round_trip_time", "rpc_supported", "start_worker", "target_devices",
     "worker_memory",
 ]

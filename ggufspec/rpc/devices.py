@@ -5,7 +5,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
-from .endpoints import Endpoint, _as_endpoint, probe
+from .endpoints import Endpoint, _as_endpoint, probe_all
 from .native import _DEV_GPU, _DEV_IGPU, WorkerUnreachableError, _native
 
 
@@ -40,8 +40,7 @@ def register_workers(endpoints: Sequence[Endpoint | str], timeout: float = 3.0) 
     (`load.load_on_devices(devices=...)`) uses them; calling this twice for an endpoint returns the same devices.
     """
     endpoints = [_as_endpoint(e) for e in endpoints]
-    for endpoint in endpoints:
-        probe(endpoint, timeout)
+    probe_all(endpoints, timeout)  # one worker under two addresses too: ggml-rpc would wait for it for ever
     native = _native()
     devices = []
     for endpoint in endpoints:

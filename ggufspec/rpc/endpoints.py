@@ -1,6 +1,7 @@
 """Workers' addresses (HOST:PORT) and probing them from Python before any native call can abort: reachable, same protocol, memory, round trip."""
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import time
@@ -28,7 +29,7 @@ def parse_endpoint(text: str) -> Endpoint:
     host, sep, port_text = item.rpartition(":")
     if not sep or not host:
         raise RpcError(f"RPC worker {item!r}: write it as HOST:PORT, e.g. 192.168.1.10:{DEFAULT_PORT}")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:  # not '²'
         raise RpcError(f"RPC worker {item!r}: the port must be a number from 1 to 65535")
     return Endpoint(host, int(port_text))
 
@@ -89,14 +90,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def probe(endpoint: Endpoint | str, timeout: float = 3.0) -> WorkerInfo:
-    """Connect and do ggml-rpc's HELLO from Python: reachable and compatible, or a one-line error.
-
-    Native calls on an unreachable or incompatible worker abort the process, hence this check
-    first. A worker serves one host at a time, so a busy worker accepts the TCP connection but
-    does not answer the HELLO: that is reported too (after `timeout` seconds).
-    """
-    endpoint = _as_endpoint(endpoint)
+def _connect(endpoint: Endpoint, timeout: float) -> socket.socket:
     address = _ipv4_address(endpoint)
     try:
         sock = socket.create_connection((address, endpoint.port), timeout=timeout)
@@ -107,30 +101,96 @@ def probe(endpoint: Endpoint | str, timeout: float = 3.0) -> WorkerInfo:
         raise WorkerUnreachableError(f"RPC worker {endpoint} is not reachable: no answer within {timeout:g} s") from None
     except OSError as exc:
         raise WorkerUnreachableError(f"RPC worker {endpoint} is not reachable: {exc.strerror or exc}") from None
-    with sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            start = time.perf_counter()
-            sock.sendall(struct.pack("<BQ", _RPC_CMD_HELLO, _CONN_CAPS_SIZE) + bytes(_CONN_CAPS_SIZE))
-            (size,) = struct.unpack("<Q", _recv_exactly(sock, 8))
-            if size != _HELLO_RSP_SIZE:
-                raise EOFError
-            major, minor, patch = _recv_exactly(sock, size)[:3]
-            rtt = time.perf_counter() - start
-        except (socket.timeout, TimeoutError):
-            raise WorkerUnreachableError(
-                f"RPC worker {endpoint} accepted the connection but did not answer the handshake within {timeout:g} s: "
-                f"it is serving another host (a worker serves one at a time) or is not a ggml-rpc worker") from None
-        except (EOFError, ConnectionError):
-            raise WorkerUnreachableError(
-                f"RPC worker {endpoint} ended the handshake: it speaks another RPC protocol than this build's "
-                f"v{RPC_PROTO_MAJOR_VERSION}.{RPC_PROTO_MINOR_VERSION} or is not a ggml-rpc worker; "
-                f"run the same llama-cpp-python version on both ends") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _busy(endpoint: Endpoint, timeout: float) -> WorkerUnreachableError:
+    return WorkerUnreachableError(
+        f"RPC worker {endpoint} accepted the connection but did not answer the handshake within {timeout:g} s: "
+        f"it is serving another host (a worker serves one at a time) or is not a ggml-rpc worker")
+
+
+def _answers(sock: socket.socket, timeout: float) -> bool:
+    """Whether the worker's answer starts arriving within `timeout` (nothing is read)."""
+    return bool(select.select([sock], [], [], timeout)[0])
+
+
+def _ended(endpoint: Endpoint) -> WorkerUnreachableError:
+    return WorkerUnreachableError(
+        f"RPC worker {endpoint} ended the handshake: it speaks another RPC protocol than this build's "
+        f"v{RPC_PROTO_MAJOR_VERSION}.{RPC_PROTO_MINOR_VERSION} or is not a ggml-rpc worker; "
+        f"run the same llama-cpp-python version on both ends")
+
+
+def _send_hello(sock: socket.socket, endpoint: Endpoint, timeout: float) -> float:
+    """Send ggml-rpc's HELLO; the time it left (for the round trip)."""
+    try:
+        sock.sendall(struct.pack("<BQ", _RPC_CMD_HELLO, _CONN_CAPS_SIZE) + bytes(_CONN_CAPS_SIZE))
+    except (socket.timeout, TimeoutError):
+        raise _busy(endpoint, timeout) from None
+    except ConnectionError:
+        raise _ended(endpoint) from None
+    return time.perf_counter()
+
+
+def _hello_reply(sock: socket.socket, endpoint: Endpoint, start: float, timeout: float) -> WorkerInfo:
+    try:
+        (size,) = struct.unpack("<Q", _recv_exactly(sock, 8))
+        if size != _HELLO_RSP_SIZE:
+            raise EOFError
+        major, minor, patch = _recv_exactly(sock, size)[:3]
+        rtt = time.perf_counter() - start
+    except (socket.timeout, TimeoutError):
+        raise _busy(endpoint, timeout) from None
+    except (EOFError, ConnectionError):
+        raise _ended(endpoint) from None
     if major != RPC_PROTO_MAJOR_VERSION or minor > RPC_PROTO_MINOR_VERSION:
         raise WorkerUnreachableError(
             f"RPC worker {endpoint} speaks RPC protocol v{major}.{minor}.{patch}, this build needs "
             f"v{RPC_PROTO_MAJOR_VERSION}.{RPC_PROTO_MINOR_VERSION} or an older minor: run the same llama-cpp-python version on both ends")
     return WorkerInfo(endpoint, (major, minor, patch), rtt)
+
+
+def probe(endpoint: Endpoint | str, timeout: float = 3.0) -> WorkerInfo:
+    """Connect and do ggml-rpc's HELLO from Python: reachable and compatible, or a one-line error.
+
+    Native calls on an unreachable or incompatible worker abort the process, hence this check
+    first. A worker serves one host at a time, so a busy worker accepts the TCP connection but
+    does not answer the HELLO: that is reported too (after `timeout` seconds).
+    """
+    endpoint = _as_endpoint(endpoint)
+    with _connect(endpoint, timeout) as sock:
+        return _hello_reply(sock, endpoint, _send_hello(sock, endpoint, timeout), timeout)
+
+
+def probe_all(endpoints, timeout: float = 3.0) -> list[WorkerInfo]:
+    """`probe` each worker in order, the connections to the ones before it still open.
+
+    A worker serves one connection at a time: an entry that reaches a worker listed before it under
+    another address (0.0.0.0 or this machine's own address for 127.0.0.1, another name) would wait
+    for it for ever inside ggml-rpc. Here such an entry does not answer while the earlier connections
+    are open, and answers once the one to the same worker closes: it is named instead.
+    """
+    held: list[tuple[Endpoint, socket.socket]] = []
+    infos = []
+    try:
+        for endpoint in map(_as_endpoint, endpoints):
+            sock = _connect(endpoint, timeout)
+            held.append((endpoint, sock))
+            start = _send_hello(sock, endpoint, timeout)
+            if not _answers(sock, timeout):
+                for earlier, other in held[:-1]:  # which open connection keeps it waiting?
+                    other.close()
+                    if _answers(sock, min(timeout, 1.0)):
+                        raise RpcError(f"RPC worker {endpoint} is the worker {earlier} again (another address of the "
+                                       f"same machine and port): list each worker once")
+                raise _busy(endpoint, timeout)
+            infos.append(_hello_reply(sock, endpoint, start, timeout))
+    finally:
+        for _, sock in held:
+            sock.close()
+    return infos
 
 
 def round_trip_time(endpoint: Endpoint | str, repeat: int = 3, timeout: float = 3.0) -> float:

@@ -108,6 +108,8 @@ def start_worker(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, threads: in
             raise RpcError("--mem applies to a CPU worker; this machine serves its GPUs, which report their own memory")
         _advertise_memory(cpu, mem)
     cache = None
+    if cache_dir is not None and not str(cache_dir).strip():  # Path("") is the current folder: filled with tensors
+        raise RpcError("--cache is empty: give the folder to keep tensors in")
     if cache_dir is not None:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         cache = str(Path(cache_dir).resolve()).encode()

@@ -106,6 +106,8 @@ class Forwarding:
         try:
             reader, writer = await asyncio.open_unix_connection(self.socket_path)
             self.child.connections.add(writer)
+            if self.child.gone.is_set():  # gone meanwhile (a slow body): the socket would queue it for the next child
+                raise ChildGone
             conn = h11.Connection(h11.CLIENT)
             writer.write(request_bytes(conn, self.scope, body))
             await self.relay(conn, reader)

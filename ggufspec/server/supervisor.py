@@ -39,6 +39,7 @@ WATCH_EVERY_S = 1.0
 BACKOFF_S = (0.5, 5.0)  # first and longest wait between probes of the workers
 PROBE_TIMEOUT_S = 2.0  # a worker's handshake, while waiting for it to come back
 NAMING_TIMEOUT_S = 1.0  # the same, to name the hung one (a 503 waits for it)
+HEALTH_TIMEOUT_S = 5.0  # the least wait for the model process's /health: a slow answer is no stalled generation
 
 
 class Child:
@@ -218,9 +219,10 @@ class Supervisor:
                 return
 
     async def stalled_seconds(self) -> float | None:
-        """How long the child's generation has made no progress; None when it does not say within --rpc-timeout."""
+        """How long the child's generation has made no progress; None when it does not say within --rpc-timeout
+        (at least HEALTH_TIMEOUT_S: with a small --rpc-timeout an idle model process was killed as hung)."""
         try:
-            status, body = await ask(self.socket_path, get_scope("/health"), b"", self.rpc_timeout)
+            status, body = await ask(self.socket_path, get_scope("/health"), b"", max(self.rpc_timeout, HEALTH_TIMEOUT_S))
             return float(json.loads(body).get("stalled_s", 0.0))
         except (asyncio.TimeoutError, ChildGone, OSError, ValueError):
             return None
