@@ -16,18 +16,17 @@ history, and a draft token the grammar forbids has probability 0 there: it is re
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import numbers
-import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-import llama_cpp
 import numpy as np
 
 from .errors import GgufspecError
+from .grammar import Grammar, check_trigger_pattern
 from .sampling import Draws, SamplingParams, distribution, greedy_token
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -147,8 +146,12 @@ class TargetProcessor:
         return out
 
     def accept(self, token: int) -> None:
-        if self._grammar is not None:
-            self._grammar.accept(token)
+        if self._grammar is not None and not self._grammar.accept(token):
+            # the token fired a lazy grammar's trigger onto text the grammar rejects: what follows is no
+            # call the grammar could shape, so the rest of the answer is not constrained (llama.cpp aborts)
+            print("ggufspec: the grammar's trigger appeared in the output followed by text the grammar "
+                  "rejects; the rest of the answer is not constrained", file=sys.stderr)
+            self.close()
 
     def grammar_copy(self) -> Grammar | None:
         """The grammar in its current state, to walk ahead of it (None: no grammar)."""
@@ -185,95 +188,6 @@ def _penalise(logits: np.ndarray, history: Sequence[int], c: Constraints) -> Non
     seen = logits[ids]
     seen = np.where(seen <= 0, seen * c.repeat_penalty, seen / c.repeat_penalty)
     logits[ids] = seen - n * c.frequency_penalty - c.presence_penalty
-
-
-# What ECMAScript regexes (llama.cpp's std::regex) lack of Python's: named groups, lookbehind, inline
-# flags, comments, atomic groups, possessive quantifiers. std::regex throws on them, which aborts the process.
-NOT_ECMASCRIPT = re.compile(r"\(\?(?:P|<|[a-zA-Z#>]|\()|[*+?}][+]")
-
-
-def check_trigger_pattern(pattern: str) -> None:
-    """A lazy grammar's trigger: a regex llama.cpp's std::regex can compile (an invalid one aborts it)."""
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise GgufspecError(f"grammar_patterns: {pattern!r} is not a regular expression ({exc})") from None
-    plain = re.sub(r"\[\^?\]?[^\]]*\]", "_", re.sub(r"\\.", "_", pattern))  # escapes and classes aside
-    if NOT_ECMASCRIPT.search(plain):
-        raise GgufspecError(f"grammar_patterns: {pattern!r} uses syntax llama.cpp's regexes (ECMAScript) lack: "
-                            "named or lookbehind groups, inline flags, atomic groups or possessive quantifiers")
-
-
-_TOKEN_DATA = np.dtype(  # llama_token_data
-    [("id", np.int32), ("logit", np.float32), ("p", np.float32)])
-
-
-class Grammar:
-    """llama.cpp's grammar sampler (lazy when trigger patterns or tokens are given), wrapped once."""
-
-    def __init__(self, vocab, c: Constraints):
-        text, root = c.grammar.encode(), c.grammar_root.encode()
-        if c.grammar_patterns or c.grammar_trigger_tokens:
-            patterns = (ctypes.c_char_p * max(1, len(c.grammar_patterns)))(*[p.encode() for p in c.grammar_patterns])
-            tokens = (llama_cpp.llama_token * max(1, len(c.grammar_trigger_tokens)))(*c.grammar_trigger_tokens)
-            self._sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
-                vocab, text, root, patterns, len(c.grammar_patterns), tokens, len(c.grammar_trigger_tokens))
-        else:
-            self._sampler = llama_cpp.llama_sampler_init_grammar(vocab, text, root)
-        if not self._sampler:
-            raise GgufspecError("the grammar does not parse (llama.cpp's GBNF parser rejected it; "
-                                "set GGUFSPEC_VERBOSE=1 to see where)")
-
-    def mask(self, logits: np.ndarray) -> None:
-        """Set the logits of the tokens the grammar forbids here to -inf, in place (the whole
-        vocabulary: tens of ms for 150k tokens, more than a small model's step)."""
-        logits[~self.allows(np.arange(len(logits)), logits)] = -np.inf
-
-    def mask_all_but_best(self, logits: np.ndarray, n: int) -> None:
-        """Keep the n highest tokens the grammar allows, -inf elsewhere: exact for greedy (n = 1) and
-        top-k (n = k), as the masked row's best n are these. llama.cpp's check-the-choice-first trick:
-        try the best n, then the best 64 n, then the whole vocabulary."""
-        for size in (n, 64 * n):
-            if size >= len(logits):
-                break
-            best = np.argpartition(-logits, size - 1)[:size]
-            allowed = best[self.allows(best, logits[best])]
-            if len(allowed) >= n:  # any allowed token outside `best` ranks below all of these
-                kept = logits[allowed]
-                logits[:] = -np.inf
-                logits[allowed] = kept
-                return
-        self.mask(logits)
-
-    def allows(self, ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
-        """For each token id, whether the grammar allows it next (llama.cpp's sampler sets -inf)."""
-        data = np.zeros(len(ids), dtype=_TOKEN_DATA)
-        data["id"], data["logit"] = ids, logits
-        array = llama_cpp.llama_token_data_array(
-            data=data.ctypes.data_as(llama_cpp.llama_token_data_p), size=len(ids), selected=-1, sorted=False)
-        llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
-        allowed = np.zeros(len(ids), dtype=bool)  # the sampler keeps the entries, in order, setting -inf
-        allowed[:array.size] = np.isfinite(data["logit"][:array.size])
-        return allowed
-
-    def accept(self, token: int) -> None:
-        llama_cpp.llama_sampler_accept(self._sampler, token)
-
-    def clone(self) -> Grammar:
-        """An independent copy in the same state (llama_sampler_clone), to walk ahead of this one."""
-        twin = Grammar.__new__(Grammar)
-        twin._sampler = llama_cpp.llama_sampler_clone(self._sampler)
-        if not twin._sampler:
-            raise GgufspecError("could not copy the grammar's state")
-        return twin
-
-    def close(self) -> None:
-        if self._sampler:
-            llama_cpp.llama_sampler_free(self._sampler)
-            self._sampler = None
-
-    def __del__(self):
-        self.close()
 
 
 class TargetJudge:
@@ -374,9 +288,7 @@ class DraftGuide:
         if self._is_end(token):
             return False
         if self._grammar is not None:
-            if not self._allows(token):
-                return False
-            self._grammar.accept(token)
+            return self._allows(token) and self._grammar.accept(token)
         return True
 
     def _allows(self, token: int) -> bool:
