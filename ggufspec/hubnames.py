@@ -54,8 +54,9 @@ def unsafe_repo_reason(repo: object) -> str | None:
         validate_repo_id(repo)
     except HFValidationError as exc:
         return str(exc).splitlines()[0].rstrip(".")
-    if "__" in repo.split("/")[0]:  # the hub's owner names have none; the store's folders join owner__name
-        return "an owner name with '__' (the store's folder OWNER__NAME would be another repository's)"
+    owner = repo.split("/")[0]
+    if "__" in owner or owner.endswith("_"):  # the store's folders join OWNER__NAME: a_/b and a/_b both a___b
+        return "an owner name with '__' or ending in '_' (the store's folder OWNER__NAME would be another repository's)"
     return None
 
 

@@ -156,6 +156,7 @@ def test_rm_keeps_a_file_that_another_pair_names_by_another_model(hub, ggufspec_
     ('[models.m]\nrepo = "o/r"\nfile = "a.gguf"\n[pairs.p]\ntarget = "m"\ndraft = "m"\ndraft_k = -3\n',
      "pairs.p.draft_k: expected 0 or more"),
     ('[models.m]\nrepo = "o__x/r"\nfile = "a.gguf"\n', "an owner name with '__'"),
+    ('[models.m]\nrepo = "o_/r"\nfile = "a.gguf"\n', "ending in '_'"),  # o_/r and o/_r: one folder, o___r
     ('[models.m]\nrepo = "o/r"\nfile = "' + "a" * 300 + '.gguf"\n', "over 227 bytes"),
 ])
 def test_a_damaged_models_toml_is_one_line_naming_the_file(ggufspec_home, text, says):
