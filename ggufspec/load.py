@@ -295,12 +295,36 @@ def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | 
     template = found.text
     vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
     token_text = lambda t: (llama_cpp.llama_vocab_get_text(vocab, t) or b"").decode(errors="replace") if t >= 0 else ""
+    formatter = Jinja2ChatFormatter(template=template, eos_token=token_text(llama_cpp.llama_vocab_eos(vocab)),
+                                    bos_token=token_text(llama_cpp.llama_vocab_bos(vocab)))
     try:
-        formatter = Jinja2ChatFormatter(template=template, eos_token=token_text(llama_cpp.llama_vocab_eos(vocab)),
-                                        bos_token=token_text(llama_cpp.llama_vocab_bos(vocab)))
         return formatter(messages=messages, tools=tools or None, **variables).prompt
     except Exception as exc:  # jinja2's TemplateError, or the template's own raise_exception()
+        merged = system_in_first_user(messages)
+        if merged is not None:  # a template without a system role (Gemma 2's raises on one)
+            try:
+                return formatter(messages=merged, tools=tools or None, **variables).prompt
+            except Exception:
+                pass
         raise GgufspecError(f"the chat template refused these messages: {exc}") from None
+
+
+def system_in_first_user(messages: list[dict]) -> list[dict] | None:
+    """The conversation with its system messages put in front of the next user message, as llama.cpp
+    (minja's polyfill) renders it for a template without a system role; None where there is none to move."""
+    if not any(m.get("role") == "system" for m in messages) or not all(
+            isinstance(m.get("content"), str) for m in messages if m.get("role") in ("system", "user")):
+        return None
+    merged, pending = [], []
+    for message in messages:
+        if message.get("role") == "system":
+            pending.append(message["content"])
+        elif message.get("role") == "user" and pending:
+            merged.append({**message, "content": "\n".join(pending + [message["content"]] * bool(message["content"]))})
+            pending = []
+        else:
+            merged.append(message)
+    return merged if not pending else merged + [{"role": "user", "content": "\n".join(pending)}]
 
 
 def tokenize(llm: llama_cpp.Llama, text: str) -> list[int]:

@@ -114,6 +114,34 @@ def test_render_chat_checks_its_messages_and_says_when_there_is_no_template(deco
             assert "<|im_start|>user" in without_template.render_chat([{"role": "user", "content": "hi"}])
 
 
+GEMMA2_LIKE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+               "{{ raise_exception('System role not supported') }}{% endif %}"
+               "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+               "{% endfor %}<start_of_turn>model\n")
+
+
+def test_a_template_without_a_system_role_gets_the_system_message_in_the_first_user_turn(tmp_path):
+    """Gemma 2's template raises on a system message (and so on the tools' system prompt a template
+    that renders no tools is given): llama.cpp puts it in front of the next user message; so does this."""
+    from ggufspec import tools as toolkit
+    from ggufspec.tinymodels import Shape, make_weights, write_model
+    shape = Shape(eos_bias=4.0)
+    path = write_model(tmp_path / "gemma2-like.gguf", shape, make_weights(shape, 0), chat_template=GEMMA2_LIKE)
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]
+    with SpeculativeDecoder(path, n_ctx=256, n_threads=1) as decoder:
+        assert decoder.render_chat(conversation).endswith(
+            "<start_of_turn>user\nbe brief\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+            "<start_of_turn>user\nand?<end_of_turn>\n<start_of_turn>model")
+        tools = toolkit.check_tools([{"type": "function", "function": {"name": "now"}}])
+        fmt = toolkit.detect_format(GEMMA2_LIKE)
+        with_tools = decoder.render_chat(toolkit.prepare_messages(conversation[1:2], fmt, tools))
+        assert with_tools.count("<start_of_turn>user") == 1 and "<tool_call>" in with_tools and with_tools.count("hi<end") == 1
+        with pytest.raises(GgufspecError, match="refused these messages: System role not supported"):
+            decoder.render_chat([{"role": "system", "content": [{"type": "text", "text": "x"}]},
+                                 {"role": "user", "content": "hi"}])  # parts: nothing merged, the template's word
+
+
 def test_seed_minus_one_is_random_as_in_the_cli(decoder):
     texts = {decoder.generate("the", n_predict=32, n_draft=0, temperature=1.0, seed=-1).text for _ in range(3)}
     assert len(texts) > 1
