@@ -8,6 +8,8 @@ The families (what their chat templates taught them to write):
 - hermes (Qwen 2.5/3, Hermes 2 Pro, and ggufspec's ChatML fallback): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 - llama3 (Llama 3.1+): the whole message is `{"name": ..., "parameters": {...}}` (after an optional `<|python_tag|>`)
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer `[TOOL_CALLS]name[ARGS]{...}`
+- qwen3_xml (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano): `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n...`
+  (tools_xml.py: values typed by the tool's schema, as llama.cpp's parser and grammar do)
 A template that does not mention tools is taught the hermes format by a system message.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from llama_cpp.llama_grammar import JSON_GBNF
 
+from . import tools_xml
 from .errors import ToolError
 from .schemafollow import BoundedConverter, check_followed, grammar_for, normalized
 
@@ -38,7 +41,7 @@ NOT_IN_JSON_STRINGS = r'"\\\x7F\x00-\x1F'
 
 @dataclass(frozen=True)
 class ToolFormat:
-    name: str            # hermes | llama3 | mistral
+    name: str            # hermes | llama3 | mistral | qwen3_xml
     native: bool         # the chat template renders `tools` itself
     start: str           # the text a call starts with
     args_key: str        # "arguments" (hermes, mistral) or "parameters" (llama3)
@@ -62,7 +65,7 @@ class ToolPlan:
     lazy: bool = False            # the grammar applies once a trigger appears
     triggers: tuple[str, ...] = ()   # texts that start a call (lazy grammar: patterns / tokens)
     forced: bool = False          # the answer is calls only
-    names: frozenset = field(default_factory=frozenset)
+    names: frozenset = field(default_factory=frozenset)   # a tools_xml.ToolNames: with the tools' schemas
 
 
 def detect_format(template: str) -> ToolFormat:
@@ -71,6 +74,8 @@ def detect_format(template: str) -> ToolFormat:
     if "[TOOL_CALLS]" in template:
         named = next((marker for marker in ("[CALL_ID]", "[ARGS]") if marker in template), "")
         return ToolFormat("mistral", native, "[TOOL_CALLS]", "arguments", named)
+    if tools_xml.is_xml_template(template):  # before hermes: its calls start with <tool_call> too
+        return ToolFormat("qwen3_xml", True, "<tool_call>", "arguments")
     if "<tool_call>" in template:
         return ToolFormat("hermes", native, "<tool_call>", "arguments")
     if "<|start_header_id|>" in template and native:
@@ -125,7 +130,7 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel: bool | None, fmt
         return ToolPlan(None, parse=False)
     if tool_choice == "none":
         return ToolPlan(None, parse=False)
-    names = frozenset(t["function"]["name"] for t in tools)
+    names = tools_xml.ToolNames(tools)
     forced = named is not None or tool_choice == "required"
     grammar = call_grammar(tools, fmt, only=named, parallel=parallel is not False and named is None)
     return ToolPlan(tools, parse=True, grammar=grammar, lazy=not forced, triggers=trigger_texts(fmt),
@@ -155,6 +160,8 @@ def prepare_messages(messages: list[dict], fmt: ToolFormat, tools: list | None) 
     for a template that knows no tools, calls and results written out in the hermes format and the
     tools described in the system message."""
     prepared = [_with_object_arguments(m) for m in messages]
+    if fmt.name == "qwen3_xml":  # the template iterates `arguments|items` and writes each value as text
+        prepared = [tools_xml.with_text_values(m) for m in prepared]
     if fmt.native:
         return prepared
     prepared = [_as_plain_text(m) for m in prepared]
@@ -209,7 +216,8 @@ def _as_plain_text(message: dict) -> dict:
 def parse_calls(text: str, fmt: ToolFormat, names: frozenset = frozenset()) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) in a model's answer: the family's own format first, then the others.
     Text that is not a well-formed call stays content; content without anything in it is None."""
-    parsers = {"hermes": _parse_hermes, "mistral": _parse_mistral, "llama3": _parse_json_message}
+    parsers = {"hermes": _parse_hermes, "qwen3_xml": _parse_xml, "mistral": _parse_mistral,
+               "llama3": _parse_json_message}
     order = [fmt.name] + [name for name in parsers if name != fmt.name]
     for name in order:
         content, calls = parsers[name](text, names)
@@ -266,6 +274,11 @@ def _parse_hermes(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
         position = end
     content.append(text[position:])
     return "".join(content), calls
+
+
+def _parse_xml(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
+    content, calls = tools_xml.parse(text, getattr(names, "schemas", {}))
+    return content, [ToolCall(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls]
 
 
 def _parse_mistral(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
@@ -341,9 +354,11 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
     # integer bounds followed too (a tool's "level" from 1 to 5 took 99); what the grammar cannot follow
     # is not refused here, as response_format's is: agents send large tool schemas and check the arguments
     converter = BoundedConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    alternatives, named = [], []
+    alternatives, named, xml = [], [], ""
     try:
-        for i, tool in enumerate(tools):
+        if fmt.name == "qwen3_xml":  # its own rules (raw text values) beside the converter's JSON values
+            xml = tools_xml.call_rules(tools, converter, only=only, parallel=parallel)
+        for i, tool in enumerate(tools if not xml else []):
             function = tool["function"]
             if only is not None and function["name"] != only:
                 continue
@@ -353,13 +368,15 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
                                  "required": ["name", fmt.args_key]})
             if fmt.named:
                 named.append(f'"{function["name"]}" tc-mid {converter.visit(parameters, f"tc-args-{i}")}')
-        if not fmt.named:
+        if not fmt.named and not xml:
             converter.visit(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}, "tc-call")
         rules = json_strings_only(converter.format_grammar())
         if empty := re.search(r"^(\S+) ::=\s*$", rules, re.M):  # an enum or anyOf of nothing: llama.cpp refuses it
             raise ValueError(f"nothing can follow {empty[1]} (an empty enum or anyOf)")
     except Exception as exc:  # the converter's asserts, KeyErrors and ValueErrors alike
         raise ToolError(f"a tool's parameters are not a JSON schema this server can follow: {schema_problem(exc)}") from None
+    if xml:
+        return f"{rules}\n{xml}\n{GRAMMAR_WS}\n"
     if fmt.named:  # as llama.cpp's grammar for Ministral 3: each call its own [TOOL_CALLS], no space
         mid = '"[CALL_ID]" [a-zA-Z0-9]{9} "[ARGS]"' if fmt.named == "[CALL_ID]" else '"[ARGS]"'
         one = f'tc-call ::= {" | ".join(named)}\ntc-mid ::= {mid}'
