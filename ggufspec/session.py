@@ -43,6 +43,7 @@ class ModelOptions:
     n_gpu_layers_draft: int | None = None
     flash_attn: str = "auto"
     rpc: str | None = None              # HOST:PORT[,...]: the target's layers go to these workers
+    rpc_timeout: float | None = None    # with rpc: no progress for this long ends the process (a hung worker)
     strict: bool = False
     exact: bool = False                 # --exact: batches computed as single tokens are (CPU), greedy bit-identical
     swa_full: bool = False              # full-size caches for sliding-window layers (default: window-sized)
@@ -94,7 +95,8 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
         n_parallel = 1
     decoder = open_decoder(target, draft, n_ctx=options.n_ctx, n_threads=options.n_threads, n_gpu_layers=ngl,
                            n_gpu_layers_draft=ngld, strict=options.strict, exact=options.exact, flash_attn=options.flash_attn,
-                           rpc=options.rpc, tensor_split=tensor_split, swa_full=options.swa_full, n_parallel=n_parallel)
+                           rpc=options.rpc, tensor_split=tensor_split, swa_full=options.swa_full, n_parallel=n_parallel,
+                           rpc_timeout=options.rpc_timeout)
     decoder.ngram_pool = pool  # n-grams of every request, for the next ones (`ngram`)
     if choice.kind == "ngram":  # the Python API drafts as the CLI does: by n-gram where no model drafts
         decoder.default_drafter = "lookup"
@@ -212,22 +214,43 @@ def rpc_split(target_shape, rpc: str, rpc_mem, n_ctx: int):
     round trip asked from it unless --rpc-mem declares its memory."""
     from . import plan as P
     from . import rpc as R
-    declared = P.parse_host_sizes(rpc_mem)
+    endpoints = R.parse_endpoints(rpc)
+    declared = _declared_memory(P.parse_host_sizes(rpc_mem), endpoints)
     hosts, rtt_ms = [], {}
-    for endpoint in R.parse_endpoints(rpc):
+    for endpoint in endpoints:
         name = str(endpoint)
-        if name in declared:
-            hosts.append((name, declared[name]))
+        if endpoint in declared:
+            hosts.append((name, declared[endpoint]))
             continue
         hosts.append((name, R.worker_memory(endpoint)[0]))
         rtt_ms[name] = 1e3 * R.round_trip_time(endpoint)
     return P.split_across_hosts(target_shape, n_ctx, hosts, rtt_ms)
 
 
+def _declared_memory(sizes: dict[str, int], endpoints) -> dict:
+    """--rpc-mem's sizes by the --rpc worker each names, matched as --rpc compares addresses (LOCALHOST:050052
+    is localhost:50052); an entry that names no --rpc worker is refused rather than silently ignored."""
+    from . import rpc as R
+    workers = {R.worker_key(endpoint): endpoint for endpoint in endpoints}
+    declared: dict = {}
+    for host, size in sizes.items():
+        try:
+            key = R.worker_key(R.parse_endpoint(host))
+        except R.RpcError as exc:
+            raise R.RpcError(f"--rpc-mem: {exc}") from None
+        if key not in workers:
+            raise R.RpcError(f"--rpc-mem names {host}, which is none of --rpc's workers "
+                             f"({', '.join(map(str, endpoints))})")
+        if workers[key] in declared:
+            raise R.RpcError(f"--rpc-mem names the worker {workers[key]} twice")
+        declared[workers[key]] = size
+    return declared
+
+
 def planned_rpc_split(target_path, rpc: str | None, given_ngl: int | None, ngl: int, n_ctx: int):
     """(-ngl, tensor_split) for a target on RPC workers: as given with -ngl (0: every layer here), else
     the planner's split by the workers' free memory. Without --rpc, or planned onto a GPU here: (ngl, None)."""
-    if not rpc:
+    if rpc is None:
         return ngl, None
     if given_ngl is not None:
         return given_ngl, None
@@ -239,12 +262,13 @@ def planned_rpc_split(target_path, rpc: str | None, given_ngl: int | None, ngl: 
 
 
 def open_decoder(target, draft=None, *, rpc: str | None = None, n_gpu_layers: int | None = None, tensor_split=None,
-                 **options) -> SpeculativeDecoder:
+                 rpc_timeout: float | None = None, **options) -> SpeculativeDecoder:
     """A SpeculativeDecoder whose target may live on RPC workers (HOST:PORT[,...]).
 
     The workers are checked (reachable, same protocol) before anything loads; a worker lost mid-run
-    becomes one clear line, the partial statistics and exit code 1 instead of llama.cpp's abort."""
-    if not rpc:
+    becomes one clear line, the partial statistics and exit code 1 instead of llama.cpp's abort. With
+    `rpc_timeout` (seconds), so does a generation that makes no progress for that long (a hung worker)."""
+    if rpc is None:
         return SpeculativeDecoder(target, draft, n_gpu_layers=n_gpu_layers or 0, tensor_split=tensor_split, **options)
     from . import rpc as R
     endpoints = R.parse_endpoints(rpc)
@@ -265,7 +289,41 @@ def open_decoder(target, draft=None, *, rpc: str | None = None, n_gpu_layers: in
     n_layer = decoder.n_layer
     offloaded = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers  # -1: all blocks and the output layer
     decoder.placement = R.layer_placement(devices, n_layer, offloaded, tensor_split)
+    if rpc_timeout:
+        _watch_stalls(decoder, R.StallWatch(endpoints, rpc_timeout, lambda: _evaluated(decoder),
+                                            on_stall=lambda: _print_partial_stats(opened)))
     return decoder
+
+
+def _evaluated(decoder: SpeculativeDecoder) -> int:
+    """Tokens the decoder's contexts (every slot's) have evaluated: what grows while generation progresses."""
+    slots = getattr(decoder, "slots", None)
+    contexts = [c for slot in slots.slots for c in slot.contexts()] if slots is not None else [decoder.target, decoder.draft]
+    return sum(getattr(c, "n_evaluated", 0) for c in contexts if c is not None)
+
+
+def _watch_stalls(decoder: SpeculativeDecoder, watch) -> None:
+    """Arm `watch` while the decoder computes: within each next() of its streams (not while their reader
+    holds a piece) and through generate_many (generate goes through stream)."""
+    stream, generate_many = decoder.stream, decoder.generate_many
+
+    def watched(pieces):
+        try:
+            while True:
+                with watch.armed():
+                    try:
+                        piece = next(pieces)
+                    except StopIteration:
+                        return
+                yield piece
+        finally:
+            pieces.close()
+
+    def watched_generate_many(*args, **kwargs):
+        with watch.armed():
+            return generate_many(*args, **kwargs)
+    decoder.stream = lambda *args, **kwargs: watched(stream(*args, **kwargs))  # checks the options at once, as before
+    decoder.generate_many = watched_generate_many
 
 
 def _print_partial_stats(opened: list[SpeculativeDecoder]) -> None:

@@ -13,8 +13,8 @@ from ..errors import GgufspecError
 from ..sampling import SamplingParams
 from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
-from .options import (RenamedOption, check_defaults, generation_options, model_options, open_session, parse_draft,
-                      read_prompt, stream_options)
+from .options import (RenamedOption, check_defaults, check_rpc, generation_options, model_options, open_session,
+                      parse_draft, read_prompt, rpc_timeout_given, rpc_timeout_option, stream_options)
 
 
 @main.command(context_settings={"show_default": True})
@@ -27,9 +27,11 @@ from .options import (RenamedOption, check_defaults, generation_options, model_o
 @click.option("--chat", is_flag=True, help="Apply the target's chat template.")
 @click.option("--system", default=None, help="System message for --chat.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and statistics as one JSON object on stdout.")
+@rpc_timeout_option
 @friendly_errors
 def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
+    check_rpc(opts["rpc"], rpc_timeout_given())
     text = read_prompt(prompt, prompt_file, escape)
     if system is not None and not chat:
         raise GgufspecError("--system is the chat template's system message: give --chat too")
@@ -105,10 +107,11 @@ def write_stream(stream, *, color: bool, quiet: bool):
               help="Write each prompt's acceptance trace (JSON lines) for `plan` and the simulator.")
 @click.option("--trace", "trace_file", default=None, metavar="FILE",
               help="Predict from this pair's trace [default: the one recorded now, else a known one for the pair].")
+@rpc_timeout_option
 @friendly_errors
 def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
           temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, rpc, limit, llamacpp,
-          streams, as_json, plot_file, record_trace, trace_file):
+          streams, as_json, plot_file, record_trace, trace_file, rpc_timeout):
     """Measure the target alone against speculative configurations, interleaved, per prompt.
 
     The predicted column replays an acceptance trace (`--trace`, `--record-trace`, or one known for
@@ -118,6 +121,10 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     from .. import bench as B
     from .. import simulate
     from ..session import ModelOptions, open_session
+    check_rpc(rpc, rpc_timeout_given())
+    if rpc is not None and not as_json:  # the progress bar holds stderr's line: a lost worker's line starts anew
+        from ..rpc import error_lines_on_a_new_line
+        error_lines_on_a_new_line()
     if llamacpp and not os.access(llamacpp, os.X_OK):
         raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min, alone=bool(record_trace))
@@ -137,7 +144,7 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
                         "plot_file", "record_trace", "trace_file"))
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
-                           rpc=rpc, n_parallel=max(counts or [1]),
+                           rpc=rpc, rpc_timeout=rpc_timeout or None, n_parallel=max(counts or [1]),
                            fixed_draft=any(c.options.get("n_draft") not in (None, 0, "auto") for c in configs))
     if counts:
         return _bench_streams(options, prompts, counts, n_predict, as_json)
@@ -285,8 +292,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
-    if not opts["rpc"] and click.get_current_context().get_parameter_source("rpc_timeout").name != "DEFAULT":
-        raise GgufspecError("--rpc-timeout watches --rpc's workers: give --rpc too")
+    check_rpc(opts["rpc"], rpc_timeout_given())
     if api_key is not None and not api_key.strip():
         raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank: no client could ever send it; "
                             "give a key, or leave it unset")
@@ -296,10 +302,8 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
     exposure = Exposure.listening(host, api_key=api_key, cors_origins=parse_origins(cors_origins),
                                   allowed_hosts=parse_hosts(allowed_hosts), max_body=parse_size(max_body))
     exit_quietly_on_signals()
-    if opts["rpc"] and serve_fd is None:
-        from ..rpc import parse_endpoints
+    if opts["rpc"] and serve_fd is None:  # a bad --rpc failed above (check_rpc), in one line
         from ..server.supervisor import supervise
-        parse_endpoints(opts["rpc"])  # a bad --rpc fails here, in one line
         sys.exit(supervise(listen(host, port), rpc=opts["rpc"], rpc_timeout=rpc_timeout, argv=sys.argv[1:],
                            exposure=exposure))
     if serve_fd is not None:
@@ -333,6 +337,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
 @generation_options(n_predict=-1)
 @click.option("--system", default=None, help="System message.")
 @click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
+@rpc_timeout_option
 @friendly_errors
 def chat(system, color, **opts):
     """Chat in the terminal. Each turn evaluates only what is new (the KV cache holds the rest).
@@ -341,6 +346,7 @@ def chat(system, color, **opts):
     A statistics line per answer goes to stderr.
     """
     from ..terminal import chat_session
+    check_rpc(opts["rpc"], rpc_timeout_given())
     utf8_text("--system", system)
     check_defaults(opts)
     with open_session(opts) as session:

@@ -296,10 +296,12 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     from ..plan import speculation as S
     from ..session import memory_devices
     from ..simulate import merged
-    if rpc_mem and not rpc:
+    from .options import check_rpc
+    check_rpc(rpc)  # an empty --rpc too: one line, not a plan that is silently local
+    if rpc_mem and rpc is None:
         raise GgufspecError("--rpc-mem declares the memory of --rpc's workers: give --rpc too")
     target, draft, local_paths = _shapes_for(pair, model, model_draft)
-    if rpc:
+    if rpc is not None:
         return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
     gpu, host = memory_devices(vram, ram)
     target_path, draft_path = local_paths if draft is not None else (None, None)
@@ -372,4 +374,6 @@ def worker(host, port, threads, mem, cache_dir):
     """Serve this machine's GPUs (else its CPU) to `ggufspec run|serve --rpc` (llama.cpp's RPC server)."""
     from ..plan import parse_size
     from ..rpc import start_worker
-    start_worker(host, port, threads, parse_size(mem) if mem else None, cache_dir)
+    if mem is not None and not mem.strip():  # `--mem=`: not "all its RAM" silently
+        raise GgufspecError("--mem is empty: give the memory to offer, e.g. 24GiB (or leave --mem out: all its RAM)")
+    start_worker(host, port, threads, parse_size(mem) if mem is not None else None, cache_dir)

@@ -106,7 +106,8 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
                            draft_dir=opts.pop("draft_dir"), lookup_pool=opts.pop("lookup_pool"),
                            no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
                            n_gpu_layers=opts.pop("n_gpu_layers"), n_gpu_layers_draft=opts.pop("n_gpu_layers_draft"),
-                           flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), strict=opts.pop("strict"), exact=opts.pop("exact"),
+                           flash_attn=opts.pop("flash_attn"), rpc=opts.pop("rpc"), rpc_timeout=opts.pop("rpc_timeout", None) or None,
+                           strict=opts.pop("strict"), exact=opts.pop("exact"),
                            swa_full=opts.pop("swa_full"), n_parallel=opts.pop("parallel", 1),
                            needs_draft_model=not opts["lookup"],
                            fixed_draft=parse_draft(opts.get("n_draft", "auto")) not in ("auto", 0))
@@ -116,6 +117,30 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
     if session.draft_choice["kind"] == "ngram":
         opts["lookup"], opts["hybrid"] = True, False
     return session
+
+
+def rpc_timeout_option(command):
+    """--rpc-timeout of run, chat and bench (serve has its own: its supervisor reloads the model)."""
+    from ..rpc.faults import DEFAULT_STALL_S
+    return click.option("--rpc-timeout", "rpc_timeout", type=click.FloatRange(min=0), default=DEFAULT_STALL_S,
+                        show_default=True, metavar="SECONDS",
+                        help="With --rpc: no progress for this many seconds while generating means a hung worker "
+                             "(stopped, frozen): one error line and exit code 1 instead of waiting for ever (0: "
+                             "wait for ever).")(command)
+
+
+def check_rpc(rpc: str | None, rpc_timeout_given: bool = False) -> None:
+    """A bad --rpc fails in one line before anything loads, an empty one too (not a run that is silently
+    local); --rpc-timeout alone is refused (it would watch nothing)."""
+    if rpc is not None:
+        from ..rpc import parse_endpoints
+        parse_endpoints(rpc)
+    elif rpc_timeout_given:
+        raise GgufspecError("--rpc-timeout watches --rpc's workers: give --rpc too")
+
+
+def rpc_timeout_given() -> bool:
+    return click.get_current_context().get_parameter_source("rpc_timeout").name != "DEFAULT"
 
 
 def stream_options(opts: dict) -> dict:

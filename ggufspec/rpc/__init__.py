@@ -26,24 +26,26 @@ Workers serve one host at a time and are unauthenticated: keep them on a private
     native.py     ggml-rpc's C functions, the protocol's constants, the errors
     endpoints.py  HOST:PORT parsing and probing workers from Python
     devices.py    workers as ggml devices; which device each target layer lands on
-    faults.py     a worker lost mid-run as one line and exit code 1; keepalive
+    faults.py     a worker lost mid-run (or hung: StallWatch) as one line and exit code 1; keepalive
     worker.py     `ggufspec worker`
 Loading a model onto ggml devices is a loading concern: `ggufspec.load.load_on_devices`.
 """
 from .devices import (GgmlDevice, layer_devices, layer_placement, local_devices, register_workers, target_devices,
                       worker_memory)
-from .endpoints import Endpoint, WorkerInfo, parse_endpoint, parse_endpoints, probe, probe_all, round_trip_time
-from .faults import abort_message, exit_when_a_worker_leaves, install_abort_message, keepalive
+from .endpoints import (Endpoint, WorkerInfo, parse_endpoint, parse_endpoints, probe, probe_all, round_trip_time,
+                        worker_key)
+from .faults import (DEFAULT_STALL_S, StallWatch, abort_message, error_lines_on_a_new_line, exit_when_a_worker_leaves,
+                     install_abort_message, keepalive)
 from .native import (ABORT_EXIT_CODE, DEFAULT_HOST, DEFAULT_PORT, REBUILD_COMMAND, RPC_PROTO_MAJOR_VERSION,
                      RPC_PROTO_MINOR_VERSION, RpcError, RpcUnsupportedError, WorkerUnreachableError, _Native,
                      require_rpc, rpc_supported)
 from .worker import network_warning, start_worker
 
 __all__ = [
-    "ABORT_EXIT_CODE", "DEFAULT_HOST", "DEFAULT_PORT", "Endpoint", "GgmlDevice", "REBUILD_COMMAND",
-    "RPC_PROTO_MAJOR_VERSION", "RPC_PROTO_MINOR_VERSION", "RpcError", "RpcUnsupportedError", "WorkerInfo",
-    "WorkerUnreachableError", "_Native", "abort_message", "exit_when_a_worker_leaves", "install_abort_message",
-    "keepalive", "layer_devices", "layer_placement", "local_devices", "network_warning", "parse_endpoint", "parse_endpoints", "probe", "probe_all",
-    "register_workers", "require_rpc", "round_trip_time", "rpc_supported", "start_worker", "target_devices",
-    "worker_memory",
+    "ABORT_EXIT_CODE", "DEFAULT_HOST", "DEFAULT_PORT", "DEFAULT_STALL_S", "Endpoint", "GgmlDevice", "REBUILD_COMMAND",
+    "RPC_PROTO_MAJOR_VERSION", "RPC_PROTO_MINOR_VERSION", "RpcError", "RpcUnsupportedError", "StallWatch", "WorkerInfo",
+    "WorkerUnreachableError", "_Native", "abort_message", "error_lines_on_a_new_line", "exit_when_a_worker_leaves",
+    "install_abort_message", "keepalive", "layer_devices", "layer_placement", "local_devices", "network_warning",
+    "parse_endpoint", "parse_endpoints", "probe", "probe_all", "register_workers", "require_rpc", "round_trip_time",
+    "rpc_supported", "start_worker", "target_devices", "worker_key", "worker_memory",
 ]

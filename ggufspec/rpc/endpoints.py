@@ -42,7 +42,7 @@ def parse_endpoints(text: str) -> list[Endpoint]:
     endpoints = [parse_endpoint(item) for item in items]
     seen: dict[tuple[str, int], Endpoint] = {}
     for endpoint in endpoints:  # one worker serves one host at a time: listed twice, the load would hang
-        key = (_address_or_name(endpoint), endpoint.port)
+        key = worker_key(endpoint)
         if key in seen:
             also = f" (as {seen[key]} too)" if str(seen[key]) != str(endpoint) else ""
             raise RpcError(f"RPC worker {endpoint} is listed twice{also}")
@@ -50,6 +50,11 @@ def parse_endpoints(text: str) -> list[Endpoint]:
     if len(endpoints) > GGML_RPC_MAX_SERVERS:
         raise RpcError(f"--rpc lists {len(endpoints)} workers; llama.cpp takes at most {GGML_RPC_MAX_SERVERS}")
     return endpoints
+
+
+def worker_key(endpoint: Endpoint) -> tuple[str, int]:
+    """Which worker an address names, as --rpc compares them: localhost, LOCALHOST and 127.1 are 127.0.0.1."""
+    return _address_or_name(endpoint), endpoint.port
 
 
 def _as_endpoint(endpoint: Endpoint | str) -> Endpoint:
@@ -108,7 +113,7 @@ def _connect(endpoint: Endpoint, timeout: float) -> socket.socket:
 def _busy(endpoint: Endpoint, timeout: float) -> WorkerUnreachableError:
     return WorkerUnreachableError(
         f"RPC worker {endpoint} accepted the connection but did not answer the handshake within {timeout:g} s: "
-        f"it is serving another host (a worker serves one at a time) or is not a ggml-rpc worker")
+        f"it is serving another host (a worker serves one at a time), is stopped or frozen, or is not a ggml-rpc worker")
 
 
 def _answers(sock: socket.socket, timeout: float) -> bool:

@@ -19,12 +19,20 @@ from .native import ABORT_EXIT_CODE, _native
 _ABORT_CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _installed_abort_callback = None  # kept alive: ggml holds only the raw pointer
 _consequence = "the run cannot go on"  # what the abort line says happens next
+_line_start = ""  # written before the error line: "\n" while a progress bar holds stderr's current line
+DEFAULT_STALL_S = 300.0  # run, chat and bench --rpc: no progress for this long is a hung worker (--rpc-timeout)
 
 
 def set_abort_consequence(text: str) -> None:
     """What the abort line says happens next (`serve --rpc`'s model process: the server goes on)."""
     global _consequence
     _consequence = text
+
+
+def error_lines_on_a_new_line(on: bool = True) -> None:
+    """A progress bar (bench's) ends stderr's current line with no newline: start the error lines on their own."""
+    global _line_start
+    _line_start = "\n" if on else ""
 
 
 def _dead_workers(endpoints: Sequence[Endpoint], timeout: float = 0.5) -> list[Endpoint]:
@@ -77,7 +85,7 @@ def install_abort_message(endpoints: Sequence[Endpoint | str] = (),
     def callback(raw: bytes | None) -> None:
         text = (raw or b"").decode("utf-8", errors="replace").strip()
         line = abort_message(text, known)
-        os.write(stderr_fd, ((line or f"ggufspec: error: llama.cpp aborted: {text}") + "\n").encode())
+        os.write(stderr_fd, (_line_start + (line or f"ggufspec: error: llama.cpp aborted: {text}") + "\n").encode())
         if line is None:
             return  # ggml_abort goes on to abort()
         if on_abort is not None:
@@ -122,6 +130,71 @@ def exit_when_a_worker_leaves(endpoints: Sequence[Endpoint | str], every_s: floa
                                      f"(it stopped or its port closed); {_consequence}\n").encode())
                 os._exit(ABORT_EXIT_CODE)
     threading.Thread(target=watch, daemon=True, name="ggufspec-worker-watch").start()
+
+
+class StallWatch:
+    """Ends this process with one line and exit code 1 when the work it watches makes no progress for
+    `timeout_s` seconds (`run`, `chat` and `bench --rpc`'s --rpc-timeout; `serve --rpc` has its supervisor).
+
+    A worker stopped without closing its connection (SIGSTOP, a frozen machine) leaves ggml-rpc waiting
+    for ever, and TCP keepalive cannot see it while the worker's kernel still answers. The work is watched
+    only inside `armed()` (while the engine computes, not while a reader or a user is awaited), and
+    progress is whatever `progress()` returns changing (tokens evaluated).
+    """
+
+    def __init__(self, endpoints: Sequence[Endpoint | str], timeout_s: float, progress: Callable[[], object],
+                 on_stall: Callable[[], None] | None = None, every_s: float | None = None):
+        self.endpoints = [_as_endpoint(e) for e in endpoints]
+        self.timeout_s, self.progress, self.on_stall = timeout_s, progress, on_stall
+        self._every_s = every_s or min(1.0, timeout_s / 4)
+        self._lock = threading.Lock()
+        self._armed, self._since, self._seen = 0, time.monotonic(), None
+        self._stderr_fd = os.dup(2)  # llama-cpp-python points fd 2 at /dev/null while a model loads
+        threading.Thread(target=self._watch, daemon=True, name="ggufspec-stall-watch").start()
+
+    @contextlib.contextmanager
+    def armed(self):
+        with self._lock:
+            if not self._armed:
+                self._since, self._seen = time.monotonic(), self._read()
+            self._armed += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._armed -= 1
+
+    def _read(self) -> object:
+        try:
+            return self.progress()
+        except Exception:  # never taken for a hang: as progress
+            return object()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self._every_s)
+            with self._lock:
+                if not self._armed:
+                    continue
+                seen, now = self._read(), time.monotonic()
+                if seen != self._seen:
+                    self._seen, self._since = seen, now
+                    continue
+                if now - self._since < self.timeout_s:
+                    continue
+            self._stalled()
+
+    def _stalled(self) -> None:
+        who = ", ".join(map(str, self.endpoints))
+        subject = f"one of the RPC workers {who}" if len(self.endpoints) > 1 else f"the RPC worker {who}"
+        os.write(self._stderr_fd, (f"{_line_start}ggufspec: error: {subject} stopped answering: no progress for "
+                                   f"{self.timeout_s:g} s (--rpc-timeout); {_consequence}\n").encode())
+        if self.on_stall is not None:
+            try:
+                self.on_stall()
+            except BaseException:  # the process is ending: nothing may stop that
+                pass
+        os._exit(ABORT_EXIT_CODE)
 
 
 def keepalive(endpoints: Sequence[Endpoint | str], timeout_s: float = 30.0) -> int:
