@@ -25,20 +25,61 @@ _TOKEN_DATA = np.dtype(  # llama_token_data
     [("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 # What ECMAScript regexes (llama.cpp's std::regex) lack of Python's: named groups, lookbehind, inline
-# flags, comments, atomic groups, possessive quantifiers. std::regex throws on them, which aborts the process.
-NOT_ECMASCRIPT = re.compile(r"\(\?(?:P|<|[a-zA-Z#>]|\()|[*+?}][+]")
+# flags, comments, atomic groups, possessive quantifiers, `{,n}`, the escapes \A \Z \a \N \U. std::regex
+# throws on them, which aborts the process.
+NOT_ECMASCRIPT = re.compile(r"\(\?(?:P|<|[a-zA-Z#>]|\()|[*+?}][+]|\{,")
+NOT_ECMASCRIPT_ESCAPE = re.compile(r"\\[AZaNU]")
 
 
 def check_trigger_pattern(pattern: str) -> None:
-    """A lazy grammar's trigger: a regex llama.cpp's std::regex can compile (an invalid one aborts it)."""
+    """A lazy grammar's trigger: a regex llama.cpp's std::regex can compile (an invalid one aborts it),
+    and that `Trigger` reads as llama.cpp does."""
     try:
         re.compile(pattern)
     except re.error as exc:
         raise GgufspecError(f"grammar_patterns: {pattern!r} is not a regular expression ({exc})") from None
     plain = re.sub(r"\[\^?\]?[^\]]*\]", "_", re.sub(r"\\.", "_", pattern))  # escapes and classes aside
-    if NOT_ECMASCRIPT.search(plain):
+    if NOT_ECMASCRIPT.search(plain) or NOT_ECMASCRIPT_ESCAPE.search(re.sub(r"\\\\", "", pattern)):
         raise GgufspecError(f"grammar_patterns: {pattern!r} uses syntax llama.cpp's regexes (ECMAScript) lack: "
-                            "named or lookbehind groups, inline flags, atomic groups or possessive quantifiers")
+                            "named or lookbehind groups, inline flags, atomic groups, possessive quantifiers, "
+                            "{,n}, or the escapes \\A \\Z \\a \\N \\U")
+    mirrored(pattern)
+
+
+def mirrored(pattern: str) -> re.Pattern:
+    """The pattern as a Python bytes regex that reads as ECMAScript's does (std::regex over bytes): `$`
+    only at the very end (Python's also before a final newline), `.` no line end (Python's takes \\r),
+    `\\uHHHH` an ASCII character; the output is searched as bytes, as llama.cpp searches its buffer."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            escape = pattern[i:i + 2]
+            if escape == "\\u":
+                code = pattern[i + 2:i + 6]
+                if not re.fullmatch(r"[0-9a-fA-F]{4}", code) or int(code, 16) > 0x7F:
+                    raise GgufspecError(f"grammar_patterns: {pattern!r}: write \\u{code} as the character itself "
+                                        "(llama.cpp matches its bytes)")
+                out.append(f"\\x{int(code, 16):02x}")
+                i += 6
+                continue
+            out.append(escape)
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]" or out[-1] in ("[", "[^")
+            out.append(c)
+        elif c == "[":
+            in_class = True
+            out.append("[^" if pattern[i + 1:i + 2] == "^" else "[")
+            i += 1 if pattern[i + 1:i + 2] == "^" else 0
+        else:
+            out.append({"$": r"\Z", ".": r"[^\n\r]"}.get(c, c))
+        i += 1
+    try:
+        return re.compile("".join(out).encode())
+    except re.error as exc:
+        raise GgufspecError(f"grammar_patterns: {pattern!r} is not a regular expression llama.cpp reads ({exc})") from None
 
 
 class Trigger:
@@ -46,12 +87,8 @@ class Trigger:
     it), and whether a token fires the trigger and with what text (`fires`)."""
 
     def __init__(self, patterns=(), tokens=()):
-        self.patterns = []
-        for pattern in patterns:  # llama_grammar_trigger_pattern::find: ^...$ must match the whole text
-            try:
-                self.patterns.append((re.compile(pattern.encode()), pattern.startswith("^") and pattern.endswith("$")))
-            except re.error:  # not one Python's bytes regexes take: that pattern goes unmirrored
-                pass
+        # llama_grammar_trigger_pattern::find: ^...$ is matched against the whole text first
+        self.patterns = [(mirrored(p), p.startswith("^") and p.endswith("$")) for p in patterns]
         self.tokens = frozenset(tokens)
         self.awaiting = bool(patterns or tokens)
         self.buffer, self.spans = b"", []

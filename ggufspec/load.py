@@ -310,21 +310,15 @@ def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | 
 
 
 def system_in_first_user(messages: list[dict]) -> list[dict] | None:
-    """The conversation with its system messages put in front of the next user message, as llama.cpp
-    (minja's polyfill) renders it for a template without a system role; None where there is none to move."""
-    if not any(m.get("role") == "system" for m in messages) or not all(
-            isinstance(m.get("content"), str) for m in messages if m.get("role") in ("system", "user")):
+    """The conversation with its leading system message put in front of the next message, as llama.cpp
+    renders it for a template without a system role (chat.cpp's system_message_not_supported); None
+    where there is none to move (or either content is not text)."""
+    if len(messages) < 2 or messages[0].get("role") != "system":
         return None
-    merged, pending = [], []
-    for message in messages:
-        if message.get("role") == "system":
-            pending.append(message["content"])
-        elif message.get("role") == "user" and pending:
-            merged.append({**message, "content": "\n".join(pending + [message["content"]] * bool(message["content"]))})
-            pending = []
-        else:
-            merged.append(message)
-    return merged if not pending else merged + [{"role": "user", "content": "\n".join(pending)}]
+    system, following = messages[0].get("content"), messages[1].get("content")
+    if not isinstance(system, str) or not isinstance(following, str):
+        return None
+    return [{**messages[1], "content": system + "\n" + following}] + messages[2:]
 
 
 def tokenize(llm: llama_cpp.Llama, text: str) -> list[int]:

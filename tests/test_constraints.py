@@ -192,6 +192,9 @@ def test_sampling_matches_the_constrained_target(tiny_decoder, plain_target, k, 
     ({"grammar": 'root ::= "a"', "grammar_patterns": ("a{2,1}",)}, "is not a regular expression"),
     ({"grammar": 'root ::= "a"', "grammar_patterns": ("(?P<n>a)",)}, "ECMAScript"),  # std::regex aborted on these
     ({"grammar": 'root ::= "a"', "grammar_patterns": ("(?<=a)b",)}, "ECMAScript"),
+    ({"grammar": 'root ::= "a"', "grammar_patterns": ("a{,3}",)}, "ECMAScript"),  # std::regex throws: an abort
+    ({"grammar": 'root ::= "a"', "grammar_patterns": (r"\Aab",)}, "ECMAScript"),
+    ({"grammar": 'root ::= "a"', "grammar_patterns": (r"\u00e9",)}, "as the character itself"),
     ({"grammar": 'root ::= "a"', "grammar_patterns": "ab"}, "a sequence of regular expressions"),
     ({"grammar": 'root ::= "a"', "grammar_trigger_tokens": (-1,)}, "grammar_trigger_tokens must be token ids"),
 ])

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from ggufspec.grammar import Trigger
+from ggufspec.grammar import Grammar, Trigger, mirrored
 from ggufspec.processing import Constraints
 
 HERMES_RUN = """
@@ -109,3 +109,24 @@ def test_the_mirror_replays_what_llama_cpp_replays():
     assert no_group.fires(7, b"..<x") is None and no_group.fires(8, b">!") == [(7, b"<x"), (8, b">!")]
     by_token = Trigger(tokens=(9,))
     assert by_token.fires(4, b"a") is None and by_token.fires(9, b"[T]") == [(9, b"[T]")]
+
+
+def test_the_mirror_reads_a_pattern_as_ecmascript_does(tmp_path):
+    """Python's `$` also matches before a final newline, its `.` takes \\r, its bytes regexes refuse
+    \\uHHHH: the mirror fired where llama.cpp did not (then stopped watching, and llama.cpp fired later
+    on text the grammar rejects: an abort), or dropped the pattern. Both found by review."""
+    import llama_cpp
+    from ggufspec.tinymodels import Shape, make_weights, vocabulary, write_model
+    assert mirrored(r"[a-z]x$").search(b"ax\n") is None and mirrored(r"a.b").search(b"a\rb") is None
+    assert mirrored(r"\u0061b").search(b"xab")
+    tokens = vocabulary()[0]
+    tokens[277], tokens[278] = "ax\n", "bx"
+    path = write_model(tmp_path / "dollar.gguf", Shape(), make_weights(Shape(), 0), tokens=tokens)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+        grammar = Grammar(vocab, Constraints(grammar='root ::= "ax\\n" [a-z]*', grammar_patterns=(r"[a-z]x$",)))
+        assert grammar.accept(277) and not grammar.accept(278)  # llama.cpp fires on `bx`, which it rejects
+        grammar.close()
+    finally:
+        llm.close()
