@@ -22,7 +22,7 @@ from .home import read_json, write_json
 
 FINGERPRINTS_FILE = "fingerprints.json"
 FINGERPRINTS_KEPT = 256
-FORMAT = "f2"  # of a remembered fingerprint: another format reads the header again
+FORMAT = "f3"  # of a remembered fingerprint: another format reads the header again
 VOCAB_CHECK_START = 5        # llama.cpp compares token texts from this id on (as load.check_compatible)
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 SPECIAL_IDS = {"bos": "bos", "eos": "eos", "eot": "eot", "pad": "padding", "unk": "unknown"}  # name: GGUF key part
@@ -32,7 +32,7 @@ SPECIAL_IDS = {"bos": "bos", "eos": "eos", "eot": "eot", "pad": "padding", "unk"
 _DEFAULT_SPECIAL = {"llama": (1, 2, True, False), "gpt2": (11, 11, False, False), "bert": (101, None, True, False),
                     "t5": (None, 1, False, True), "rwkv": (None, None, False, False)}  # bos, eos, add_bos, add_eos
 _BPE_ADDING_BOS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "tekken", "chameleon",
-                   "midm-2.0", "lfm2"}
+                   "midm-2.0", "lfm2", "jina-v5-nano"}
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -197,8 +197,9 @@ def _fingerprint_from(values: dict, tokens) -> Fingerprint:
         if special[name] is None or not (0 <= special[name] < n_vocab or not tokens):
             special[name] = default
     given_bos, given_eos = values.get("tokenizer.ggml.add_bos_token"), values.get("tokenizer.ggml.add_eos_token")
+    add_bos = bool(given_bos) if given_bos is not None else add_bos
     return Fingerprint(model=model, pre=pre, n_vocab=n_vocab, tokens_sha256=digest, **special,
-                       add_bos=bool(given_bos) if given_bos is not None else add_bos,
+                       add_bos=add_bos or model == "gemma4",  # llama.cpp's override for Gemma 4 (its PR 21500)
                        add_eos=bool(given_eos) if given_eos is not None else add_eos)
 
 

@@ -259,3 +259,13 @@ def test_the_fingerprint_cache_keeps_the_latest_files(tmp_path, ggufspec_home, m
         read_fingerprint(tmp_path / f"{name}.gguf")
     kept = json.loads((ggufspec_home / FINGERPRINTS_FILE).read_text())
     assert sorted(key.split("|")[1].rsplit("/", 1)[1] for key in kept) == ["a.gguf", "b.gguf", "c.gguf"]
+
+
+def test_gemma4_adds_a_bos_whatever_its_header_says_as_llama_cpp_loads_it():
+    """llama-vocab.cpp forces add-BOS on for Gemma 4's tokenizer (its PR 21500), over the header's key."""
+    def header(add_bos: bool):
+        string = lambda text: struct.pack("<Q", len(text.encode())) + text.encode()
+        return gguf_bytes(("tokenizer.ggml.model", struct.pack("<I", 8) + string("gemma4")),
+                          ("tokenizer.ggml.add_bos_token", struct.pack("<I?", 7, add_bos)))
+    assert fingerprint_of_bytes(header(False), "gemma4").add_bos is True
+    assert fingerprint_of_bytes(header(True), "gemma4").add_bos is True
