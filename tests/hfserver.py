@@ -142,7 +142,8 @@ def make_handler(state: HubState):
                 end = min(end, int(rng[2]) + 1) if rng[2] else end
             self.send_response(206 if start or end < len(data) else 200)
             self.send_header("X-Repo-Commit", COMMIT)
-            self.send_header("ETag", f'"{COMMIT[:40]}"')
+            # the hub's ETag of a file outside LFS is its git blob id: it changes with the content
+            self.send_header("ETag", f'"{hashlib.sha1(data).hexdigest()}"')
             if file not in state.unhashed:
                 self.send_header("X-Linked-Etag", f'"{state.sha(repo, file)}"')
                 self.send_header("X-Linked-Size", str(state.announced_size.get(file, len(data))))
