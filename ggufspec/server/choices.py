@@ -112,15 +112,24 @@ class ChoiceState:
         return toolkit.openai_tool_calls(calls, self.shape.fmt)
 
     def message(self, cut_short: bool = False) -> tuple[dict, bool]:
-        """The whole answer's message (chat) and whether it called tools."""
+        """The whole answer's message (chat) and whether it called tools: the content a stream of the
+        same pieces shows (`push`, then `end`), so that the text before a call is the same either way."""
         text = "".join(p["text"] for p in self.pieces)
-        if self.parsing:
-            content, calls = toolkit.parse_calls(text, self.shape.fmt, self.shape.plan.names)
-            if calls:
-                content = self.without_a_cut_call(content or "", cut_short) or None
-                return {"role": "assistant", "content": content, "tool_calls": self.tool_calls(calls)}, True
-            text = self.without_a_cut_call(text, cut_short)
-        return {"role": "assistant", "content": text}, False
+        if not self.parsing:
+            return {"role": "assistant", "content": text}, False
+        start = toolkit.call_start(text, self.shape.fmt)
+        cut, sent = len(text) if start is None else start, 0
+        for piece in self.pieces:  # what push would have released: the pieces before the cut
+            if sent + len(piece["text"]) > cut:
+                break
+            sent += len(piece["text"])
+        replay = ChoiceState(self.index, self.shape, self.chat)
+        replay.sent_text, replay.held = text[:sent], [{"text": text[sent:]}]
+        _, held_content, calls = replay.end(cut_short)
+        content = replay.sent_text + (held_content or "")
+        if calls:
+            return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
+        return {"role": "assistant", "content": content}, False
 
     def logprobs(self, pieces: list[dict]) -> dict | None:
         """The pieces' log-probabilities in the API's shape, or None when not asked for."""

@@ -30,6 +30,9 @@ from .reasoning import Thinking, splitter_for
 STOP_REASONS = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # the model's earlier reasoning: not rendered again
+# chat's field names in an error: this API's (a tool is {"name", "input_schema"}, not {"function": ...})
+NAMES = {"response_format": "output_config.format", "].function.parameters": "].input_schema",
+         "].function.": "]."}
 
 
 class Block(Strict):
@@ -311,7 +314,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesBody):
         chat, prefill = await asyncio.to_thread(chat_request, body, serving)  # thousands of messages take a while
-        job = await serving.submit(chat, prefill, names={"response_format": "output_config.format"})
+        job = await serving.submit(chat, prefill, names=NAMES)
         return await respond(job, request, body.stream, lambda n_prompt: MessageState(serving, n_prompt),
                              lambda: splitter_for(serving))
 
