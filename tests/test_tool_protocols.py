@@ -184,6 +184,11 @@ def test_anthropic_errors_name_anthropic_fields(family_server):
         error = response.json()
         assert response.status_code == 400 and error["type"] == "error", error
         assert "tools[0].name" in error["error"]["message"] and "function" not in error["error"]["message"]
+    counted = httpx.post(family_server.url + "/v1/messages/count_tokens", timeout=60, json={
+        "messages": HI, "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]})
+    error = counted.json()  # count_tokens too (it named tools[0].function.name)
+    assert counted.status_code == 400 and "tools[0].name" in error["error"]["message"], error
+    assert "function" not in error["error"]["message"]
 
 
 # ---------------------------------------------------------------- the parsing paths, without a model

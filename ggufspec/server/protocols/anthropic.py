@@ -321,4 +321,4 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensBody):
         chat, prefill = await asyncio.to_thread(chat_request, body, serving)
-        return {"input_tokens": await serving.count_tokens(chat, prefill)}
+        return {"input_tokens": await serving.count_tokens(chat, prefill, names=NAMES)}

@@ -133,9 +133,7 @@ class Serving:
             job = Job(**await asyncio.to_thread(prepared), n=n, fit_to_context=fit_to_context, prefill=prefill,
                       line_limits=line_limits)
         except APIError as exc:
-            for chat_name, name in (names or {}).items():
-                exc.message = exc.message.replace(chat_name, name)
-            raise
+            raise renamed(exc, names) from None
         self.engine.submit(job)
         return job
 
@@ -148,20 +146,31 @@ class Serving:
             kind = "not_supported_error" if status == 501 else "invalid_request_error"
             raise APIError(status, str(exc), kind, "fim_not_supported") from None
 
-    async def render(self, body: ChatBody, prefill: str = "") -> str:
-        """The prompt as the request would be rendered through the chat template (its tools included)."""
+    async def render(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> str:
+        """The prompt as the request would be rendered through the chat template (its tools included);
+        a bad value's fields renamed by `names`, as `submit` does."""
         def rendered() -> str:  # off the event loop
-            shape, messages = self.shape(body), message_dicts(body.messages)
+            try:
+                shape, messages = self.shape(body), message_dicts(body.messages)
+            except APIError as exc:
+                raise renamed(exc, names) from None
             try:
                 return chat_prompt(self.decoder, messages, shape) + prefill
             except Exception as exc:  # the template refusing the messages: the client's mistake
                 raise engine_error(exc) from None
         return await asyncio.to_thread(rendered)
 
-    async def count_tokens(self, body: ChatBody, prefill: str = "") -> int:
+    async def count_tokens(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> int:
         """The prompt's length in tokens, as the request would be rendered (its tools included)."""
-        prompt = await self.render(body, prefill)
+        prompt = await self.render(body, prefill, names)
         return len(await asyncio.to_thread(self.decoder.tokenize, prompt))
+
+
+def renamed(exc: APIError, names: dict | None) -> APIError:
+    """The error with the request fields it names renamed from chat's to the protocol's."""
+    for chat_name, name in (names or {}).items():
+        exc.message = exc.message.replace(chat_name, name)
+    return exc
 
 
 async def started(job: Job, request: Request) -> int:
