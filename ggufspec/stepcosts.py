@@ -24,7 +24,8 @@ class CostSampler:
     the costs a prediction replays come from the same moments as the runs they are compared with.
     On a machine shared with other jobs the load drifts: one measurement after the runs found T(1)
     at 162 ms where the target-alone runs had just taken 125 ms a token. Each size's first run
-    builds its graph and is not kept; the medians are over every round."""
+    builds its graph and is not kept, and each time is a size's second run in a row; the medians are
+    over every round."""
 
     def __init__(self, decoder, k_max: int = 8):
         self.decoder = decoder
@@ -39,6 +40,10 @@ class CostSampler:
         for number in range(rounds + (self.rounds == 0)):
             timed = self.rounds > 0 or number > 0
             for name, n in self.jobs:
+                # a batch right after one of another size pays for the switch (on an H200, 1.5-3.5 ms
+                # more than llama-bench's same-size runs: its graph is built and uploaded again); a
+                # loop at a fixed K repeats one size, so the size's second run in a row is the one timed
+                _time_batch(getattr(self.decoder, name), n, self.warm_up)
                 seconds = _time_batch(getattr(self.decoder, name), n, self.warm_up)
                 if timed:
                     self.samples.setdefault(f"{name}_{n}", []).append(seconds)

@@ -218,3 +218,35 @@ def test_costs_are_sampled_between_the_runs_and_leave_the_caches_as_the_runs_nee
     prompt = tiny_decoder.tokenize("a b c d")
     B._prefill_draft(tiny_decoder, {"prompt": "a b c d"})
     assert tiny_decoder.draft.tokens == prompt[:-1]
+
+
+class SwitchingContext:
+    """A context whose batch costs 1 ms a token, plus 3 ms when the size differs from the last batch's
+    (as CUDA rebuilds a graph: an H200 timed T(2) at 5.35 ms between other sizes, llama-bench 2.97)."""
+
+    def __init__(self, clock):
+        self.clock, self.tokens, self.n_ctx, self.last = clock, [1, 2, 3], 512, None
+
+    n_past = property(lambda self: len(self.tokens))
+
+    def decode(self, tokens, n_logits=1):
+        self.clock[0] += 1e-3 * len(tokens) + (3e-3 if len(tokens) != self.last else 0.0)
+        self.tokens, self.last = self.tokens + list(tokens), len(tokens)
+
+    def synchronize(self):
+        pass
+
+    def keep(self, n):
+        self.tokens = self.tokens[:n]
+
+
+def test_each_batch_size_is_timed_as_a_fixed_k_loop_meets_it_after_a_run_of_the_same_size(monkeypatch):
+    from ggufspec import stepcosts
+    clock = [0.0]
+    monkeypatch.setattr(stepcosts.time, "perf_counter", lambda: clock[0])
+    decoder = type("D", (), {"target": SwitchingContext(clock), "draft": None, "tokenize": lambda self, text: [1, 2]})()
+    sampler = stepcosts.CostSampler(decoder, k_max=3)
+    sampler.sample(2)
+    medians = {key: statistics.median(times) for key, times in sampler.samples.items()}
+    assert medians == pytest.approx({"target_1": 1e-3, "target_2": 2e-3, "target_3": 3e-3, "target_4": 4e-3,
+                                     "target_13": 13e-3, "target_17": 17e-3})
