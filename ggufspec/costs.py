@@ -28,6 +28,7 @@ class Costs:
         self.batch_times: dict[int, deque] = {}
         self._model = None  # T(n), rebuilt only when a least measurement changes
         self._best_rates: dict[int, float] = {}  # best_batch_rate's answers for this T(n)
+        self.probe_interval = 2  # steps between probes of the draft model where the last generation left it
         self.ngram = NgramTallies()  # how often n-gram proposals were kept: a prior for the next generation
 
     def to_dict(self) -> dict:

@@ -268,6 +268,14 @@ class BatchCosts(Costs):
         self._model, self._best_rates, self._made_for = None, {}, None
 
     @property
+    def probe_interval(self) -> int:
+        return self.base.probe_interval
+
+    @probe_interval.setter
+    def probe_interval(self, steps: int) -> None:
+        self.base.probe_interval = steps
+
+    @property
     def shared(self) -> bool:
         return self.lockstep.members > 1
 

@@ -255,6 +255,30 @@ def test_the_costs_an_h100_measured_for_the_demo_shapes_leave_little_to_probe_fo
     assert 4 <= sum(1 for k in choices if k) <= 9 and choices.count(0) >= 290
 
 
+def test_a_generation_probes_a_draft_that_kept_failing_less_than_a_fresh_start():
+    """The H200's costs (benchmarks/results/gpu-h200-r20-1-llama-bench.json, the draft from bench):
+    with a never-agreeing draft, auto cost 0.92x the target alone on each 256-token answer, probing at
+    steps 2, 7, 16, 33, 66 and 131. The next generation on the same costs starts at a quarter of where
+    the last left off (128 steps): probes at 32, 97 and 226. A draft that won leaves the interval at 2."""
+    from ggufspec.costs import Costs
+    costs = Costs()
+    for n, seconds in {1: 1.861e-3, 2: 2.970e-3, 4: 3.495e-3, 8: 4.469e-3}.items():
+        for _ in range(3):
+            costs.add_batch(n, seconds)
+    costs.draft_times.extend([1.29e-3] * 3)
+    assert costs.could_pay(8)
+    probes = []
+    for _ in range(3):
+        controller = AdaptiveK(8, costs=costs)
+        probes.append(sum(1 for _ in range(256) if controller.choose(8)))
+    assert probes == [6, 3, 3] and costs.probe_interval == 128
+    controller = AdaptiveK(8, costs=costs)
+    for _ in range(10):
+        controller.observe(3, 3, 3 * 0.3e-3, 3.495e-3)  # a cheaper draft, right every time: K > 0 wins
+    assert controller.choose(8) > 0 and costs.probe_interval == 2
+    assert AdaptiveK(8, costs=costs).probe_interval == 2
+
+
 def test_costs_are_remembered_between_runs(tiny_pair, ggufspec_home):
     """The controller's measured costs outlive the decoder (in $GGUFSPEC_HOME/costs.json)."""
     from ggufspec.costs import Costs
