@@ -19,12 +19,15 @@ MARGIN = 0.05                 # of the device budget, kept free
 # - GPU: llama-bench tg on an H100 (3350 GB/s), Q4_K_M, 0.5B / 1.5B / 7B (24 / 28 / 28 layers, 0.39 /
 #   0.98 / 4.4 GB read per token): 811 / 543 / 269 tok/s. Small models there are bound by kernel
 #   launches, not bandwidth: a fixed 45 us per layer per token, and 55% of the vendor's bandwidth for
-#   the bytes, reproduce all three within 5% (773 / 558 / 275).
+#   the bytes, reproduce all three within 5% (773 / 558 / 275). An H200 (4800 GB/s) decoded the 1.5B
+#   and 7B shapes no faster (537 / 274 tok/s): its decode kernels reached no more bytes a second than
+#   the H100's, so the share is capped at what they reached there (GPU_DECODE_GBS_MAX).
 # - CPU: the measured copy bandwidth as is, and 20 us per layer (thread synchronisation: tiny models
 #   with 2 to 24 layers, 15-18 us a layer at 1 and 2 threads on a 2-core EPYC). The demo pair there:
 #   1.5B target 39 ms/token (estimate 50), 0.5B draft 23 ms (estimate 20).
 GPU_LAYER_SECONDS = 45e-6
 GPU_BANDWIDTH_EFFICIENCY = 0.55
+GPU_DECODE_GBS_MAX = 0.55 * 3350
 CPU_LAYER_SECONDS = 20e-6
 
 
@@ -72,7 +75,8 @@ def token_seconds_by_device(shape: ModelShape, p: Placement, gpu: DeviceMemory |
     host = cpu_weights / (ram.bandwidth_gbs * 1e9) + (shape.n_layer - gpu_layers) * CPU_LAYER_SECONDS
     on_gpu = 0.0
     if gpu is not None:
-        on_gpu = (p.weights_gpu / (gpu.bandwidth_gbs * GPU_BANDWIDTH_EFFICIENCY * 1e9)
+        decode_gbs = min(gpu.bandwidth_gbs * GPU_BANDWIDTH_EFFICIENCY, GPU_DECODE_GBS_MAX)
+        on_gpu = (p.weights_gpu / (decode_gbs * 1e9)
                   + gpu_layers * GPU_LAYER_SECONDS)
     return host, on_gpu
 
