@@ -20,6 +20,7 @@ import llama_cpp
 import numpy as np
 
 from .errors import GgufspecError
+from .native import token_piece
 
 _TOKEN_DATA = np.dtype(  # llama_token_data
     [("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -220,12 +221,7 @@ class Grammar:
         """The token's text as the grammar reads it (llama.cpp's token_to_piece, special tokens spelled out)."""
         cached = self._pieces.get(token)
         if cached is None:
-            buf = ctypes.create_string_buffer(256)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
-            cached = self._pieces[token] = buf.raw[:max(n, 0)]
+            cached = self._pieces[token] = token_piece(self._vocab, token, special=True)
         return cached
 
     def clone(self) -> Grammar:

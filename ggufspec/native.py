@@ -35,12 +35,7 @@ _SEQ = 0  # a context's sequence id, unless it is one of several slots (`slots`)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 MAX_CHECKPOINTS = 8              # conversation checkpoints per context (llama-server: --ctx-checkpoints)
@@ -55,6 +50,16 @@ STEP_STATE_EVERY = 8
 # A prompt sits out a round for another slot's prompt to fill its cells when they share this many more
 # tokens than any cache holds: on a CPU evaluating 32 tokens costs several decode rounds.
 WAIT_FOR_SHARED = 32
+
+
+def token_piece(vocab, token: int, special: bool = False) -> bytes:
+    """The bytes a token prints as (llama_token_to_piece): control tokens print nothing unless `special`."""
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    if n < 0:  # the buffer was too small: llama.cpp says how large it must be
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    return buf.raw[:max(n, 0)]
 
 
 class _Snapshot:
@@ -466,12 +471,7 @@ class Context:
         """The bytes a token prints as (control tokens print nothing)."""
         cached = self._pieces.get(token)
         if cached is None:
-            buf = ctypes.create_string_buffer(64)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            cached = self._pieces[token] = buf.raw[:n]
+            cached = self._pieces[token] = token_piece(self.vocab, token)
         return cached
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:

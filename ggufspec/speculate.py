@@ -290,7 +290,9 @@ class SpeculativeDecoder:
         self.costs_offload = self._offload_as_applied()
         self._costs_key = _costs_key(target, None if mtp else draft, n_threads, *self.costs_offload,
                                      costs_tag + ("mtp" if mtp else ""))
-        self._costs: dict[str, Costs] = _load_costs(self._costs_key)
+        # what `--draft auto` has learned of this machine's step costs, per drafter (remembered on
+        # close); a benchmark sets one set per condition it varies
+        self.costs: dict[str, Costs] = _load_costs(self._costs_key)
 
     default_drafter = "model"  # a session without a draft model sets "lookup" (`session.open_session`)
 
@@ -317,10 +319,6 @@ class SpeculativeDecoder:
         if strict or params.exact:  # how it computes (micro-batches, caches) is set as it loads
             raise GgufspecError(f"strict and exact load the {role} model themselves: give its path, not a Llama")
         return model
-
-    costs = property(lambda self: self._costs, lambda self, learned: setattr(self, "_costs", learned),
-                     doc="What `--draft auto` has learned of this machine's step costs, per drafter (remembered on "
-                         "close); a benchmark sets one set per condition it varies.")
 
     def _check_open(self) -> None:
         if self._closed:  # its llama.cpp contexts are freed: using them would crash the process
@@ -404,7 +402,7 @@ class SpeculativeDecoder:
         if chosen is not None and not self._can_roll_back(chosen):
             chosen = None  # the target alone, said once
         if adaptive:  # the machine's costs outlive a generation
-            costs = self._costs.setdefault(drafter, Costs())
+            costs = self.costs.setdefault(drafter, Costs())
             if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
                 measure_step_costs(self.target, chosen.context, costs, sizes=(1, 2, 4, 8, 16), token=tokens[0])
             if self.target.lockstep is not None:  # a slot: drafts priced in the batch it shares (`slots`)
@@ -480,9 +478,9 @@ class SpeculativeDecoder:
         self._closed = True
         if getattr(self, "slots", None) is not None:
             self.slots.close()
-        if getattr(self, "_costs", None):
-            _save_costs(self._costs_key, self._costs)
-            self._costs = {}
+        if getattr(self, "costs", None):
+            _save_costs(self._costs_key, self.costs)
+            self.costs = {}
         for ctx in (getattr(self, "target", None), getattr(self, "draft", None)):
             if ctx is not None:
                 ctx.close()

@@ -137,6 +137,18 @@ def test_a_conversation_with_calls_and_results_is_rendered(server, reference):
     assert answer.usage.prompt_tokens == len(reference.tokenize(prompt))
 
 
+def test_a_logit_bias_key_that_is_text_biases_each_of_its_tokens_as_llama_server_does(server):
+    """llama-server tokenizes a key that is no integer (no BOS, special tokens as text), in both forms."""
+    tokens = post(server, "/tokenize", {"content": "the cat"}).json()["tokens"]
+
+    def answer(bias) -> str:
+        body = {"prompt": "x", "max_tokens": 8, "temperature": 0, "logit_bias": bias}
+        return post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    by_ids = answer({str(t): 100 for t in tokens})
+    assert len(tokens) > 1 and by_ids != answer({})
+    assert answer({"the cat": 100}) == answer([["the cat", 100]]) == by_ids
+
+
 # ---------------------------------------------------------------- bad values: 400, the field named
 
 @pytest.mark.parametrize("path, body, message", [
@@ -145,7 +157,8 @@ def test_a_conversation_with_calls_and_results_is_rendered(server, reference):
     ("/v1/completions", {"prompt": "x", "repeat_penalty": -1}, "repeat_penalty"),
     ("/v1/completions", {"prompt": "x", "repeat_last_n": -2}, "repeat_last_n"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [[None, 1]]}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "grammar": "  "}, "grammar"),

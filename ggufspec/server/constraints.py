@@ -27,9 +27,11 @@ class Shaping:
     logprobs: int | None = None   # None: none; 0: the chosen token's; n: and the n likeliest
 
 
-def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids=lambda: ()) -> Shaping:
+def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids=lambda: (),
+            tokenize=None) -> Shaping:
     """The request's constraints, tools and logprobs, checked (APIError 400 naming the field).
-    `end_ids()`: the tokens that end a generation, which `ignore_eos` rules out."""
+    `end_ids()`: the tokens that end a generation, which `ignore_eos` rules out; `tokenize(text)`:
+    the tokens of a logit_bias key that is a text."""
     plan = tool_plan(body, fmt) if isinstance(body, ChatBody) else toolkit.ToolPlan(None, parse=False)
     grammar, lazy, triggers = response_grammar(body)
     if plan.grammar is not None:
@@ -37,7 +39,7 @@ def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids
             raise APIError(400, "tools cannot be combined with response_format, grammar or json_schema: "
                                 "send tool_choice \"none\" to answer in a format", code="invalid_value")
         grammar, lazy, triggers = plan.grammar, plan.lazy, plan.triggers
-    bias = logit_bias(body.logit_bias, n_vocab) if body.logit_bias else {}
+    bias = logit_bias(body.logit_bias, n_vocab, tokenize) if body.logit_bias else {}
     if body.ignore_eos:
         bias.update(dict.fromkeys(end_ids(), -math.inf))
     constraints = {**penalties(body), **({"logit_bias": bias} if bias else {})}
@@ -90,25 +92,36 @@ def penalties(body: GenerationBody) -> dict:
                                                     "repeat_last_n") if getattr(body, name) is not None}
 
 
-def logit_bias(bias: dict | list, n_vocab: int) -> dict[int, float]:
-    """OpenAI's {"token id": bias} (-100..100), or llama.cpp's [[id, bias], ...]; `false`: never."""
+def logit_bias(bias: dict | list, n_vocab: int, tokenize=None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (-100..100), or llama.cpp's [[id, bias], ...]; `false`: never. A key
+    that is no integer is a text, as llama-server takes it: each of its tokens gets the bias."""
     pairs = bias.items() if isinstance(bias, dict) else [tuple(pair) if len(pair) == 2 else (pair, None)
                                                          for pair in bias]
     checked = {}
     for key, value in pairs:
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", code="invalid_value") from None
-        if not 0 <= token < n_vocab:
-            raise APIError(400, f"logit_bias: token id {token} is not in [0, {n_vocab})", code="invalid_value")
+        tokens = bias_tokens(key, n_vocab, tokenize)
         if value is False:
             value = -math.inf
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise APIError(400, f"logit_bias values must be in [-100, 100] (or false), got {value!r} for "
-                                f"token {token}", code="invalid_value")
-        checked[token] = float(value)
+                                f"{key!r}", code="invalid_value")
+        checked.update(dict.fromkeys(tokens, float(value)))
     return checked
+
+
+def bias_tokens(key, n_vocab: int, tokenize=None) -> list[int]:
+    """The tokens a logit_bias key names: a token id, or a text's tokens (llama-server's
+    common_tokenize, no BOS, special tokens as plain text)."""
+    try:
+        token = int(key)
+    except (TypeError, ValueError):
+        tokens = tokenize(key) if isinstance(key, str) and tokenize is not None else []
+        if not tokens:
+            raise APIError(400, f"logit_bias keys must be token ids or texts, got {key!r}", code="invalid_value") from None
+        return tokens
+    if not 0 <= token < n_vocab:
+        raise APIError(400, f"logit_bias: token id {token} is not in [0, {n_vocab})", code="invalid_value")
+    return [token]
 
 
 def requested_logprobs(body: GenerationBody) -> int | None:

@@ -109,8 +109,9 @@ class Serving:
             raise APIError(400, message) from None
 
     def shape(self, body: ChatBody) -> Shaping:
-        target = self.decoder.target
-        return shaping(body, self.tool_format, target.n_vocab, lambda: target.end_of_generation_ids)
+        target, llm = self.decoder.target, self.decoder.target_llm
+        return shaping(body, self.tool_format, target.n_vocab, lambda: target.end_of_generation_ids,
+                       lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
 
     async def submit(self, body: GenerationBody, prefill: str = "", names: dict | None = None, *,
                      prompt: str | list[int] | None = None, prompts: list | None = None, n: int = 1,
