@@ -135,8 +135,8 @@ class AdaptiveK:
     the estimates fresh, less and less often while K=0 keeps winning, and never once the costs say
     no draft could pay; when some K > 0 wins, K + 1 is tried now and then until its cost is known.
     A generation starts probing where the last one left off, less CARRY: on an H200 a probe of a
-    never-agreeing draft took about 7 ms where a token took 1.9, and a fresh start's probes (steps 2, 7, 16, 33, 66,
-    131) took 8% of a 256-token answer, each time; a new prompt may still suit the draft better.
+    never-agreeing draft took about 7 ms where a token took 1.9, and a fresh start's probes (steps 2,
+    7, 16, 33, 66, 131) took 8% of each 256-token answer; a new prompt may still suit the draft better.
     """
 
     DECAY = 0.95  # about the last 20 steps count

@@ -189,6 +189,13 @@ def test_anthropic_errors_name_anthropic_fields(family_server):
     error = counted.json()  # count_tokens too (it named tools[0].function.name)
     assert counted.status_code == 400 and "tools[0].name" in error["error"]["message"], error
     assert "function" not in error["error"]["message"]
+    # a server tool first: chat never sees it, and the custom tool is still the request's tools[1]
+    tools = [{"type": "web_search_20250305", "name": "web_search"}, {"name": "ok", "input_schema": {"type": "object"}},
+             {"name": "bad name!", "input_schema": {"type": "object"}}]
+    for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+        response = httpx.post(family_server.url + path, timeout=60, json={"messages": HI, "tools": tools, **extra})
+        message = response.json()["error"]["message"]
+        assert response.status_code == 400 and "tools[2].name" in message and "tools[1]" not in message, message
 
 
 # ---------------------------------------------------------------- the parsing paths, without a model

@@ -27,7 +27,7 @@ MARGIN = 0.05                 # of the device budget, kept free
 #   1.5B target 39 ms/token (estimate 50), 0.5B draft 23 ms (estimate 20).
 GPU_LAYER_SECONDS = 45e-6
 GPU_BANDWIDTH_EFFICIENCY = 0.55
-GPU_DECODE_GBS_MAX = 0.55 * 3350
+GPU_DECODE_GBS_MAX = 0.55 * 3350  # 1,842 GB/s: the H100's share, which the H200's kernels did not pass
 CPU_LAYER_SECONDS = 20e-6
 
 

@@ -117,7 +117,8 @@ def bias_tokens(key, n_vocab: int, tokenize=None) -> list[int]:
     except (TypeError, ValueError):
         tokens = tokenize(key) if isinstance(key, str) and tokenize is not None else []
         if not tokens:
-            raise APIError(400, f"logit_bias keys must be token ids or texts, got {key!r}", code="invalid_value") from None
+            raise APIError(400, f"logit_bias keys must be token ids or texts, got {key!r}",
+                           code="invalid_value") from None
         return tokens
     if not 0 <= token < n_vocab:
         raise APIError(400, f"logit_bias: token id {token} is not in [0, {n_vocab})", code="invalid_value")

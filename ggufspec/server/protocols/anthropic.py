@@ -125,7 +125,15 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
         form = body.output_config.format if body.output_config else None
         if form is not None:
             translated["response_format"] = {"type": "json_schema", "json_schema": {"schema": form.schema_}}
-    return serving.chat_body(translated, body.model_extra, names={"response_format": "output_config.format"}), prefill
+    return serving.chat_body(translated, body.model_extra, names=request_names(body)), prefill
+
+
+def request_names(body: CountTokensBody) -> dict:
+    """NAMES, and chat's tools[j] as the request's own index: server tools are not passed on, so the
+    custom tools after one move up (a marker keeps tools[0] -> tools[1] from going on to tools[2])."""
+    kept = [i for i, t in enumerate(body.tools or []) if t.type in (None, "custom")]
+    moved = {f"tools[{j}]": f"tools[\0{i}]" for j, i in enumerate(kept) if i != j}
+    return {**NAMES, **moved, **({"\0": ""} if moved else {})}
 
 
 def tool_schema(tool: AnthropicTool, i: int) -> dict:
@@ -314,11 +322,11 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesBody):
         chat, prefill = await asyncio.to_thread(chat_request, body, serving)  # thousands of messages take a while
-        job = await serving.submit(chat, prefill, names=NAMES)
+        job = await serving.submit(chat, prefill, names=request_names(body))
         return await respond(job, request, body.stream, lambda n_prompt: MessageState(serving, n_prompt),
                              lambda: splitter_for(serving))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensBody):
         chat, prefill = await asyncio.to_thread(chat_request, body, serving)
-        return {"input_tokens": await serving.count_tokens(chat, prefill, names=NAMES)}
+        return {"input_tokens": await serving.count_tokens(chat, prefill, names=request_names(body))}
