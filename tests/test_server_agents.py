@@ -324,8 +324,9 @@ def test_a_forced_tool_call_is_valid_and_the_same_speculating_or_not(server, too
     client = server.client()
     calls = []
     for draft in (3, 0):
+        # one whole call, room for it to end: more calls, or one cut short, end at max_tokens ("length")
         answer = client.chat.completions.create(model="target", messages=HI, tools=[UNIT], tool_choice=tool_choice,
-                                                max_tokens=64, extra_body={"draft": draft})
+                                                max_tokens=128, parallel_tool_calls=False, extra_body={"draft": draft})
         choice = answer.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls
@@ -333,7 +334,8 @@ def test_a_forced_tool_call_is_valid_and_the_same_speculating_or_not(server, too
         assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
         calls.append((call.function.name, call.function.arguments, choice.message.content))
     assert calls[0] == calls[1]
-    chunks = sse_chunks(server, {"messages": HI, "tools": [UNIT], "tool_choice": tool_choice, "max_tokens": 64})
+    chunks = sse_chunks(server, {"messages": HI, "tools": [UNIT], "tool_choice": tool_choice, "max_tokens": 128,
+                                 "parallel_tool_calls": False})
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     streamed = [call for d in deltas for call in d.get("tool_calls") or []]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [calls[0][:2]]
@@ -342,7 +344,7 @@ def test_a_forced_tool_call_is_valid_and_the_same_speculating_or_not(server, too
     # no delta says content "" either: the SDK's stream helper keeps it, where the whole answer has None
     assert all(d.get("content") is None for d in deltas), deltas
     with client.chat.completions.stream(model="target", messages=HI, tools=[UNIT], tool_choice=tool_choice,
-                                        max_tokens=64) as stream:
+                                        max_tokens=128, parallel_tool_calls=False) as stream:
         final = stream.get_final_completion().choices[0].message
     assert final.content is None and final.tool_calls[0].function.arguments == calls[0][1]
 

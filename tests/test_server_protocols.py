@@ -179,8 +179,8 @@ def test_a_call_cut_off_by_max_tokens_shows_no_markup_in_any_api(server, claude)
 
 
 def test_a_forced_tool_call_gives_a_parsed_input_whole_and_streamed(server, claude):
-    ask = {"model": "target", "max_tokens": 64, "messages": HI, "tools": [ANTHROPIC_TOOL],
-           "tool_choice": {"type": "tool", "name": "set_unit"}}
+    ask = {"model": "target", "max_tokens": 128, "messages": HI, "tools": [ANTHROPIC_TOOL],
+           "tool_choice": {"type": "tool", "name": "set_unit", "disable_parallel_tool_use": True}}
     message = claude.messages.create(**ask)
     assert message.stop_reason == "tool_use"
     (call,) = [block for block in message.content if block.type == "tool_use"]
@@ -196,8 +196,9 @@ def test_a_forced_tool_call_gives_a_parsed_input_whole_and_streamed(server, clau
 
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "auto"}, {"type": "none"}])
 def test_each_tool_choice_is_accepted(claude, tool_choice):
-    message = claude.messages.create(model="target", max_tokens=64, messages=HI, tools=[ANTHROPIC_TOOL],
-                                     tool_choice=tool_choice)
+    # one call at most, with room to end: parallel ones go on until max_tokens cuts one (max_tokens)
+    message = claude.messages.create(model="target", max_tokens=128, messages=HI, tools=[ANTHROPIC_TOOL],
+                                     tool_choice={**tool_choice, "disable_parallel_tool_use": True})
     kinds = {block.type for block in message.content}
     assert (message.stop_reason == "tool_use") == ("tool_use" in kinds)
     if tool_choice["type"] == "any":
@@ -279,8 +280,8 @@ def test_a_streamed_response_is_the_deltas_and_numbered(server):
 
 def test_a_forced_function_call_whole_and_streamed(server):
     client = server.client()
-    ask = {"model": "target", "input": "hi", "max_output_tokens": 64, "tools": [RESPONSES_TOOL],
-           "tool_choice": {"type": "function", "name": "set_unit"}}
+    ask = {"model": "target", "input": "hi", "max_output_tokens": 128, "tools": [RESPONSES_TOOL],
+           "tool_choice": {"type": "function", "name": "set_unit"}, "parallel_tool_calls": False}
     response = client.responses.create(**ask)
     (call,) = response.output
     assert call.type == "function_call" and call.name == "set_unit" and call.call_id.startswith("call_")

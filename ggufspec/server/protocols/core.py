@@ -238,9 +238,10 @@ def with_logprobs(events: list, logprobs: list[dict]) -> list:
 
 
 def end_reason(stats: Stats, called: bool) -> str:
-    if called:
-        return "tool_calls"
-    return {"eos": "end", "stop": "stop_sequence"}.get(stats.stop_reason, "length")
+    """Why the answer ended; one cut by max_tokens or the context says so, calls or not (llama-server's
+    finish_reason "length" whatever it parsed; a call cut in two is dropped, the complete ones kept)."""
+    reason = {"eos": "end", "stop": "stop_sequence"}.get(stats.stop_reason, "length")
+    return "tool_calls" if called and reason != "length" else reason
 
 
 def arguments_object(arguments: str) -> dict:
