@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # The GPU path, measured on a GPU machine set up with ../shared/gpu (README.md there), in one call:
 #   bash .gpukit/device-setup.sh 480 >/dev/null 2>&1; bash benchmarks/gpu_path.sh
-# (about 10 minutes: on round 20's H200 7.7 of setup, the 7B-wide target included, and 2 of this). Real-shaped random-weight models
-# (~/gpukit/t15.gguf: the demo target's shape and size; d05.gguf: the draft's). Random weights time
+# (about 10 minutes: on round 20's H200, 7.7 of setup with the 7B-wide target, and 2 of this).
+# Real-shaped random-weight models (~/gpukit/t15.gguf: the demo target's shape and size; d05.gguf: the draft's). Random weights time
 # a forward pass as real ones do; they never agree with each other (a never-agreeing draft), and a
 # model drafting for itself agrees except at near-ties. The steps, most wanted first:
 #   1. plan's estimate before anything is measured (a fresh GGUFSPEC_HOME: no remembered costs)
 #   2. target alone / --draft 3 / --draft auto (never-agreeing draft) vs llama.cpp's own decode
 #      (llama-completion) and llama-speculative-simple at K = 3, same build, the planned offload
-#   3. the per-token loop: a bare llama_decode + argmax loop through llama-cpp-python against ggufspec's
-#      target alone (benchmarks/loop_overhead.py): is round 12's 0.95x of llama.cpp ggufspec's or the binding's?
-#   4. self-drafting K = 3 (t15 drafts for itself) vs llama-speculative-simple doing the same
-#   5. llama-bench's batch curve: what a verification of K + 1 tokens costs against one token
-#   6. 1, 2, 4 and 8 streams at once, the target alone and auto (issue 30: 4 clients >= 3x one)
-#   7. plan again, now from the costs bench remembered
-# TARGET=~/gpukit/t7.gguf runs it all with the 7B-wide target the kit also makes (bound by its bytes:
-# where a batch of 4 should cost about one token). N_PREDICT / STREAM_TOKENS shorten the runs.
+#   3. self-drafting K = 3 (t15 drafts for itself) vs llama-speculative-simple doing the same
+#   4. plan again, now from the costs bench remembered
+#   5. 1, 2, 4 and 8 streams at once on the 7B-wide target, the target alone and auto (issue 30)
+#   6. llama-bench's batch curves, both targets: what a verification of K + 1 tokens costs
+#   7. the streams of step 5 on t15
+#   8. the per-token loop: a bare llama_decode + argmax loop through llama-cpp-python against
+#      ggufspec's target alone (benchmarks/loop_overhead.py)
+# TARGET=~/gpukit/t7.gguf runs steps 1-4 with the 7B-wide target the kit also makes (on the H200 a
+# batch of 4 still cost 1.78 of its tokens). N_PREDICT / STREAM_TOKENS shorten the runs.
 # Results: $OUT (or ./gpu-path-out), at most 8 files: one JSON per step, and steps.log (the machine first).
-# Round 12's H100 run (steps 1-3, 6, and the curve by hand) and round 20's H200 run (all of it) are in
+# Round 12's H100 run (its steps by hand) and round 20's H200 run (all of it) are in
 # docs/benchmarks.md.
 set -u
 G=${GPUKIT_DIR:-$HOME/gpukit}
