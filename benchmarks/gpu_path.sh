@@ -2,9 +2,9 @@
 # The GPU path, measured on a GPU machine set up with ../shared/gpu (README.md there), in one call:
 #   bash .gpukit/device-setup.sh 480 >/dev/null 2>&1; bash benchmarks/gpu_path.sh
 # (about 10 minutes: on round 20's H200, 7.7 of setup with the 7B-wide target, and 2 of this).
-# Real-shaped random-weight models (~/gpukit/t15.gguf: the demo target's shape and size; d05.gguf: the draft's). Random weights time
-# a forward pass as real ones do; they never agree with each other (a never-agreeing draft), and a
-# model drafting for itself agrees except at near-ties. The steps, most wanted first:
+# Real-shaped random-weight models (~/gpukit/t15.gguf: the demo target's shape and size; d05.gguf:
+# the draft's). Random weights time a forward pass as real ones do; they never agree with each other
+# (a never-agreeing draft), and a model drafting for itself agrees except at near-ties. The steps, most wanted first:
 #   1. plan's estimate before anything is measured (a fresh GGUFSPEC_HOME: no remembered costs)
 #   2. target alone / --draft 3 / --draft auto (never-agreeing draft) vs llama.cpp's own decode
 #      (llama-completion) and llama-speculative-simple at K = 3, same build, the planned offload
