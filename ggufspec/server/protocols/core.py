@@ -103,10 +103,7 @@ class Serving:
         try:
             return validated_data(ChatBody, {**passed, **translated})  # thousands of messages a slice at a time
         except ValidationError as exc:
-            message = validation_message(exc.errors())
-            for chat_name, name in (names or {}).items():
-                message = message.replace(chat_name, name)
-            raise APIError(400, message) from None
+            raise renamed(APIError(400, validation_message(exc.errors())), names) from None
 
     def shape(self, body: ChatBody) -> Shaping:
         target, llm = self.decoder.target, self.decoder.target_llm
