@@ -21,13 +21,13 @@ say it all), and a schema of annotations alone is {} (any value; the converter r
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 import llama_cpp.llama_grammar
-from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
+from llama_cpp.llama_grammar import RESERVED_NAMES, BuiltinRule, SchemaConverter
 
 from .errors import ToolError
+from .schemaints import INT_BOUNDS, int_range_rule, integer_range
 
 ANY_TYPE = None
 # JSON Schema's constraints, and the types of the values they constrain (a string one says nothing of a number)
@@ -117,6 +117,7 @@ def converter_branch(schema: dict, root: dict, where: str) -> Branch:
     if kind in (None, "string") and schema.get("format") in STRING_FORMATS:
         return Branch(frozenset({"type", "format"}), beside=" next to format")
     if kind == "string":
+        length_bounds(schema, ("minLength", "maxLength"), where)
         return Branch(frozenset({"type", "minLength", "maxLength"}))
     if kind == "integer":  # its bounds are followed (`BoundedConverter`), multipleOf is not
         integer_range(schema, where)  # bounds that leave no integer: said here, with the place
@@ -172,7 +173,20 @@ def array_branch(schema: dict, where: str) -> Branch:
     if isinstance(items, list):
         return Branch(frozenset({"type", key, "items"}), tuple((s, f"{where}/{key}/{i}") for i, s in enumerate(items)),
                       f" next to {key} as a list")
+    length_bounds(schema, ("minItems", "maxItems"), where)
     return Branch(frozenset({"type", key, "minItems", "maxItems"}), ((items, f"{where}/{key}"),))
+
+
+def length_bounds(schema: dict, keys: tuple[str, str], where: str) -> None:
+    """A string's or an array's bounds, checked where the place is known (`repetition` checks them
+    again, without it: llama-cpp-python's converter passes them on as they are)."""
+    bounds = [schema.get(key) for key in keys]
+    for key, bound in zip(keys, bounds):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise ToolError(f"the JSON schema's {key} at {where} must be a whole number >= 0, got {json.dumps(bound)}")
+    if None not in bounds and bounds[1] < bounds[0]:
+        raise ToolError(f"the JSON schema's {keys[0]} {bounds[0]} and {keys[1]} {bounds[1]} at {where} leave no "
+                        f"length")
 
 
 def local_target(root: dict, ref: str):
@@ -228,6 +242,14 @@ def nested(key: str, value):
 # ---------------------------------------------------------------- integer bounds, as llama.cpp's newer converter
 
 BRANCHES_BEFORE_TYPE = frozenset({"$ref", "oneOf", "anyOf", "const", "enum"})
+# format "date" (RFC 3339's full-date) as a day its month has: the converter's rule took 02-30 and 04-31.
+# 29 February in leap years only: a year whose last two digits are a multiple of 4 other than 00, or a
+# century (..00) whose first two are.
+CALENDAR_DATE = BuiltinRule(
+    '[0-9]{4} "-" (("0" [13578] | "1" [02]) "-" ("0" [1-9] | [12] [0-9] | "3" [01])'
+    ' | ("0" [469] | "11") "-" ("0" [1-9] | [12] [0-9] | "30") | "02-" ("0" [1-9] | "1" [0-9] | "2" [0-8]))'
+    ' | ([0-9] [0-9] ([02468] [48] | [13579] [26] | [2468] "0") | ([02468] [048] | [13579] [26]) "00") "-02-29"',
+    [])
 
 
 class BoundedConverter(SchemaConverter):
@@ -242,6 +264,9 @@ class BoundedConverter(SchemaConverter):
             return super().visit(schema, name)
         rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
         return self._add_rule(rule_name, f"({int_range_rule(*bounds)}) space")
+
+    def _add_primitive(self, name, rule):
+        return super()._add_primitive(name, CALENDAR_DATE if name == "date" else rule)
 
     def _format_literal(self, literal):
         # a backslash too (llama.cpp's converter escapes it; this copy did not, and an enum value with a
@@ -340,161 +365,3 @@ def grammar_for(schema: dict) -> str:
     converter.visit(converter.resolve_refs(schema, "stdin"), "")
     return converter.format_grammar()
 
-
-INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
-INT_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-
-
-def integer_range(schema: dict, where: str) -> tuple[int, int] | None:
-    """The integers an integer schema's bounds allow, as (least, most) (INT64_MIN/MAX: unbounded), or None
-    where it has no bound. Exclusive bounds as inclusive ones; a fractional bound rounds inwards."""
-    if not any(key in schema for key in INT_BOUNDS):
-        return None
-    least, most = INT64_MIN, INT64_MAX
-    for key, value in schema.items():
-        if key not in INT_BOUNDS:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ToolError(f"the JSON schema's {key!r} at {where} must be a number, got {json.dumps(value)}")
-        if key.endswith("inimum"):
-            least = max(least, math.floor(value) + 1 if key == "exclusiveMinimum" else math.ceil(value))
-        else:
-            most = min(most, math.ceil(value) - 1 if key == "exclusiveMaximum" else math.floor(value))
-    if least > most:
-        raise ToolError(f"the JSON schema's bounds at {where} leave no integer (from {least} to {most})")
-    least, most = max(least, INT64_MIN), min(most, INT64_MAX)
-    return None if (least, most) == (INT64_MIN, INT64_MAX) else (least, most)  # a bound past int64: none
-
-
-def int_range_rule(least: int, most: int) -> str:
-    """A GBNF expression for the integers from `least` to `most`, written digit by digit
-    (common/json-schema-to-grammar.cpp's build_min_max_int, ported, one leading-zero case mended)."""
-    out: list[str] = []
-    _min_max_int(least, most, out)
-    return "".join(out)
-
-
-def _digit_range(out: list[str], low: str, high: str) -> None:
-    out.append(f"[{low}]" if low == high else f"[{low}-{high}]")
-
-
-def _more_digits(out: list[str], least: int, most: int) -> None:
-    out.append("[0-9]")
-    if least == most == 1:
-        return
-    out.append("{" + str(least) + ("" if most == least else "," + ("" if most is None else str(most))) + "}")
-
-
-def _uniform_range(out: list[str], low: str, high: str) -> None:
-    """The numbers with as many digits as `low` and `high`, from `low` to `high`."""
-    i = 0
-    while i < len(low) and i < len(high) and low[i] == high[i]:
-        i += 1
-    if i > 0:
-        out.append(f'"{low[:i]}"')
-    if i >= len(low) or i >= len(high):
-        return
-    if i > 0:
-        out.append(" ")
-    rest = len(low) - i - 1
-    if rest == 0:
-        out.append(f"[{low[i]}-{high[i]}]")
-        return
-    low_rest, high_rest, zeros, nines = low[i + 1:], high[i + 1:], "0" * rest, "9" * rest
-    reached = False
-    out.append("(")
-    if low_rest == zeros:
-        _digit_range(out, low[i], chr(ord(high[i]) - 1))
-        out.append(" ")
-        _more_digits(out, rest, rest)
-    else:
-        out.append(f"[{low[i]}] (")
-        _uniform_range(out, low_rest, nines)
-        out.append(")")
-        if ord(low[i]) < ord(high[i]) - 1:
-            out.append(" | ")
-            if high_rest == nines:
-                _digit_range(out, chr(ord(low[i]) + 1), high[i])
-                reached = True
-            else:
-                _digit_range(out, chr(ord(low[i]) + 1), chr(ord(high[i]) - 1))
-            out.append(" ")
-            _more_digits(out, rest, rest)
-    if not reached:
-        out.append(" | ")
-        _digit_range(out, high[i], high[i])
-        out.append(" ")
-        _uniform_range(out, zeros, high_rest)
-    out.append(")")
-
-
-def _min_max_int(least: int, most: int, out: list[str], decimals_left: int = 16, top_level: bool = True) -> None:
-    has_min, has_max = least != INT64_MIN, most != INT64_MAX
-    if has_min and has_max:
-        if least < 0 and most < 0:
-            out.append('"-" (')
-            _min_max_int(-most, -least, out, decimals_left, True)
-            out.append(")")
-            return
-        if least < 0:
-            out.append('"-" (')
-            _min_max_int(0, -least, out, decimals_left, True)
-            out.append(") | ")
-            least = 0
-        low, high = str(least), str(most)
-        for digits in range(len(low), len(high)):
-            _uniform_range(out, low, "9" * digits)
-            low = "1" + "0" * digits
-            out.append(" | ")
-        _uniform_range(out, low, high)
-        return
-    fewer = max(decimals_left - 1, 1)
-    if has_min:
-        _at_least(least, out, decimals_left, fewer, top_level)
-    elif has_max:
-        if most >= 0:
-            if top_level:
-                out.append('"-" [1-9] ')
-                _more_digits(out, 0, fewer)
-                out.append(" | ")
-            _min_max_int(0, most, out, decimals_left, True)
-        else:  # the magnitude at least -most, written whole: llama.cpp passes top_level=false here,
-            out.append('"-" (')  # which lets "-05" through for a maximum of -7 (test_schema_bounds)
-            _min_max_int(-most, INT64_MAX, out, decimals_left, True)
-            out.append(")")
-    else:
-        raise ValueError("at least one of the bounds must be set")
-
-
-def _at_least(least: int, out: list[str], decimals_left: int, fewer: int, top_level: bool) -> None:
-    if least < 0:
-        out.append('"-" (')
-        _min_max_int(INT64_MIN, -least, out, decimals_left, False)
-        out.append(") | [0] | [1-9] ")
-        _more_digits(out, 0, decimals_left - 1)
-    elif least == 0:
-        if top_level:
-            out.append("[0] | [1-9] ")
-            _more_digits(out, 0, fewer)
-        else:
-            _more_digits(out, 1, decimals_left)
-    elif least <= 9:
-        c, start = str(least), "1" if top_level else "0"
-        if c > start:
-            _digit_range(out, start, chr(ord(c) - 1))
-            out.append(" ")
-            _more_digits(out, 1, fewer)
-            out.append(" | ")
-        _digit_range(out, c, "9")
-        out.append(" ")
-        _more_digits(out, 0, fewer)
-    else:  # as many digits as `least`, from it up; or more digits (up to the rule's 16 in all)
-        # (llama.cpp recurses on the digits after the first as a number, which loses their leading
-        # zeros: its rule for a minimum of 100 took 10)
-        text = str(least)
-        out.append("(")
-        _uniform_range(out, text, "9" * len(text))
-        out.append(")")
-        if len(text) <= fewer:
-            out.append(" | [1-9] ")
-            _more_digits(out, len(text), fewer)

@@ -1,4 +1,4 @@
-"""Integer bounds in JSON schemas, followed by the grammar (schemafollow.int_range_rule, ported from
+"""Integer bounds in JSON schemas, followed by the grammar (schemaints.int_range_rule, ported from
 llama.cpp's build_min_max_int): the rule matches exactly the integers in range, written as JSON writes
 them (no leading zeros), checked against every integer in a window around the bounds; and a
 served answer under such a schema is one of them. Lengths and item counts of any size, written as
@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from ggufspec.schemafollow import INT64_MAX, INT64_MIN, int_range_rule, repetition
+from ggufspec.schemafollow import repetition
+from ggufspec.schemaints import INT64_MAX, INT64_MIN, int_range_rule
 
 
 def as_regex(rule: str) -> re.Pattern:
@@ -96,6 +97,38 @@ def test_a_bad_bound_is_a_tool_error(least, most):
         repetition('"a"', least, most)
 
 
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "string", "maxLength": -1}, "maxLength at #/properties/x must be a whole number >= 0, got -1"),
+    ({"type": "string", "minLength": 2.5}, "minLength at #/properties/x must be a whole number >= 0, got 2.5"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 and maxLength 2 at #/properties/x leave no"),
+    ({"type": "array", "items": {"type": "integer"}, "maxItems": "3"}, 'maxItems at #/properties/x must be a whole '
+                                                                        'number >= 0, got "3"'),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 4, "maxItems": 1}, "minItems 4 and maxItems 1 at"),
+])
+def test_a_bad_length_bound_names_its_place(schema, says):
+    from ggufspec.errors import ToolError
+    from ggufspec.tools import schema_grammar
+    with pytest.raises(ToolError, match=re.escape(says)):
+        schema_grammar({"type": "object", "properties": {"x": schema}})
+
+
+def test_a_date_is_a_day_of_the_calendar():
+    """format "date": every day of 24 years around the turns of two centuries, and nothing else (02-30, 04-31, a
+    29 February outside leap years, 1900's included and 2000's not: the converter's rule took them)."""
+    import datetime
+    from ggufspec.schemafollow import CALENDAR_DATE
+    pattern = as_regex(CALENDAR_DATE.content)
+    for year in (*range(1896, 1906), *range(1996, 2006), 2100, 2400, 1, 9999):
+        for month in range(0, 14):
+            for day in range(0, 33):
+                try:
+                    valid = bool(datetime.date(year, month, day))
+                except ValueError:
+                    valid = False
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                assert bool(pattern.fullmatch(text)) == valid, text
+
+
 def test_a_long_string_is_followed_to_its_exact_length(tiny_pair):
     """A pattern's a{2003,2005} (blocks of 1,000 in the grammar): the answer's string is within it,
     through llama.cpp's own grammar sampler (the tiny model's byte tokens make other characters
@@ -116,7 +149,8 @@ def test_a_long_string_is_followed_to_its_exact_length(tiny_pair):
 ] + [{"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 10000},
      {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "string", "maxLength": 3000},
                                               "maxItems": 5000}}},
-     {"type": "string", "minLength": 2000, "maxLength": 10 ** 9}, {"type": "string", "pattern": "^(a{0,3000})?$"}])
+     {"type": "string", "minLength": 2000, "maxLength": 10 ** 9}, {"type": "string", "pattern": "^(a{0,3000})?$"},
+     {"type": "string", "format": "date"}, {"type": "string", "format": "date-time"}])
 def test_llama_cpps_own_parser_takes_every_bound(tiny_decoder, schema):
     """Through the grammar sampler that serves them (processing.Grammar): a round maxItems of 2,000 and
     up was once refused, llama.cpp counting an optional group's inner rules against its limit."""
