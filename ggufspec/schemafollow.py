@@ -21,6 +21,7 @@ say it all), and a schema of annotations alone is {} (any value; the converter r
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import llama_cpp.llama_grammar
@@ -113,6 +114,7 @@ def converter_branch(schema: dict, root: dict, where: str) -> Branch:
     if kind in (None, "array") and ("items" in schema or "prefixItems" in schema):
         return array_branch(schema, where)
     if kind in (None, "string") and "pattern" in schema:
+        check_pattern(schema["pattern"], where)
         return Branch(frozenset({"type", "pattern"}), beside=" next to pattern")
     if kind in (None, "string") and schema.get("format") in STRING_FORMATS:
         return Branch(frozenset({"type", "format"}), beside=" next to format")
@@ -123,6 +125,23 @@ def converter_branch(schema: dict, root: dict, where: str) -> Branch:
         integer_range(schema, where)  # bounds that leave no integer: said here, with the place
         return Branch(frozenset({"type", *INT_BOUNDS}))
     return Branch(frozenset({"type", "additionalProperties"} if kind == "object" else {"type"}))
+
+
+def check_pattern(pattern, where: str) -> None:
+    """A string's pattern: a regular expression (Python's re reads the syntax JSON Schema's ECMA-262
+    shares with it) that the converter writes as a grammar, or a ToolError naming its place. The
+    converter alone took "^(a|b$" as a|b and wrote "^a**$" as a grammar llama.cpp refuses, and its
+    own errors say neither which schema nor where."""
+    if not isinstance(pattern, str):
+        raise ToolError(f"the JSON schema's pattern at {where} must be a string, got {json.dumps(pattern)[:40]}")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ToolError(f"the JSON schema's pattern at {where} is not a regular expression: {exc}") from None
+    try:
+        BoundedConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)._visit_pattern(pattern, "p")
+    except Exception as exc:  # the converter's assertions and ValueErrors, and class_escapes' ToolErrors
+        raise ToolError(f"the JSON schema's pattern at {where} cannot be followed: {exc}") from None
 
 
 def object_branch(schema: dict, where: str) -> Branch:

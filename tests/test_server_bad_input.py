@@ -239,6 +239,15 @@ def test_annotations_and_tool_parameters_still_work(server):
     ({"$defs": {"n": {"type": "number", "maximum": 3}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
      "'maximum' at #/$defs/n"),
     ({"enum": []}, "enum at # is empty"),
+    # a pattern: its problem with its place (the converter took "^(a|b$" as a|b, and wrote "^a**$" as a
+    # grammar llama.cpp refuses)
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a|b$"}}},
+     "pattern at #/properties/a is not a regular expression: missing )"),
+    ({"type": "string", "pattern": "^a**$"}, "pattern at # is not a regular expression: multiple repeat"),
+    ({"type": "string", "pattern": "^[z-a]$"}, "pattern at # is not a regular expression: bad character range"),
+    ({"type": "string", "pattern": 5}, "pattern at # must be a string"),
+    ({"anyOf": [{"type": "string", "pattern": "^(?<=x)y$"}]}, "pattern at #/anyOf/0 cannot be followed: Unsupported"),
+    ({"type": "string", "pattern": "ab"}, 'pattern at # cannot be followed: Pattern must start with "^"'),
     ({"anyOf": []}, "anyOf at # must be a non-empty list"),
     # a declared property came back as an additional one of another type ({"a": "hello"} for an integer a)
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
