@@ -62,6 +62,7 @@ def check_followed(schema, root: dict, where: str = "#", seen: set | None = None
     seen = set() if seen is None else seen
     if not isinstance(schema, dict):
         raise ToolError(f"the JSON schema at {where} must be an object, got {json.dumps(schema)[:40]}")
+    check_keyword_values(schema, root, where)
     branch = converter_branch(schema, root, where)
     kind = schema.get("type")
     for keyword in schema:
@@ -74,6 +75,29 @@ def check_followed(schema, root: dict, where: str = "#", seen: set | None = None
     if isinstance(ref, str) and ref not in seen and (target := local_target(root, ref)) is not None:
         seen.add(ref)
         check_followed(target, root, ref, seen)
+
+
+def check_keyword_values(schema: dict, root: dict, where: str) -> None:
+    """Keywords whose values the converter would trip on with a Python error (a $ref or format that is
+    no text, allOf no list), follow in a loop (a $ref to itself), or take as something else
+    (additionalProperties 5 as no property at all; a const NaN written as a literal no JSON has)."""
+    for key, ok, wanted in (("$ref", str, "a text (#/$defs/NAME)"), ("format", str, "a text"),
+                            ("allOf", list, "a non-empty list of schemas"),
+                            ("additionalProperties", (bool, dict), "true, false or a schema")):
+        if key in schema and (not isinstance(schema[key], ok) or schema[key] == []):
+            raise ToolError(f"the JSON schema's {key} at {where} must be {wanted}, got {json.dumps(schema[key])[:40]}")
+    for key in ("const", "enum"):
+        try:
+            json.dumps(schema.get(key), allow_nan=False)
+        except ValueError:
+            raise ToolError(f"the JSON schema's {key} at {where} holds NaN or Infinity, which JSON cannot write") from None
+    ref, refs = schema.get("$ref"), []
+    while isinstance(ref, str) and ref not in refs:  # the converter follows a $ref beside all else
+        refs.append(ref)
+        ref = (local_target(root, ref) or {}).get("$ref") if isinstance(local_target(root, ref), dict) else None
+    if ref in refs:
+        raise ToolError(f"the JSON schema's $ref at {where} leads back to itself ({' -> '.join(refs + [ref])}) "
+                        f"without a schema to follow")
 
 
 def constrains(keyword: str, kind) -> bool:
@@ -381,6 +405,21 @@ llama_cpp.llama_grammar._build_repetition = repetition  # the converter's string
 def grammar_for(schema: dict) -> str:
     """GBNF for a schema already normalized and checked (llama-cpp-python's json_schema_to_gbnf, bounded)."""
     converter = BoundedConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    converter.visit(converter.resolve_refs(schema, "stdin"), "")
+    converter.visit(converter.resolve_refs(root_ref_inlined(schema), "stdin"), "")
     return converter.format_grammar()
+
+
+def root_ref_inlined(schema: dict) -> dict:
+    """The schema with a $ref at its root replaced by what it points at, its $defs kept: the converter's
+    resolve_refs stops at a $ref and never reaches the $defs beside it, so a $ref inside them was left
+    unresolved ("cannot be followed: '#/$defs/Node'"): pydantic's schema of a recursive model."""
+    target, seen = schema, set()
+    while isinstance(ref := target.get("$ref"), str) and ref not in seen:
+        seen.add(ref)
+        if not isinstance(found := local_target(schema, ref), dict):
+            return schema  # the converter says what is wrong with it
+        target = found
+    if target is schema:
+        return schema
+    return {**target, **{key: schema[key] for key in ("$defs", "definitions") if key in schema}}
 

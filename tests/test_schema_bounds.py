@@ -150,7 +150,9 @@ def test_a_long_string_is_followed_to_its_exact_length(tiny_pair):
      {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "string", "maxLength": 3000},
                                               "maxItems": 5000}}},
      {"type": "string", "minLength": 2000, "maxLength": 10 ** 9}, {"type": "string", "pattern": "^(a{0,3000})?$"},
-     {"type": "string", "format": "date"}, {"type": "string", "format": "date-time"}])
+     {"type": "string", "format": "date"}, {"type": "string", "format": "date-time"},
+     {"$defs": {"N": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}}}}},
+      "$ref": "#/$defs/N"}])
 def test_llama_cpps_own_parser_takes_every_bound(tiny_decoder, schema):
     """Through the grammar sampler that serves them (processing.Grammar): a round maxItems of 2,000 and
     up was once refused, llama.cpp counting an optional group's inner rules against its limit."""

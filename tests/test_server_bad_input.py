@@ -248,6 +248,14 @@ def test_annotations_and_tool_parameters_still_work(server):
     ({"type": "string", "pattern": 5}, "pattern at # must be a string"),
     ({"anyOf": [{"type": "string", "pattern": "^(?<=x)y$"}]}, "pattern at #/anyOf/0 cannot be followed: Unsupported"),
     ({"type": "string", "pattern": "ab"}, 'pattern at # cannot be followed: Pattern must start with "^"'),
+    # values the converter tripped on with a Python error, looped on, or took as something else
+    ({"$ref": 5}, "$ref at # must be a text"),
+    ({"allOf": 5}, "allOf at # must be a non-empty list of schemas, got 5"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": 5}}}, "format at #/properties/a must be a text"),
+    ({"type": "object", "additionalProperties": 5}, "additionalProperties at # must be true, false or a schema"),
+    ({"enum": [1, float("nan")]}, "enum at # holds NaN or Infinity"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "type": "object",
+      "properties": {"x": {"$ref": "#/$defs/a"}}}, "$ref at #/properties/x leads back to itself (#/$defs/a -> #/$defs/b -> #/$defs/a)"),
     ({"anyOf": []}, "anyOf at # must be a non-empty list"),
     # a declared property came back as an additional one of another type ({"a": "hello"} for an integer a)
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
@@ -288,6 +296,15 @@ def test_schema_grammar_refuses_what_the_converter_ignores(schema, says):
 ])
 def test_schema_grammar_still_takes_what_it_follows(schema):
     assert "root ::=" in schema_grammar(schema)
+
+
+def test_a_recursive_pydantic_model_is_followed():
+    """pydantic writes a model that holds itself as {"$defs": {"Node": ...}, "$ref": "#/$defs/Node"}: the
+    converter's resolve_refs stopped at the root's $ref and left the one inside $defs unresolved."""
+    node = {"type": "object", "required": ["name", "children"], "properties": {
+        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}
+    grammar = schema_grammar({"$defs": {"Node": node}, "$ref": "#/$defs/Node"})
+    assert "children-item ::= Node" in grammar and "root ::=" in grammar, grammar
 
 
 def test_the_cli_flag_is_a_one_line_error():
