@@ -213,9 +213,12 @@ def array_branch(schema: dict, where: str) -> Branch:
     items = schema.get(key)
     if items is None:  # "items": {} and no prefixItems
         raise ToolError(f"the JSON schema's items at {where} is empty: give the schema of the array's items")
-    if isinstance(items, list):
-        return Branch(frozenset({"type", key, "items"}), tuple((s, f"{where}/{key}/{i}") for i, s in enumerate(items)),
-                      f" next to {key} as a list")
+    if isinstance(items, list):  # exactly those items: bounds that take their number say nothing more
+        length_bounds(schema, ("minItems", "maxItems"), where)  # (pydantic's tuple[int, str] has 2 and 2)
+        bounds = {"minItems"} if schema.get("minItems", 0) <= len(items) else set()
+        bounds |= {"maxItems"} if schema.get("maxItems", len(items)) >= len(items) else set()
+        return Branch(frozenset({"type", key, "items", *bounds}),
+                      tuple((s, f"{where}/{key}/{i}") for i, s in enumerate(items)), f" next to {key} as a list")
     length_bounds(schema, ("minItems", "maxItems"), where)
     return Branch(frozenset({"type", key, "minItems", "maxItems"}), ((items, f"{where}/{key}"),))
 

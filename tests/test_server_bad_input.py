@@ -254,6 +254,7 @@ def test_annotations_and_tool_parameters_still_work(server):
     ({"type": "object", "properties": {"a": {"type": "string", "format": 5}}}, "format at #/properties/a must be a text"),
     ({"type": "object", "additionalProperties": 5}, "additionalProperties at # must be true, false or a schema"),
     ({"enum": [1, float("nan")]}, "enum at # holds NaN or Infinity"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "'minItems' at # cannot be enforced next to prefixItems"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "type": "object",
       "properties": {"x": {"$ref": "#/$defs/a"}}}, "$ref at #/properties/x leads back to itself (#/$defs/a -> #/$defs/b -> #/$defs/a)"),
     ({"anyOf": []}, "anyOf at # must be a non-empty list"),
@@ -286,6 +287,8 @@ def test_schema_grammar_refuses_what_the_converter_ignores(schema, says):
     {"type": "string", "format": "email"},  # a format is an annotation (JSON Schema), pydantic's EmailStr
     {"type": "integer", "minimum": 0},  # pydantic's Field(ge=0)
     {"type": ["integer", "null"], "exclusiveMaximum": 10},
+    # pydantic's tuple[int, str]: the grammar writes exactly the two items, which its bounds allow
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2},
     {"type": "object", "properties": {"a": {"title": "A"}}},  # annotations alone: any value (pydantic's Any)
     {"type": "object", "properties": {"type": {"type": "string"}, "enum": {"type": "integer"}},
      "required": ["type", "enum"]},  # properties named like keywords stay properties
