@@ -5,9 +5,9 @@ it finds: $ref; anyOf/oneOf; a list of types; const; enum; an object's propertie
 additionalProperties); an object's allOf; an array's items (or prefixItems); a string's pattern;
 format uuid, date, time or date-time; a string's minLength/maxLength; else the bare type. Each
 branch follows its own keywords and drops every other constraint without a word: minimum, maximum,
-exclusiveMinimum/Maximum (an integer's are followed here: `BoundedConverter`) and multipleOf; uniqueItems,
-contains, minProperties, patternProperties, propertyNames, not, if/then/else, dependent* and
-unevaluated*; anything beside $ref or anyOf. An answer that breaks the schema it was asked to follow is
+exclusiveMinimum/Maximum (an integer's, and a number's whole ones, are followed here:
+`BoundedConverter`) and multipleOf; uniqueItems, contains, minProperties, patternProperties,
+propertyNames, not, if/then/else, dependent* and unevaluated*; anything beside $ref or anyOf. An answer that breaks the schema it was asked to follow is
 worse than an error, so those are refused.
 
 Not refused: annotations (title, description, default, examples, $schema, $id, $comment...), keywords
@@ -28,7 +28,7 @@ import llama_cpp.llama_grammar
 from llama_cpp.llama_grammar import RESERVED_NAMES, BuiltinRule, SchemaConverter
 
 from .errors import ToolError
-from .schemaints import INT_BOUNDS, int_range_rule, integer_range
+from .schemaints import INT_BOUNDS, int_range_rule, integer_range, number_range, number_range_rule
 
 ANY_TYPE = None
 # JSON Schema's constraints, and the types of the values they constrain (a string one says nothing of a number)
@@ -147,6 +147,8 @@ def converter_branch(schema: dict, root: dict, where: str) -> Branch:
         return Branch(frozenset({"type", "minLength", "maxLength"}))
     if kind == "integer":  # its bounds are followed (`BoundedConverter`), multipleOf is not
         integer_range(schema, where)  # bounds that leave no integer: said here, with the place
+        return Branch(frozenset({"type", *INT_BOUNDS}))
+    if kind == "number" and number_range(schema, where):  # whole bounds are followed, 0.5 is not
         return Branch(frozenset({"type", *INT_BOUNDS}))
     return Branch(frozenset({"type", "additionalProperties"} if kind == "object" else {"type"}))
 
@@ -300,16 +302,23 @@ CALENDAR_DATE = BuiltinRule(
 
 class BoundedConverter(SchemaConverter):
     """llama-cpp-python's converter, but an integer's bounds are followed (`int_range_rule`), as
-    llama.cpp's own converter has done since: pydantic's Field(ge=0) is the common case."""
+    llama.cpp's own converter has done since: pydantic's Field(ge=0) is the common case; and a
+    number's where they are whole (`number_range_rule`: a float's Field(ge=0, le=1))."""
 
     def visit(self, schema, name):
-        if schema.get("type") != "integer" or BRANCHES_BEFORE_TYPE & schema.keys():
+        kind = schema.get("type")
+        if kind not in ("integer", "number") or BRANCHES_BEFORE_TYPE & schema.keys():
             return super().visit(schema, name)
-        bounds = integer_range(schema, name or "#")
-        if bounds is None:
+        if kind == "integer":
+            bounds = integer_range(schema, name or "#")
+            rule = bounds and int_range_rule(*bounds)
+        else:
+            bounds = number_range(schema, name or "#")
+            rule = bounds and number_range_rule(*bounds)
+        if not rule:
             return super().visit(schema, name)
         rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
-        return self._add_rule(rule_name, f"({int_range_rule(*bounds)}) space")
+        return self._add_rule(rule_name, f"({rule}) space")
 
     def _add_primitive(self, name, rule):
         return super()._add_primitive(name, CALENDAR_DATE if name == "date" else rule)

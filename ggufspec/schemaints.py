@@ -1,9 +1,11 @@
-"""Integer bounds in a JSON schema as GBNF (schemafollow.BoundedConverter): the integers from a least to a
-most value, written digit by digit as JSON writes them, ported from llama.cpp's converter."""
+"""Bounds in a JSON schema as GBNF (schemafollow.BoundedConverter): the integers from a least to a most
+value, written digit by digit as JSON writes them (ported from llama.cpp's converter), and the numbers
+between whole bounds."""
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 from .errors import ToolError
 
@@ -164,3 +166,58 @@ def _at_least(least: int, out: list[str], decimals_left: int, fewer: int, top_le
         if len(text) <= fewer:
             out.append(" | [1-9] ")
             _more_digits(out, len(text), fewer)
+
+
+# ---------------------------------------------------------------- a number's bounds, where they are whole
+# pydantic's Field(ge=0, le=1) or gt=0 on a float. A number is written as JSON's plain decimals (no
+# exponent): its integer part I (int_range_rule) and a fraction. With whole bounds, v >= m is I >= m,
+# v > m is I > m or I = m with a fraction not all zeros, v <= M is I < M or I = M with a zero fraction,
+# v < M is I < M; a negative number is "-" and a magnitude bounded the other way round.
+ANY_FRACTION = '("." [0-9]+)?'
+NONZERO_FRACTION = '"." [0-9]* [1-9] [0-9]*'
+ZERO_FRACTION = '("." "0"+)?'
+
+
+@dataclass(frozen=True)
+class Bound:
+    value: int
+    inclusive: bool
+
+
+def number_range(schema: dict, where: str) -> tuple[Bound | None, Bound | None] | None:
+    """A number schema's (lower, upper) bounds where every one is a whole number (None: unbounded on
+    that side), else None: bounds such as 0.5 are not followed (check_followed refuses them)."""
+    bounds = {key: schema[key] for key in INT_BOUNDS if key in schema}
+    if not bounds or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                             and v == int(v) and abs(v) < INT64_MAX for v in bounds.values()):
+        return None
+    lows = [Bound(int(v), key == "minimum") for key, v in bounds.items() if key.endswith("inimum")]
+    highs = [Bound(int(v), key == "maximum") for key, v in bounds.items() if key.endswith("aximum")]
+    low = max(lows, key=lambda b: (b.value, not b.inclusive), default=None)  # the tighter of each side
+    high = min(highs, key=lambda b: (b.value, b.inclusive), default=None)
+    if low and high and (low.value > high.value or low.value == high.value and not (low.inclusive and high.inclusive)):
+        raise ToolError(f"the JSON schema's bounds at {where} leave no number (from {low.value} to {high.value})")
+    return low, high
+
+
+def number_range_rule(low: Bound | None, high: Bound | None) -> str:
+    """A GBNF expression for the numbers within the bounds, in plain decimals."""
+    parts = []
+    if high is None or high.value > 0 or high.value == 0 and high.inclusive:
+        parts += magnitudes(low if low and low.value >= 0 else Bound(0, True), high)
+    if low is None or low.value < 0:  # -v: at most -low, above -high (or above 0)
+        above = Bound(-high.value, high.inclusive) if high and high.value < 0 else Bound(0, False)
+        below = Bound(-low.value, low.inclusive) if low else None
+        parts.append(f'"-" ({" | ".join(magnitudes(above, below))})')
+    return " | ".join(parts)
+
+
+def magnitudes(low: Bound, high: Bound | None) -> list[str]:
+    """Alternatives for the numbers >= 0 between `low` (>= 0) and `high` (None: unbounded)."""
+    first, last = low.value + (not low.inclusive), INT64_MAX if high is None else high.value - 1
+    parts = [f"({int_range_rule(first, last)}) {ANY_FRACTION}"] if first <= last else []
+    if not low.inclusive and (high is None or low.value < high.value):
+        parts.append(f'"{low.value}" {NONZERO_FRACTION}')
+    if high is not None and high.inclusive and (high.value > low.value or low.inclusive):
+        parts.append(f'"{high.value}" {ZERO_FRACTION}')
+    return parts

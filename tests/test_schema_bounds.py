@@ -15,7 +15,7 @@ from ggufspec.schemaints import INT64_MAX, INT64_MIN, int_range_rule
 
 def as_regex(rule: str) -> re.Pattern:
     """The rule's GBNF (quoted literals, [classes], {m,n}, groups, |) as a Python regex."""
-    pieces = re.findall(r'"[^"]*"|\[[^\]]*\]|\{[0-9,]*\}|[()|]|\s+', rule)
+    pieces = re.findall(r'"[^"]*"|\[[^\]]*\]|\{[0-9,]*\}|[()|?*+]|\s+', rule)
     assert "".join(pieces) == rule, rule  # nothing else in it
     regex = "".join(re.escape(p[1:-1]) if p.startswith('"') else "(?:" if p == "(" else "" if p.isspace() else p
                     for p in pieces)
@@ -38,6 +38,40 @@ def test_the_rule_matches_exactly_the_integers_in_range(least, most):
     for text in ("05", "00", "-05", "+5", "5.0", "007"):
         assert not pattern.fullmatch(text), (least, most, text)
     assert not pattern.fullmatch("-0") or least <= 0 <= most  # JSON's -0 is 0 (llama.cpp's rule allows it)
+
+
+NUMBER_BOUNDS = [{"minimum": 0, "maximum": 1}, {"exclusiveMinimum": 0}, {"minimum": 0}, {"maximum": 0},
+                 {"exclusiveMaximum": 0}, {"minimum": -5, "exclusiveMaximum": -2}, {"exclusiveMinimum": -3, "maximum": 7},
+                 {"minimum": 3, "maximum": 3}, {"minimum": -1, "maximum": 1, "exclusiveMaximum": 1},
+                 {"minimum": 2.0, "exclusiveMinimum": 2, "maximum": 10}]
+
+
+@pytest.mark.parametrize("bounds", NUMBER_BOUNDS)
+def test_a_number_rule_matches_exactly_the_decimals_within_whole_bounds(bounds):
+    """pydantic's Field(ge=0, le=1) on a float: a plain decimal matches where its value is within the
+    bounds (every bound, the tighter of two on one side), for integer parts around them and fractions
+    that are zero, nonzero, or nearly the next integer."""
+    from ggufspec.schemaints import number_range, number_range_rule
+    pattern = as_regex(number_range_rule(*number_range(bounds, "#")))
+    checks = {"minimum": float.__ge__, "maximum": float.__le__, "exclusiveMinimum": float.__gt__,
+              "exclusiveMaximum": float.__lt__}
+    for whole in range(-12, 13):
+        for fraction in ("", ".0", ".00", ".5", ".05", ".999", ".10"):
+            text = f"{whole}{fraction}"
+            for shown in ([text, "-" + text] if whole == 0 else [text]):
+                if float(shown) == 0 and shown.startswith("-"):
+                    continue  # -0: the rule writes 0
+                within = all(checks[key](float(shown), float(value)) for key, value in bounds.items())
+                assert bool(pattern.fullmatch(shown)) == within, (bounds, shown)
+
+
+def test_a_number_bound_that_is_not_whole_is_still_refused():
+    from ggufspec.errors import ToolError
+    from ggufspec.tools import schema_grammar
+    with pytest.raises(ToolError, match="'maximum' at #/properties/p cannot be enforced"):
+        schema_grammar({"type": "object", "properties": {"p": {"type": "number", "maximum": 0.5}}})
+    with pytest.raises(ToolError, match="bounds at # leave no number"):
+        schema_grammar({"type": "number", "minimum": 3, "exclusiveMaximum": 3})
 
 
 def test_a_served_integer_is_within_its_bounds(tiny_pair):
@@ -151,6 +185,7 @@ def test_a_long_string_is_followed_to_its_exact_length(tiny_pair):
                                               "maxItems": 5000}}},
      {"type": "string", "minLength": 2000, "maxLength": 10 ** 9}, {"type": "string", "pattern": "^(a{0,3000})?$"},
      {"type": "string", "format": "date"}, {"type": "string", "format": "date-time"},
+     {"type": "number", "minimum": 0, "maximum": 1}, {"type": "number", "exclusiveMinimum": -3, "maximum": 7},
      {"$defs": {"N": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}}}}},
       "$ref": "#/$defs/N"}])
 def test_llama_cpps_own_parser_takes_every_bound(tiny_decoder, schema):

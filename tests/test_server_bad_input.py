@@ -183,8 +183,8 @@ def test_a_large_body_is_parsed_as_a_small_one(server):
 
 # ---------------------------------------------------------------- JSON schemas the grammar cannot enforce
 
-BOUNDED = {"type": "number", "minimum": 5, "maximum": 9}  # an integer's bounds are followed, a number's not
-NESTED = {"type": "object", "properties": {"n": {"type": "number", "exclusiveMaximum": 3}}, "required": ["n"]}
+BOUNDED = {"type": "number", "minimum": 5.5, "maximum": 9}  # whole bounds are followed, a number's 5.5 not
+NESTED = {"type": "object", "properties": {"n": {"type": "number", "exclusiveMaximum": 3.5}}, "required": ["n"]}
 ANNOTATED = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "x", "title": "flag",
              "description": "d", "$comment": "c", "type": "object", "required": ["ok"],
              "properties": {"ok": {"type": "boolean", "default": True, "examples": [True], "title": "ok"}}}
@@ -225,8 +225,8 @@ def test_annotations_and_tool_parameters_still_work(server):
 @pytest.mark.parametrize("schema, says", [
     (BOUNDED, "'minimum' at #"),
     ({"type": "number", "multipleOf": 2}, "'multipleOf' at #"),
-    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMinimum": 0}}}, "at #/properties/a"),
-    ({"type": "array", "items": {"type": "number", "maximum": 3}}, "'maximum' at #/items"),
+    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMinimum": 0.1}}}, "at #/properties/a"),
+    ({"type": "array", "items": {"type": "number", "maximum": 3.5}}, "'maximum' at #/items"),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "bounds at # leave no integer"),
     ({"type": "integer", "multipleOf": 2}, "'multipleOf' at #"),
     ({"type": "array", "minItems": 1}, "'minItems' at #"),
@@ -234,9 +234,9 @@ def test_annotations_and_tool_parameters_still_work(server):
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required at # names 'b'"),
     ({"type": "string", "not": {"const": "x"}}, "'not' at #"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'maxLength' at # cannot be enforced next to pattern"),
-    ({"type": ["number", "null"], "maximum": 3}, "'maximum' at #/anyOf/0"),  # the list rewritten, the bound kept
+    ({"type": ["number", "null"], "maximum": 0.5}, "'maximum' at #/anyOf/0"),  # the list rewritten, the bound kept
     ({"anyOf": [{"type": "string"}], "type": "string"}, "'type' at # cannot be enforced next to anyOf"),
-    ({"$defs": {"n": {"type": "number", "maximum": 3}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+    ({"$defs": {"n": {"type": "number", "maximum": 3.5}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
      "'maximum' at #/$defs/n"),
     ({"enum": []}, "enum at # is empty"),
     # a pattern: its problem with its place (the converter took "^(a|b$" as a|b, and wrote "^a**$" as a
@@ -287,6 +287,7 @@ def test_schema_grammar_refuses_what_the_converter_ignores(schema, says):
     {"type": "string", "format": "email"},  # a format is an annotation (JSON Schema), pydantic's EmailStr
     {"type": "integer", "minimum": 0},  # pydantic's Field(ge=0)
     {"type": ["integer", "null"], "exclusiveMaximum": 10},
+    {"type": ["number", "null"], "minimum": 0, "maximum": 1},  # pydantic's float Field(ge=0, le=1)
     # pydantic's tuple[int, str]: the grammar writes exactly the two items, which its bounds allow
     {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2},
     {"type": "object", "properties": {"a": {"title": "A"}}},  # annotations alone: any value (pydantic's Any)
