@@ -9,7 +9,8 @@ The families (what their chat templates taught them to write):
 - llama3 (Llama 3.1+): the whole message is `{"name": ..., "parameters": {...}}` (after an optional `<|python_tag|>`)
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer `[TOOL_CALLS]name[ARGS]{...}`
 - qwen3_xml (Qwen3-Coder, Qwen3.5, Nemotron 3 Nano): `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n...`
-  (tools_xml.py: values typed by the tool's schema, as llama.cpp's parser and grammar do)
+  (tools_xml.py: values typed by the tool's schema, as llama.cpp's parser and grammar do), or the same
+  call without its `<tool_call>` (Qwen3-Coder writes one at times), of a known function
 A template that does not mention tools is taught the hermes format by a system message.
 """
 from __future__ import annotations
@@ -31,7 +32,9 @@ PYTHON_TAG = "<|python_tag|>"
 FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 # a message that starts like this may be a call as a whole (JSON, perhaps in a ```json block)
 WHOLE_CALL_OPENINGS = ("{", "```json", PYTHON_TAG)
-CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", PYTHON_TAG)
+# where a call may begin: streaming holds the text back from there (a qwen3_xml call may start bare, at
+# `<function=`: held back in every family, as every family's answer is parsed for the others' calls too)
+CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", PYTHON_TAG, tools_xml.BARE_START)
 # whitespace between the parts of a call: bounded, so a grammar cannot let a model loop on newlines
 GRAMMAR_WS = "tc-ws ::= [ \\t\\n]{0,4}"
 # what a negated class inside a JSON string must leave out too: the converter's `char` ([^"\\]), its
@@ -138,7 +141,11 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel: bool | None, fmt
 
 
 def trigger_texts(fmt: ToolFormat) -> tuple[str, ...]:
-    """The texts that start a call: under `auto`, the lazy grammar takes over from there."""
+    """The texts that start a call: under `auto`, the lazy grammar takes over from there. A qwen3_xml
+    call may start bare, at `<function=` (llama.cpp triggers there too; the grammar's root takes both);
+    `<tool_call>` first: where one piece holds both, the pattern listed first fires, from the wrapper."""
+    if fmt.name == "qwen3_xml":
+        return (fmt.start, tools_xml.BARE_START)
     return (PYTHON_TAG,) if fmt.name == "llama3" else (fmt.start,)
 
 
@@ -150,7 +157,7 @@ def trigger_patterns(fmt: ToolFormat, names: frozenset = frozenset()) -> tuple[s
     if fmt.name == "llama3":
         known = "|".join(sorted(name.replace(".", "\\.") for name in names))
         return (r'^[ \t\n]{0,4}\{ ?"name"' + (f' ?: ?"(?:{known})"' if known else ""), re.escape(PYTHON_TAG))
-    return (re.escape(fmt.start),)
+    return tuple(re.escape(text) for text in trigger_texts(fmt))
 
 
 # ---------------------------------------------------------------- rendering a conversation
@@ -287,6 +294,8 @@ def _parse_mistral(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
         return text, []
     position = start + len("[TOOL_CALLS]")
     obj, end = _json_at(text, position)
+    if obj is None and text.startswith("[", end):
+        obj, end = _cut_array(text, end)
     if isinstance(obj, list):
         calls = [_call_from(item, names) for item in obj]
         return (text[:start] + text[end:], calls) if calls and all(calls) else (text, [])
@@ -299,6 +308,45 @@ def _parse_mistral(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:
         calls.append(ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False)))
         position = end
     return (text[:start] + text[position:], calls) if calls else (text, [])
+
+
+def _cut_array(text: str, bracket: int):
+    """Nemo's list of calls cut short (by max_tokens, or a stop), `[{...}, {"name": "f", "argu`: its
+    complete items and the text's end, the cut item dropped. Its text is the start of a call, no content
+    (and without a marker the server could not tell it from content to strip); the finish reason,
+    "length", says the answer was cut, as the hermes parser keeps the calls before a cut one. A list
+    that closes is malformed, not cut: (None, bracket), and it stays content."""
+    if not _unclosed(text, bracket):
+        return None, bracket
+    items, position = [], bracket + 1
+    while True:
+        item, end = _json_at(text, position)
+        if not text[position:end].strip():  # no whole item here (JSON's null is one): the cut one
+            break
+        items.append(item)
+        if not (comma := LIST_COMMA.match(text, end)):
+            break
+        position = comma.end()
+    return (items or None), len(text)
+
+
+LIST_COMMA = re.compile(r"\s*,")
+
+
+def _unclosed(text: str, opening: int) -> bool:
+    """Whether the JSON array or object opening at `opening` runs to the end of the text unclosed
+    (brackets inside strings aside): cut there, rather than malformed."""
+    depth, in_string, escaped = 0, False, False
+    for char in text[opening:]:
+        if in_string:  # an escaped character never ends the string
+            in_string, escaped = escaped or char != '"', not escaped and char == "\\"
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}" and (depth := depth - 1) == 0:
+            return False
+    return True
 
 
 def _parse_json_message(text: str, names: frozenset) -> tuple[str, list[ToolCall]]:

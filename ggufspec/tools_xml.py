@@ -9,15 +9,18 @@ templates are derived from it). Their templates render a call, and taught the mo
     </function>
     </tool_call>
 
-where a value is raw text: a string as it is, any other JSON value as its JSON text. The tool's
+(or, at times, the same without its `<tool_call>` lines: a bare call, taken where it names a known
+function), where a value is raw text: a string as it is, any other JSON value as its JSON text. The tool's
 parameter schema says which a value is (a string parameter's `123` is the text "123", an integer
 parameter's the number), as llama.cpp's parser reads it (common/parsers/qwen3-coder.cpp): a parameter
 that may be a string is JSON only where its text is JSON of another type it allows, one that may not
 is JSON where its text is JSON at all, else the text.
 
 The grammar is llama.cpp's too: required parameters in any order (up to 6 of them, then in the
-schema's), then optional ones; a string's text anything without `</parameter>` in it; a value of other
-types JSON by the schema (the caller's converter writes those rules); an enum one of its values' texts.
+schema's), then optional ones; a string's text anything without `</parameter>` in it (its minLength
+and maxLength not followed, as llama.cpp's: a count of characters that keeps `</parameter>` out needs a
+rule per length, and one that refuses `<` would refuse a file's text to a write_file tool); a value of
+other types JSON by the schema (the caller's converter writes those rules); an enum one of its values' texts.
 
 tools.py dispatches to this module; it imports nothing from tools.py (which imports it).
 """
@@ -30,6 +33,8 @@ import re
 from .schemafollow import local_target, normalized
 
 CLOSE = "</parameter>"
+BARE_START = "<function="  # a call without its <tool_call>, as Qwen3-Coder writes one at times
+CALL_OPEN = re.compile(r"<tool_call>|" + BARE_START)
 FUNCTION_OPEN = re.compile(r"\s*<function=([^>\n]+)>")
 PARAMETER_OPEN = re.compile(r"\s*<parameter=([^>\n]+)>")
 FUNCTION_CLOSE = re.compile(r"\s*</function>(?:\s*</tool_call>)?")
@@ -118,11 +123,14 @@ def _parameter_schema(schemas: dict, function: str, parameter: str):
 
 def parse(text: str, schemas: dict) -> tuple[str, list[tuple[str, dict]]]:
     """(content, [(name, arguments)]): the calls in an answer, the text around them content. A call
-    cut short (no `</function>`) or malformed is no call: it and what follows stay content."""
+    cut short (no `</function>`) or malformed is no call: it and what follows stay content. A bare call
+    (`<function=` without `<tool_call>`) must name a known function (a key of `schemas`): other text
+    that merely looks like one, as a message explaining the format, stays content."""
     content, calls, position = [], [], 0
-    while (start := text.find("<tool_call>", position)) >= 0:
-        call = _call_at(text, start + len("<tool_call>"), schemas)
-        if call is None:
+    while opening := CALL_OPEN.search(text, position):
+        start, bare = opening.start(), opening[0] == BARE_START
+        call = _call_at(text, start if bare else opening.end(), schemas)
+        if call is None or (bare and call[0] not in schemas):
             break
         name, arguments, end = call
         content.append(text[position:start])
@@ -256,7 +264,9 @@ def call_rules(tools: list[dict], converter, *, only: str | None, parallel: bool
         functions.append(f"tx-{i}")
     rules.append(f"tx-call ::= {' | '.join(functions)}")
     rules.append('tx-one ::= "<tool_call>\\n" tx-call "</tool_call>"')
-    rules.append("root ::= tx-one" + (" (tc-ws tx-one)*" if parallel else ""))
+    # a bare call too: the lazy grammar starts at `<function=` as well, and must take what follows it
+    rules.append("tx-any ::= tx-one | tx-call")
+    rules.append("root ::= tx-any" + (" (tc-ws tx-any)*" if parallel else ""))
     return "\n".join(rules)
 
 

@@ -208,7 +208,8 @@ def cut_choice(text: str, fmt_name: str = "hermes", tool_choice="auto"):
     from ggufspec.server.choices import ChoiceState
     from ggufspec.server.constraints import Shaping
     fmt = {"hermes": toolkit.detect_format("{{ tools }} <tool_call>"),
-           "llama3": toolkit.detect_format("{{ tools }} <|start_header_id|>")}[fmt_name]
+           "llama3": toolkit.detect_format("{{ tools }} <|start_header_id|>"),
+           "mistral": toolkit.detect_format("{{ tools }} [TOOL_CALLS]")}[fmt_name]
     shape = Shaping(plan=toolkit.plan_tools(CUT_TOOL, tool_choice, None, fmt), fmt=fmt)
     whole = ChoiceState(0, shape, chat=True)
     whole.pieces = [{"text": text}]
@@ -229,6 +230,33 @@ def cut_choice(text: str, fmt_name: str = "hermes", tool_choice="auto"):
 def test_a_call_cut_off_by_max_tokens_leaves_no_markup(text, shown):
     content, n_calls, streamed, n_streamed_calls = cut_choice(text)
     assert (content or "") == shown and streamed == shown and n_calls == n_streamed_calls
+
+
+@pytest.mark.parametrize("text, shown", [
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": "]}"}}, {"name": "f", "argu', ""),
+    ('Sure. [TOOL_CALLS][{"name": "f", "arguments": {}},', "Sure. "),  # cut after the comma
+    ('[TOOL_CALLS][{"name": "f", "arguments": {}}', ""),  # cut before the list's "]": the call is whole
+])
+def test_mistrals_list_cut_by_max_tokens_keeps_its_complete_calls(text, shown):
+    """`[TOOL_CALLS][{...}, {"name": "f", "argu`: the list did not decode, so the complete call went
+    with the cut one (all of it dropped as a cut call's markup). The complete calls are calls, the cut
+    one is dropped, whole answer and stream alike (finish_reason "length" says it was cut)."""
+    content, n_calls, streamed, n_streamed_calls = cut_choice(text, "mistral")
+    # (the whole answer is one piece here, the text before its calls stripped as parse_calls strips it)
+    assert (content or "") == shown.strip() and streamed == shown and n_calls == n_streamed_calls == 1
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('[TOOL_CALLS][{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"ci',
+     [ToolCall("now", "{}")]),
+    ('[TOOL_CALLS][{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}, ',
+     [ToolCall("now", "{}"), ToolCall("now", "{}")]),
+    ('[TOOL_CALLS][{"name": "now", "arguments": {}}, oops]', []),      # closed, malformed: no cut, no call
+    ('[TOOL_CALLS][{"name": "now", "arguments": {}}, null, {"na', []),  # an item that is no call
+    ('[TOOL_CALLS][{"name": "now", "argu', []),                        # nothing complete
+])
+def test_a_cut_mistral_list_parses_to_its_complete_calls(text, calls):
+    assert toolkit.parse_calls(text, MISTRAL, NAMES) == ((None, calls) if calls else (text, []))
 
 
 def test_a_bare_json_call_cut_off_is_dropped_too():

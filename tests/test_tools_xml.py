@@ -170,8 +170,8 @@ def test_xml_templates_are_recognised_as_llama_cpp_does():
     unspaced = "{{ tools }}{{ '<tool_call><function=' ~ tool_call.name ~ '>' }}{{ '<parameter=' ~ k ~ '>' }}"
     assert toolkit.detect_format(unspaced).name == "hermes"
     assert HERMES.name == "hermes"  # Qwen 2.5/3's JSON calls stay JSON
-    assert toolkit.trigger_texts(QWEN) == ("<tool_call>",)
-    assert toolkit.trigger_patterns(QWEN) == (re.escape("<tool_call>"),)
+    assert toolkit.trigger_texts(QWEN) == ("<tool_call>", "<function=")  # a bare call too, as llama.cpp
+    assert toolkit.trigger_patterns(QWEN) == (re.escape("<tool_call>"), re.escape("<function="))
 
 
 # ---------------------------------------------------------------- parsing
@@ -228,6 +228,21 @@ def test_a_call_cut_anywhere_is_no_call_and_no_crash():
     assert toolkit.call_start("Sure.\n<tool_", QWEN) == len("Sure.\n")  # a stream holds back from the marker
 
 
+def test_a_call_without_its_tool_call_lines_is_a_call_of_a_known_function():
+    """Qwen3-Coder at times writes `<function=NAME>...</function>` without `<tool_call>`: it stayed
+    content (llama.cpp takes it as a call). A name no tool has stays content: prose about the format."""
+    bare = xml_call("get_weather", city="Oslo", days="2").removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    assert toolkit.parse_calls("Let me check.\n" + bare, QWEN, NAMES) == \
+        ("Let me check.", [ToolCall("get_weather", '{"city": "Oslo", "days": 2}')])
+    assert toolkit.parse_calls(f"{bare}\n{xml_call('now')}", QWEN, NAMES)[1] == \
+        [ToolCall("get_weather", '{"city": "Oslo", "days": 2}'), ToolCall("now", "{}")]
+    for text in ("Write <function=rm>\n</function> to call rm.", bare.replace("get_weather", "get_weathers")):
+        assert toolkit.parse_calls(text, QWEN, NAMES) == (text, [])
+    assert toolkit.parse_calls(bare, HERMES, frozenset()) == (bare, [])  # no tools known: no bare call
+    assert toolkit.call_start("Let me check.\n<function=", QWEN) == len("Let me check.\n")  # a stream holds it back
+    assert toolkit.call_start("Let me check.\n<func", QWEN) == len("Let me check.\n")
+
+
 # ---------------------------------------------------------------- grammars
 
 def declared_type(tools: list[dict], name: str, parameter: str):
@@ -238,7 +253,8 @@ def declared_type(tools: list[dict], name: str, parameter: str):
 def check_round_trip(tools: list[dict], text: str, parallel: bool) -> None:
     """The calls in a grammar's string, read as the template writes them, against parse_calls'."""
     written = [(m[1], dict(re.findall(r"<parameter=([^>\n]+)>\n(.*?)\n</parameter>\n", m[2], re.S)))
-               for m in re.finditer(r"<tool_call>\n<function=([^>\n]+)>\n(.*?)</function>\n</tool_call>", text, re.S)]
+               for m in re.finditer(r"(?:<tool_call>\n)?<function=([^>\n]+)>\n(.*?)</function>\n(?:</tool_call>)?",
+                                    text, re.S)]  # a call with its <tool_call> lines, or bare
     content, calls = toolkit.parse_calls(text, QWEN, toolkit.plan_tools(tools, "auto", None, QWEN).names)
     assert content is None and [c.name for c in calls] == [name for name, _ in written], text
     assert parallel or len(calls) == 1
@@ -268,7 +284,7 @@ def test_what_a_call_grammar_allows_parses_back(key, monkeypatch):
 
 def test_the_grammar_is_llama_cpps():
     grammar = toolkit.call_grammar(TOOLS, QWEN, only="get_weather", parallel=False)
-    assert 'tx-one ::= "<tool_call>\\n" tx-call "</tool_call>"\nroot ::= tx-one\n' in grammar
+    assert 'tx-one ::= "<tool_call>\\n" tx-call "</tool_call>"\ntx-any ::= tx-one | tx-call\nroot ::= tx-any\n' in grammar
     assert '"<parameter=city>\\n" tx-text "\\n</parameter>\\n"' in grammar  # a string: free text
     assert '"<parameter=unit>\\n" ("c" | "f" | "0")' in grammar             # an enum: its values' texts
     assert "tx-0-args-3 ::= tx-0-0 tx-0-args-2 | tx-0-1 tx-0-args-1" in grammar  # required, in any order
@@ -310,12 +326,15 @@ tools = [{"type": "function", "function": {"name": "now"}},
 body = ChatBody(messages=[{"role": "user", "content": "hi"}], tools=tools)
 grammar = Grammar(vocab, engine_constraints(shaping(body, fmt, 300), ()))
 for byte in sys.argv[2].encode():
-    grammar.accept(3 + byte)  # the tiny vocabulary's byte tokens
+    if not grammar.accept(3 + byte):  # the tiny vocabulary's byte tokens
+        sys.exit(3)  # a trigger fired onto text the grammar does not take
 """
 
 
 @pytest.mark.parametrize("answer", [
     "Let me check. <tool_call>\n<function=now>\n</function>\n</tool_call>",
+    "Let me check.\n<function=go>\n<parameter=n>\n12\n</parameter>\n</function>\n",  # bare: triggers at <function=
+    "<function=now>\n</function>\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
     "<tool_call>\n<function=go>\n<parameter=n>\n12\n</parameter>\n</function>\n</tool_call>\n"
     "<tool_call>\n<function=now>\n</function>\n</tool_call>",
     "A tag: <tool",  # the trigger's start, never finished
