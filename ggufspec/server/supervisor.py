@@ -7,7 +7,10 @@ server whose target is on workers cannot survive that in one process. Here the c
 - watches it: the child's /health says how long its generation has made no progress
   (`stalled_s`); past --rpc-timeout the worker is taken as hung and the child is killed;
 - when the child is gone, probes the workers (ggml-rpc's handshake) with backoff and starts a new
-  child once every one answers; /health is 503 meanwhile, 200 again once the model is back.
+  child once every one answers; /health is 503 meanwhile, 200 again once the model is back. A child
+  that fails soon after it started (in its load, or serving) again and again waits longer and longer
+  before the next start (`Backoff`): workers that answer the probe but cannot take the model are not
+  hammered, and stderr not filled.
 The child's stderr passes through, so the lines users see stay those of a plain `serve`.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 
 import uvicorn
 
@@ -40,6 +44,12 @@ BACKOFF_S = (0.5, 5.0)  # first and longest wait between probes of the workers
 PROBE_TIMEOUT_S = 2.0  # a worker's handshake, while waiting for it to come back
 NAMING_TIMEOUT_S = 1.0  # the same, to name the hung one (a 503 waits for it)
 HEALTH_TIMEOUT_S = 5.0  # the least wait for the model process's /health: a slow answer is no stalled generation
+# A model process that served less than HEALTHY_S failed quickly: the second such failure in a row waits
+# RESTART_BACKOFF_S[0] before the next start, each next one twice as long, up to RESTART_BACKOFF_S[1].
+# The first restarts at once (a lost worker back on its port reloads without delay); one that served
+# HEALTHY_S or more starts the count over.
+RESTART_BACKOFF_S = (1.0, 30.0)
+HEALTHY_S = 60.0
 
 
 class Child:
@@ -52,6 +62,10 @@ class Child:
         self.last_error: str | None = None  # its last "ggufspec: error: ..." line, without the prefix
         self.hung = False
         self.problem = ("the model process stopped", "model_unavailable")
+        self.ready_at: float | None = None  # when it began to serve (time.monotonic())
+
+    def served_s(self) -> float:
+        return time.monotonic() - self.ready_at if self.ready_at is not None else 0.0
 
     async def why(self, wait_s: float = 10.0) -> tuple[str, str]:
         """The problem, once the supervisor has seen the child go (a connection may break first)."""
@@ -73,6 +87,19 @@ async def first(awaitable, event: asyncio.Event):
             pending.cancel()
 
 
+class Backoff:
+    """The wait before the next model process, from how long each one served (see RESTART_BACKOFF_S)."""
+
+    def __init__(self):
+        self.failures = 0  # in a row, the first one counted even after a long serve
+
+    def after(self, served_s: float) -> float:
+        self.failures = 1 if served_s >= HEALTHY_S else self.failures + 1
+        if self.failures == 1:
+            return 0.0
+        return min(RESTART_BACKOFF_S[0] * 2 ** (self.failures - 2), RESTART_BACKOFF_S[1])
+
+
 class Supervisor:
     def __init__(self, command: list[str], socket_path: str, socket_fd: int, endpoints: list[Endpoint],
                  rpc_timeout: float, exposure: Exposure | None = None):
@@ -82,6 +109,7 @@ class Supervisor:
         self.state = "loading"  # loading | ready | unavailable
         self.problem = ("the model is loading", "model_loading")
         self.served_once = False
+        self.backoff = Backoff()
         self.stopping = False
         self.exit_code = 0
 
@@ -135,7 +163,7 @@ class Supervisor:
         while not self.stopping:
             child = await self.start_child()
             if await first(child.ready.wait(), child.gone) and not child.gone.is_set():
-                self.served_once, self.state = True, "ready"
+                self.served_once, self.state, child.ready_at = True, "ready", time.monotonic()
                 await self.watch(child)
             await child.gone.wait()
             if not self.served_once:
@@ -144,6 +172,7 @@ class Supervisor:
                 server.should_exit = True
                 return
             self.state, self.problem = "unavailable", child.problem
+            await self.back_off(child)
             await self.wait_for_workers()
             self.state = "loading"
             self.problem = (f"the model is reloading (after: {child.problem[0]})", "model_loading")
@@ -237,6 +266,20 @@ class Supervisor:
                 return False
         answered = await asyncio.gather(*(asyncio.to_thread(answers, e) for e in self.endpoints))
         return [endpoint for endpoint, ok in zip(self.endpoints, answered) if not ok]
+
+    async def back_off(self, child: Child) -> None:
+        """Wait before the next start as long as `backoff` says; said once on stderr, and in /health meanwhile."""
+        delay = self.backoff.after(child.served_s())
+        if not delay or self.stopping:
+            return
+        when = time.strftime("%H:%M:%S", time.localtime(time.time() + delay))
+        failed = f"the model process failed {self.backoff.failures} times in a row"
+        sys.stderr.write(f"ggufspec: {failed}; starting it again in {delay:g} s\n")
+        sys.stderr.flush()
+        message, code = child.problem
+        self.problem = (f"{message} ({failed}: a restart is pending, in {delay:g} s at {when})", code)
+        await asyncio.sleep(delay)
+        self.problem = child.problem
 
     async def wait_for_workers(self) -> None:
         delay = BACKOFF_S[0]
