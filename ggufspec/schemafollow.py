@@ -67,8 +67,10 @@ def check_followed(schema, root: dict, where: str = "#", seen: set | None = None
     kind = schema.get("type")
     for keyword in schema:
         if keyword not in branch.followed and constrains(keyword, kind):
+            whole = " (a number's bounds are followed where they are whole numbers)" if (
+                kind == "number" and keyword in INT_BOUNDS and not branch.beside) else ""
             raise ToolError(f"the JSON schema's {keyword!r} at {where} cannot be enforced{branch.beside}: "
-                            f"the grammar would ignore it, so an answer could break it")
+                            f"the grammar would ignore it, so an answer could break it{whole}")
     for part, place in branch.parts:
         check_followed(part, root, place, seen)
     ref = schema.get("$ref")
