@@ -272,10 +272,43 @@ def normalized(schema):
         return {key: value for key, value in schema.items() if key != "type"}
     if isinstance(kind, list) and kind and "anyOf" not in schema and "oneOf" not in schema and "$ref" not in schema:
         shared = {key: value for key, value in schema.items() if key != "type" and key not in CONSTRAINTS}
-        return {**shared, "anyOf": [{"type": t, **{key: value for key, value in schema.items()
-                                                  if key != "type" and key in CONSTRAINTS and constrains(key, t)}}
-                                    for t in kind]}
-    return schema
+        return {**shared, "anyOf": [length_in_pattern({"type": t, **{
+            key: value for key, value in schema.items() if key != "type" and key in CONSTRAINTS and constrains(key, t)}})
+            for t in kind]}
+    return length_in_pattern(schema)
+
+
+# a pattern of one character (a class, \d, \w, `.` or a plain one) repeated: ^[a-z]+$, ^\d{3,5}$
+ONE_CHARACTER_REPEATED = re.compile(r"\^(\[(?:\\.|[^\]\\])+\]|\\[dw]|\.|[\w -])(\*|\+|\?|\{\d+(?:,\d*)?\})?\$")
+
+
+def length_in_pattern(schema: dict) -> dict:
+    """pydantic's constr(pattern="^[a-z]+$", max_length=10): where the pattern repeats one character,
+    the string's minLength/maxLength go into its count (^[a-z]{1,10}$), which the converter follows:
+    it follows a pattern or the lengths, never both."""
+    pattern, least, most = schema.get("pattern"), schema.get("minLength", 0), schema.get("maxLength")
+    if not ("minLength" in schema or "maxLength" in schema) or not isinstance(pattern, str):
+        return schema
+    if not (found := ONE_CHARACTER_REPEATED.fullmatch(pattern)) or not all(
+            type(bound) is int and bound >= 0 for bound in (least, most) if bound is not None):
+        return schema  # refused by check_followed, or its bounds by length_bounds
+    low, high = repeat_counts(found[2])
+    low, high = max(low, least), high if most is None else most if high is None else min(high, most)
+    if high is not None and low > high:
+        return schema
+    rest = {key: value for key, value in schema.items() if key not in ("minLength", "maxLength", "pattern")}
+    return {**rest, "pattern": f"^{found[1]}{{{low},{'' if high is None else high}}}$"}
+
+
+QUANTIFIERS = {None: (1, 1), "*": (0, None), "+": (1, None), "?": (0, 1)}
+
+
+def repeat_counts(quantifier: str | None) -> tuple[int, int | None]:
+    """(least, most) of a regex quantifier: none, *, +, ?, {m}, {m,} or {m,n} (most None: no limit)."""
+    if quantifier in QUANTIFIERS:
+        return QUANTIFIERS[quantifier]
+    least, comma, most = re.fullmatch(r"\{(\d+)(,?)(\d*)\}", quantifier).groups()
+    return int(least), int(most) if most else None if comma else int(least)
 
 
 def nested(key: str, value):

@@ -146,6 +146,20 @@ def test_a_bad_length_bound_names_its_place(schema, says):
         schema_grammar({"type": "object", "properties": {"x": schema}})
 
 
+@pytest.mark.parametrize("pattern, least, most, written", [
+    ("^[a-z]+$", None, 10, "^[a-z]{1,10}$"), ("^\\d{3,5}$", 4, None, "^\\d{4,5}$"), ("^.*$", 2, 5, "^.{2,5}$"),
+    ("^[A-Z]{3}$", 3, 3, "^[A-Z]{3,3}$"), ("^x?$", None, 0, "^x{0,0}$"), ("^[\\]a]{2,}$", None, 4, "^[\\]a]{2,4}$"),
+    ("^[a-z]+-\\d+$", None, 5, None), ("^[a-z]{6}$", None, 5, None), ("^a+$", -1, None, None)])
+def test_a_pattern_of_one_character_repeated_takes_the_lengths_into_its_count(pattern, least, most, written):
+    """pydantic's constr(pattern=..., max_length=...): the converter follows a pattern or the lengths,
+    never both (the lengths were refused); a pattern repeating one character counts them instead. Any
+    other pattern, counts that leave nothing, or a bad bound: left as they are (refused, with the reason)."""
+    from ggufspec.schemafollow import length_in_pattern
+    schema = {"type": "string", "pattern": pattern, **{key: bound for key, bound in (("minLength", least),
+                                                                                     ("maxLength", most)) if bound is not None}}
+    assert length_in_pattern(schema) == ({"type": "string", "pattern": written} if written else schema)
+
+
 def test_a_date_is_a_day_of_the_calendar():
     """format "date": every day of 24 years around the turns of two centuries, and nothing else (02-30, 04-31, a
     29 February outside leap years, 1900's included and 2000's not: the converter's rule took them)."""
@@ -186,6 +200,7 @@ def test_a_long_string_is_followed_to_its_exact_length(tiny_pair):
      {"type": "string", "minLength": 2000, "maxLength": 10 ** 9}, {"type": "string", "pattern": "^(a{0,3000})?$"},
      {"type": "string", "format": "date"}, {"type": "string", "format": "date-time"},
      {"type": "number", "minimum": 0, "maximum": 1}, {"type": "number", "exclusiveMinimum": -3, "maximum": 7},
+     {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3000},
      {"$defs": {"N": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}}}}},
       "$ref": "#/$defs/N"}])
 def test_llama_cpps_own_parser_takes_every_bound(tiny_decoder, schema):

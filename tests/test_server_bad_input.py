@@ -198,7 +198,7 @@ ANNOTATED = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "
     ("/v1/chat/completions", {"messages": [HI], "response_format": {"type": "json_object", "schema": {
         "type": "array", "items": {"type": "string"}, "uniqueItems": True}}}, "'uniqueItems' at #"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "n", "schema": {
-        "type": "string", "maxLength": 3, "pattern": "^a+$"}}}},
+        "type": "string", "maxLength": 3, "pattern": "^a+b$"}}}},
      "text.format: the JSON schema's 'maxLength' at # cannot be enforced next to pattern"),
 ])
 def test_schemas_with_constraints_the_grammar_would_drop_are_400s(server, path, body, says):
@@ -233,7 +233,7 @@ def test_annotations_and_tool_parameters_still_work(server):
     ({"type": "object", "properties": {"a": {}}, "minProperties": 1}, "'minProperties' at #"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required at # names 'b'"),
     ({"type": "string", "not": {"const": "x"}}, "'not' at #"),
-    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'maxLength' at # cannot be enforced next to pattern"),
+    ({"type": "string", "pattern": "^a+b$", "maxLength": 3}, "'maxLength' at # cannot be enforced next to pattern"),
     ({"type": ["number", "null"], "maximum": 0.5}, "'maximum' at #/anyOf/0"),  # the list rewritten, the bound kept
     ({"anyOf": [{"type": "string"}], "type": "string"}, "'type' at # cannot be enforced next to anyOf"),
     ({"$defs": {"n": {"type": "number", "maximum": 3.5}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
@@ -288,6 +288,9 @@ def test_schema_grammar_refuses_what_the_converter_ignores(schema, says):
     {"type": "integer", "minimum": 0},  # pydantic's Field(ge=0)
     {"type": ["integer", "null"], "exclusiveMaximum": 10},
     {"type": ["number", "null"], "minimum": 0, "maximum": 1},  # pydantic's float Field(ge=0, le=1)
+    # pydantic's constr(pattern=..., max_length=10): one character repeated, counted by the lengths
+    {"type": "string", "pattern": "^[a-z]+$", "maxLength": 10}, {"type": ["string", "null"], "pattern": "^\\d*$",
+                                                                 "minLength": 2},
     # pydantic's tuple[int, str]: the grammar writes exactly the two items, which its bounds allow
     {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2},
     {"type": "object", "properties": {"a": {"title": "A"}}},  # annotations alone: any value (pydantic's Any)
