@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import sys
 import threading
@@ -14,11 +15,27 @@ import llama_cpp
 VERBOSE = os.environ.get("GGUFSPEC_VERBOSE", "") not in ("", "0")
 
 
+# ggml-alloc's line when a buffer (weights, cache, compute) cannot be had: "failed to allocate CUDA0 buffer
+# of size N", an RPC worker's named RPC0[HOST:PORT]. The load then fails saying only "Failed to load model
+# from file": the log is the one place that says where the memory ran out (`allocation_failures`).
+ALLOCATION_FAILED = re.compile(rb"failed to allocate (\S+) buffer of size (\d+)")
+_allocation_failures: list[tuple[str, int]] = []
+
+
 @llama_cpp.llama_log_callback
 def _log_to_stderr_if_verbose(level, text, user_data):
     # llama.cpp logs model loading at length; keep stderr for our own messages unless asked
     if VERBOSE:
         sys.stderr.write(text.decode("utf-8", errors="replace"))
+    if found := ALLOCATION_FAILED.search(text or b""):
+        _allocation_failures.append((found[1].decode("utf-8", errors="replace"), int(found[2])))
+
+
+def allocation_failures() -> list[tuple[str, int]]:
+    """The (buffer, bytes) that llama.cpp failed to allocate since the last call."""
+    failed = list(_allocation_failures)
+    _allocation_failures.clear()
+    return failed
 
 
 def quiet_llama_logs() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
-from .llamalog import interrupt_after_native, quiet_llama_logs
+from .llamalog import allocation_failures, interrupt_after_native, quiet_llama_logs
 from .native import Context
 
 GGUF_MAGIC = b"GGUF"
@@ -181,6 +182,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         _opened_with_tiled_products.append(str(path))
     threads = params.n_threads or default_threads()
     quiet_llama_logs()
+    allocation_failures()  # an earlier load's are not this one's
     try:
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         n_ctx = params.n_ctx if unified else params.n_ctx * params.n_seq
@@ -202,8 +204,23 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
                 return load_on_devices(path, params.devices, tensor_split=split, **options)
             return llama_cpp.Llama(model_path=str(path), **options)
     except (ValueError, RuntimeError) as exc:
+        raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {load_failure(exc, params)}") from None
+
+
+def load_failure(exc: Exception, params: LoadParams) -> str:
+    """Why a load failed: where the memory ran out, when llama.cpp's log said so (its exception says
+    only "Failed to load model from file"), with what to change; else llama.cpp's words."""
+    failed = allocation_failures()
+    if not failed:
         hint = f" (-c {params.n_ctx}: a smaller context needs less memory)" if "context" in str(exc) else ""
-        raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {exc}{hint}") from None
+        return f"{exc}{hint}"
+    buffer, size = failed[0]
+    if worker := re.fullmatch(r"RPC\d*\[(.+)\]", buffer):
+        return (f"the RPC worker {worker[1]} ran out of memory: it could not allocate {size / 2 ** 20:.1f} MiB; free "
+                f"memory on it, start it with the --mem it really has (the layers are split by what the workers "
+                f"report), or send fewer layers to the workers with -ngl N")
+    fix = "a smaller context" if buffer.startswith("CPU") else "fewer layers there (-ngl N) or a smaller context"
+    return f"{buffer} ran out of memory: it could not allocate {size / 2 ** 20:.1f} MiB; use {fix} (-c, now {params.n_ctx})"
 
 
 def check_compatible(target: Context, draft: Context) -> None:

@@ -377,3 +377,18 @@ def test_exact_refuses_what_it_cannot_make_exact(tiny_pair):
               "    print(exc)\n")
     later = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "open the --exact one in a fresh process" in later.stdout, later.stdout + later.stderr
+
+
+def test_a_load_that_ran_out_of_memory_says_where_and_what_to_change():
+    """llama.cpp's exception says only "Failed to load model from file"; its log names the buffer."""
+    from ggufspec import llamalog
+    from ggufspec.load import LoadParams, load_failure
+    failed = RuntimeError("Failed to load model from file")
+    for line, says in [(b"alloc_tensor_range: failed to allocate CUDA0 buffer of size 1073741824\n",
+                        "CUDA0 ran out of memory: it could not allocate 1024.0 MiB; use fewer layers there (-ngl N)"),
+                       (b"failed to allocate CPU buffer of size 2097152\n", "CPU ran out of memory: it could not "
+                                                                            "allocate 2.0 MiB; use a smaller context")]:
+        llamalog._log_to_stderr_if_verbose(4, line, None)
+        assert load_failure(failed, LoadParams(n_ctx=4096)).startswith(says)
+        assert llamalog.allocation_failures() == []  # taken by the load that failed
+    assert load_failure(failed, LoadParams()) == "Failed to load model from file"

@@ -1,11 +1,9 @@
-"""A worker lost mid-run (or out of memory while the model loads): one clear line naming it and exit code 1
-instead of ggml's abort (or a load failure that names nothing); TCP keepalive so a cut network fails within a bound time."""
+"""A worker lost mid-run: one clear line and exit code 1 instead of ggml's abort; TCP keepalive so a cut network fails within a bound time."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
-import re
 import socket
 import sys
 import threading
@@ -77,8 +75,7 @@ def install_abort_message(endpoints: Sequence[Endpoint | str] = (),
     never returns), but the callback can explain and leave first. It names the worker(s) that no
     longer accept connections, calls `on_abort(ggml_message)` (e.g. to print partial stats; it
     runs on ggml's thread while the main thread is blocked inside llama.cpp), and exits with
-    os._exit(1). Aborts unrelated to RPC get their message printed and abort as before. A worker that
-    cannot allocate a buffer ends the process the same way (`out_of_memory_message`).
+    os._exit(1). Aborts unrelated to RPC get their message printed and abort as before.
     """
     global _installed_abort_callback
     known = [_as_endpoint(e) for e in endpoints]
@@ -102,47 +99,6 @@ def install_abort_message(endpoints: Sequence[Endpoint | str] = (),
 
     _installed_abort_callback = _ABORT_CALLBACK_TYPE(callback)
     _native().set_abort_callback(ctypes.cast(_installed_abort_callback, ctypes.c_void_p))
-    _exit_when_a_worker_runs_out_of_memory(stderr_fd)
-
-
-# ggml-alloc's line when a buffer (weights, cache, compute) cannot be had; a worker's is named RPC<device>[HOST:PORT]
-_ALLOC_FAILED = re.compile(r"failed to allocate RPC\d*\[([^\]]+)\] buffer of size (\d+)")
-_watching_allocations = False
-
-
-def out_of_memory_message(log_line: str) -> str | None:
-    """The line to print when llama.cpp's log says a worker could not allocate a buffer, else None."""
-    found = _ALLOC_FAILED.search(log_line)
-    if found is None:
-        return None
-    size_mib = int(found.group(2)) / (1 << 20)
-    return (f"ggufspec: error: the RPC worker {found.group(1)} ran out of memory: it could not allocate "
-            f"{size_mib:.1f} MiB for the target model; free memory on it, start it with the --mem it really has "
-            f"(the layers are split by what the workers report), or send fewer layers to the workers with -ngl N")
-
-
-def _exit_when_a_worker_runs_out_of_memory(stderr_fd: int) -> None:
-    """Put a look for `out_of_memory_message`'s line in front of llama.cpp's log callback (llamalog's, which
-    every load installs again). The load would fail anyway, saying only "Failed to load model from file":
-    the log is the one place that names the worker, so the process ends there, in one line, as for a lost one."""
-    global _watching_allocations
-    if _watching_allocations:
-        return
-    import llama_cpp
-
-    from .. import llamalog
-    passed_on = llamalog._log_to_stderr_if_verbose
-
-    @llama_cpp.llama_log_callback
-    def watch(level, text, user_data):
-        line = out_of_memory_message((text or b"").decode("utf-8", errors="replace"))
-        if line is not None:
-            os.write(stderr_fd, (_line_start + line + "\n").encode())
-            os._exit(ABORT_EXIT_CODE)
-        passed_on(level, text, user_data)
-    llamalog._log_to_stderr_if_verbose = watch  # what `quiet_llama_logs` installs, from now on
-    llamalog.quiet_llama_logs()
-    _watching_allocations = True
 
 
 def lost_workers(addresses: dict[tuple[str, int], Endpoint]) -> list[Endpoint]:

@@ -91,7 +91,7 @@ class Backoff:
     """The wait before the next model process, from how long each one served (see RESTART_BACKOFF_S)."""
 
     def __init__(self):
-        self.failures = 0  # in a row, the first one counted even after a long serve
+        self.failures = 0  # in a row; a process that served HEALTHY_S or more counts its own failure as the first
 
     def after(self, served_s: float) -> float:
         self.failures = 1 if served_s >= HEALTHY_S else self.failures + 1
@@ -158,8 +158,9 @@ class Supervisor:
             await self.stop_child()
 
     async def keep_serving(self, server: uvicorn.Server) -> None:
-        """Start the model process, serve while it lives, and again once the workers answer. A first
-        start that fails ends the server with the child's exit code (its one-line error was shown)."""
+        """Start the model process, serve while it lives, and again once the workers answer (after a wait
+        when it keeps failing soon: `back_off`). A first start that fails ends the server with the child's
+        exit code (its one-line error was shown)."""
         while not self.stopping:
             child = await self.start_child()
             if await first(child.ready.wait(), child.gone) and not child.gone.is_set():
