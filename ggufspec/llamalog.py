@@ -45,19 +45,25 @@ def quiet_llama_logs() -> None:
 
 @contextlib.contextmanager
 def interrupt_after_native():
-    """Ctrl-C within, handled as the caller would once the block ends. Python runs a signal's handler
-    at the next Python code, which during a model's load is llama.cpp's log callback: the
-    KeyboardInterrupt raised there, ctypes drops, and the load went on as if nothing was pressed."""
+    """Ctrl-C (or a stop signal, SIGTERM) within, handled as the caller would once the block ends. Python
+    runs a signal's handler at the next Python code, which during a model's load is llama.cpp's log
+    callback: the KeyboardInterrupt (or a server's SystemExit) raised there, ctypes drops, and the load
+    went on as if nothing was pressed."""
     if threading.current_thread() is not threading.main_thread():  # signals go to the main thread only
         yield
         return
-    pressed = []
-    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, _: received.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed and callable(previous):
-        previous(signal.SIGINT, None)  # Python's default raises KeyboardInterrupt
-    elif pressed and previous == signal.SIG_DFL:
-        raise KeyboardInterrupt
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for sig in dict.fromkeys(received):  # each once, in the order they came
+        handler = previous[sig]
+        if callable(handler):
+            handler(sig, None)  # Python's default for SIGINT raises KeyboardInterrupt
+        elif handler == signal.SIG_DFL and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), sig)  # the default: the process ends, as it would have

@@ -1,5 +1,7 @@
 """Statistics invariants, and bad input: a one-line error and exit code 2."""
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -392,3 +394,29 @@ def test_a_load_that_ran_out_of_memory_says_where_and_what_to_change():
         assert load_failure(failed, LoadParams(n_ctx=4096)).startswith(says)
         assert llamalog.allocation_failures() == []  # taken by the load that failed
     assert load_failure(failed, LoadParams()) == "Failed to load model from file"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/PID/maps")
+def test_a_stop_signal_while_serve_loads_its_model_ends_it_once_the_load_returns(tmp_path):
+    """SIGTERM (a service manager's stop) during the load ran serve's SystemExit in llama.cpp's log
+    callback, which ctypes drops ("Exception ignored"): the load went on and the server began to serve.
+    Sent once the target file is mapped (the load under way), it now ends the server after the load."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from conftest import demo_pair_paths
+    target, _ = demo_pair_paths()
+    proc = subprocess.Popen([sys.executable, "-m", "ggufspec.cli", "serve", "--port", "0", "-m", str(target),
+                             "--no-draft", "-t", "1"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "GGUFSPEC_HOME": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 60
+        while str(target) not in Path(f"/proc/{proc.pid}/maps").read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)  # it served on, before: a timeout
+        assert proc.returncode == 0 and "serving" not in stderr and "Traceback" not in stderr, stderr
+    finally:
+        proc.kill()

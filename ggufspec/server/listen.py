@@ -39,8 +39,15 @@ def listen(host: str, port: int):
 def exit_quietly_on_signals() -> None:
     """uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: end quietly
     then (SystemExit), so the caller's `with` closes the decoder and saves its measured step costs."""
+    def leave(*_):
+        # once: a second signal (a supervisor's terminate() after uvicorn's own) would raise SystemExit
+        # again inside whatever Python runs next, such as llama.cpp's log callback while the model is
+        # freed ("Exception ignored ... Traceback"); the stop deadline still bounds the exit
+        for repeated in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(repeated, signal.SIG_IGN)
+        sys.exit(0)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: sys.exit(0))
+        signal.signal(sig, leave)
 
 
 def exit_by_deadline(seconds: float = STOP_DEADLINE_S) -> None:
