@@ -7,8 +7,8 @@ format uuid, date, time or date-time; a string's minLength/maxLength; else the b
 branch follows its own keywords and drops every other constraint without a word: minimum, maximum,
 exclusiveMinimum/Maximum (an integer's, and a number's whole ones, are followed here:
 `BoundedConverter`) and multipleOf; uniqueItems, contains, minProperties, patternProperties,
-propertyNames, not, if/then/else, dependent* and unevaluated*; anything beside $ref or anyOf. An answer that breaks the schema it was asked to follow is
-worse than an error, so those are refused.
+propertyNames, not, if/then/else, dependent* and unevaluated*; anything beside $ref or anyOf. An
+answer that breaks the schema it was asked to follow is worse than an error, so those are refused.
 
 Not refused: annotations (title, description, default, examples, $schema, $id, $comment...), keywords
 JSON Schema does not define, and `format` beyond the four the grammar writes (email, uri, int32...):
@@ -91,12 +91,14 @@ def check_keyword_values(schema: dict, root: dict, where: str) -> None:
     for key in ("const", "enum"):
         try:
             json.dumps(schema.get(key), allow_nan=False)
-        except ValueError:
-            raise ToolError(f"the JSON schema's {key} at {where} holds NaN or Infinity, which JSON cannot write") from None
+        except (ValueError, TypeError):  # NaN, or (from Python) an object
+            raise ToolError(f"the JSON schema's {key} at {where} holds a value JSON cannot write (NaN, Infinity, "
+                            f"an object that is no JSON)") from None
     ref, refs = schema.get("$ref"), []
     while isinstance(ref, str) and ref not in refs:  # the converter follows a $ref beside all else
         refs.append(ref)
-        ref = (local_target(root, ref) or {}).get("$ref") if isinstance(local_target(root, ref), dict) else None
+        target = local_target(root, ref)
+        ref = target.get("$ref") if isinstance(target, dict) else None
     if ref in refs:
         raise ToolError(f"the JSON schema's $ref at {where} leads back to itself ({' -> '.join(refs + [ref])}) "
                         f"without a schema to follow")
@@ -322,7 +324,7 @@ def nested(key: str, value):
     return value
 
 
-# ---------------------------------------------------------------- integer bounds, as llama.cpp's newer converter
+# ---------------------------------------------------------------- the converter with bounds and calendar dates
 
 BRANCHES_BEFORE_TYPE = frozenset({"$ref", "oneOf", "anyOf", "const", "enum"})
 # format "date" (RFC 3339's full-date) as a day its month has: the converter's rule took 02-30 and 04-31.

@@ -253,7 +253,7 @@ def test_annotations_and_tool_parameters_still_work(server):
     ({"allOf": 5}, "allOf at # must be a non-empty list of schemas, got 5"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": 5}}}, "format at #/properties/a must be a text"),
     ({"type": "object", "additionalProperties": 5}, "additionalProperties at # must be true, false or a schema"),
-    ({"enum": [1, float("nan")]}, "enum at # holds NaN or Infinity"),
+    ({"enum": [1, float("nan")]}, "enum at # holds a value JSON cannot write (NaN"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "'minItems' at # cannot be enforced next to prefixItems"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "type": "object",
       "properties": {"x": {"$ref": "#/$defs/a"}}}, "$ref at #/properties/x leads back to itself (#/$defs/a -> #/$defs/b -> #/$defs/a)"),
