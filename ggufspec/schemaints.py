@@ -173,9 +173,11 @@ def _at_least(least: int, out: list[str], decimals_left: int, fewer: int, top_le
 # exponent): its integer part I (int_range_rule) and a fraction. With whole bounds, v >= m is I >= m,
 # v > m is I > m or I = m with a fraction not all zeros, v <= M is I < M or I = M with a zero fraction,
 # v < M is I < M; a negative number is "-" and a magnitude bounded the other way round.
-ANY_FRACTION = '("." [0-9]+)?'
-NONZERO_FRACTION = '"." [0-9]* [1-9] [0-9]*'
-ZERO_FRACTION = '("." "0"+)?'
+# at most 16 digits after the point, as the converter's decimal-part (a fraction that ran on: a small
+# model can write 7s until max_tokens); a nonzero one: its zeros, its first other digit, the rest
+ANY_FRACTION = '("." [0-9]{1,16})?'
+NONZERO_FRACTION = '"." "0"{0,15} [1-9] [0-9]{0,15}'
+ZERO_FRACTION = '("." "0"{1,16})?'
 
 
 @dataclass(frozen=True)

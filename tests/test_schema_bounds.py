@@ -51,18 +51,45 @@ def test_a_number_rule_matches_exactly_the_decimals_within_whole_bounds(bounds):
     """pydantic's Field(ge=0, le=1) on a float: a plain decimal matches where its value is within the
     bounds (every bound, the tighter of two on one side), for integer parts around them and fractions
     that are zero, nonzero, or nearly the next integer."""
+    from decimal import Decimal
+    from operator import ge, gt, le, lt
     from ggufspec.schemaints import number_range, number_range_rule
     pattern = as_regex(number_range_rule(*number_range(bounds, "#")))
-    checks = {"minimum": float.__ge__, "maximum": float.__le__, "exclusiveMinimum": float.__gt__,
-              "exclusiveMaximum": float.__lt__}
+    checks = {"minimum": ge, "maximum": le, "exclusiveMinimum": gt, "exclusiveMaximum": lt}
     for whole in range(-12, 13):
-        for fraction in ("", ".0", ".00", ".5", ".05", ".999", ".10"):
+        for fraction in ("", ".0", ".00", ".5", ".05", ".999", ".10", "." + "0" * 15 + "1", "." + "9" * 16):
             text = f"{whole}{fraction}"
             for shown in ([text, "-" + text] if whole == 0 else [text]):
-                if float(shown) == 0 and shown.startswith("-"):
+                if Decimal(shown) == 0 and shown.startswith("-"):
                     continue  # -0: the rule writes 0
-                within = all(checks[key](float(shown), float(value)) for key, value in bounds.items())
+                within = all(checks[key](Decimal(shown), Decimal(value)) for key, value in bounds.items())
                 assert bool(pattern.fullmatch(shown)) == within, (bounds, shown)
+    assert not pattern.fullmatch("0." + "1" * 17) and not pattern.fullmatch("1." + "0" * 17)  # 16 digits at most
+
+
+def test_a_served_number_is_within_its_bounds_and_greedy_is_the_target_alones(tiny_pair):
+    """Sampled through llama.cpp's grammar sampler: every whole answer's numbers are within [0, 1] and
+    (-3, 7]; greedy under the grammar, the drafts change nothing."""
+    from ggufspec import SpeculativeDecoder
+    from ggufspec.processing import Constraints
+    from ggufspec.tools import schema_grammar
+    target, draft = tiny_pair
+    grammar = schema_grammar({"type": "object", "required": ["p", "t"], "properties": {
+        "p": {"type": "number", "minimum": 0, "maximum": 1}, "t": {"type": "number", "exclusiveMinimum": -3,
+                                                                   "maximum": 7}}})
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, strict=True) as decoder:
+        whole = 0
+        for seed in range(8):
+            out = decoder.generate("the", n_predict=100, n_draft=3, temperature=1.0, seed=seed,
+                                   constraints=Constraints(grammar=grammar))
+            if out.stats.stop_reason == "eos":
+                whole += 1
+                value = json.loads(out.text)
+                assert 0 <= value["p"] <= 1 and -3 < value["t"] <= 7, out.text
+        assert whole
+        alone = decoder.generate("a cat", n_predict=48, n_draft=0, constraints=Constraints(grammar=grammar))
+        assert decoder.generate("a cat", n_predict=48, n_draft=3, constraints=Constraints(grammar=grammar)).tokens \
+            == alone.tokens
 
 
 def test_a_number_bound_that_is_not_whole_is_still_refused():
