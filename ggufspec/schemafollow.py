@@ -29,6 +29,7 @@ from llama_cpp.llama_grammar import RESERVED_NAMES, BuiltinRule, SchemaConverter
 
 from .errors import ToolError
 from .schemaints import INT_BOUNDS, int_range_rule, integer_range, number_range, number_range_rule
+from .schemapatterns import anchored, class_escapes, length_in_pattern
 
 ANY_TYPE = None
 # JSON Schema's constraints, and the types of the values they constrain (a string one says nothing of a number)
@@ -280,48 +281,31 @@ def normalized(schema):
     return length_in_pattern(schema)
 
 
-# a pattern of one character (a class, \d, \w, `.` or a plain one) repeated: ^[a-z]+$, ^\d{3,5}$
-ONE_CHARACTER_REPEATED = re.compile(r"\^(\[(?:\\.|[^\]\\])+\]|\\[dw]|\.|[\w -])(\*|\+|\?|\{\d+(?:,\d*)?\})?\$")
-
-
-def length_in_pattern(schema: dict) -> dict:
-    """pydantic's constr(pattern="^[a-z]+$", max_length=10): where the pattern repeats one character,
-    the string's minLength/maxLength go into its count (^[a-z]{1,10}$), which the converter follows:
-    it follows a pattern or the lengths, never both."""
-    pattern, least, most = schema.get("pattern"), schema.get("minLength", 0), schema.get("maxLength")
-    if not ("minLength" in schema or "maxLength" in schema) or not isinstance(pattern, str):
-        return schema
-    if not (found := ONE_CHARACTER_REPEATED.fullmatch(pattern)) or not all(
-            type(bound) is int and bound >= 0 for bound in (least, most) if bound is not None):
-        return schema  # refused by check_followed, or its bounds by length_bounds
-    low, high = repeat_counts(found[2])
-    low, high = max(low, least), high if most is None else most if high is None else min(high, most)
-    if high is not None and low > high:
-        return schema
-    rest = {key: value for key, value in schema.items() if key not in ("minLength", "maxLength", "pattern")}
-    return {**rest, "pattern": f"^{found[1]}{{{low},{'' if high is None else high}}}$"}
-
-
-QUANTIFIERS = {None: (1, 1), "*": (0, None), "+": (1, None), "?": (0, 1)}
-
-
-def repeat_counts(quantifier: str | None) -> tuple[int, int | None]:
-    """(least, most) of a regex quantifier: none, *, +, ?, {m}, {m,} or {m,n} (most None: no limit)."""
-    if quantifier in QUANTIFIERS:
-        return QUANTIFIERS[quantifier]
-    least, comma, most = re.fullmatch(r"\{(\d+)(,?)(\d*)\}", quantifier).groups()
-    return int(least), int(most) if most else None if comma else int(least)
-
-
-def nested(key: str, value):
-    """A keyword's value with the schemas in it normalized."""
+def nested(key: str, value, visit=None):
+    """A keyword's value with the schemas in it passed through `visit` (`normalized`); data kept as it is."""
+    visit = visit or normalized
     if key in SCHEMA_LISTS and isinstance(value, list):
-        return [normalized(item) for item in value]
+        return [visit(item) for item in value]
     if key in ONE_SCHEMA and isinstance(value, dict):
-        return normalized(value)
+        return visit(value)
     if key in SCHEMA_MAPS and isinstance(value, dict):
-        return {name: normalized(sub) for name, sub in value.items()}
+        return {name: visit(sub) for name, sub in value.items()}
     return value
+
+
+def patterns_it_can_follow(schema):
+    """A tool's parameters with each pattern the grammar cannot write (a lookahead, \\s) left out, its
+    string then any string: a tool's schema is not refused as response_format's is (agents send large
+    ones, and check the arguments), and one such pattern refused the whole request."""
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: nested(key, value, patterns_it_can_follow) for key, value in schema.items()}
+    try:
+        if "pattern" in schema:
+            check_pattern(schema["pattern"], "#")
+    except ToolError:
+        return {key: value for key, value in schema.items() if key != "pattern"}
+    return schema
 
 
 # ---------------------------------------------------------------- the converter with bounds and calendar dates
@@ -366,37 +350,7 @@ class BoundedConverter(SchemaConverter):
         return super()._format_literal(literal.replace("\\", "\\\\"))
 
     def _visit_pattern(self, pattern, name):
-        return super()._visit_pattern(class_escapes(pattern), name)
-
-
-# \d and \w as GBNF classes (the converter kept them as literal text, which GBNF does not parse); the
-# other class escapes could let a quote or a control character into the JSON string: refused by name
-CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_"}
-LITERAL_ESCAPES = ".$-/"  # escaped in a regex, plain characters in GBNF (in a class, or as one)
-
-
-def class_escapes(pattern: str) -> str:
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        if pattern[i] == "\\" and i + 1 < len(pattern):
-            escaped = pattern[i + 1]
-            if escaped in CLASS_ESCAPES:
-                out.append(CLASS_ESCAPES[escaped] if in_class else f"[{CLASS_ESCAPES[escaped]}]")
-            elif escaped in LITERAL_ESCAPES:  # the converter passes these on as "\\." in a literal: no GBNF
-                if in_class and escaped == "-" and pattern[i + 2:i + 3] != "]":  # would make a range in GBNF
-                    raise ToolError(f"the pattern /{pattern}/ has \\- inside a class: put the - last in the class")
-                out.append(escaped if in_class or escaped in "-/" else f"[{escaped}]")
-            elif escaped in "DWsSbB":
-                raise ToolError(f"the pattern /{pattern}/ uses \\{escaped}, which the grammar does not follow "
-                                f"(\\d and \\w it does; write a class such as [ ] or [^0-9] instead)")
-            else:
-                out.append(pattern[i:i + 2])
-            i += 2
-            continue
-        in_class = (pattern[i] == "[") or (in_class and pattern[i] != "]")
-        out.append(pattern[i])
-        i += 1
-    return "".join(out)
+        return super()._visit_pattern(class_escapes(anchored(pattern)), name)
 
 
 # ---------------------------------------------------------------- repetitions: {m,n} that llama.cpp parses

@@ -25,7 +25,8 @@ from llama_cpp.llama_grammar import JSON_GBNF
 
 from . import tools_xml
 from .errors import ToolError
-from .schemafollow import BoundedConverter, check_followed, grammar_for, normalized
+from .schemafollow import (BoundedConverter, check_followed, grammar_for, normalized, patterns_it_can_follow,
+                           root_ref_inlined)
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PYTHON_TAG = "<|python_tag|>"
@@ -410,7 +411,8 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
             function = tool["function"]
             if only is not None and function["name"] != only:
                 continue
-            parameters = converter.resolve_refs(normalized(json.loads(json.dumps(function["parameters"]))), f"tool{i}")
+            parameters = patterns_it_can_follow(normalized(json.loads(json.dumps(function["parameters"]))))
+            parameters = converter.resolve_refs(root_ref_inlined(parameters), f"tool{i}")
             alternatives.append({"type": "object", "properties": {"name": {"const": function["name"]},
                                                                   fmt.args_key: parameters},
                                  "required": ["name", fmt.args_key]})

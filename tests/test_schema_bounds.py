@@ -181,7 +181,7 @@ def test_a_pattern_of_one_character_repeated_takes_the_lengths_into_its_count(pa
     """pydantic's constr(pattern=..., max_length=...): the converter follows a pattern or the lengths,
     never both (the lengths were refused); a pattern repeating one character counts them instead. Any
     other pattern, counts that leave nothing, or a bad bound: left as they are (refused, with the reason)."""
-    from ggufspec.schemafollow import length_in_pattern
+    from ggufspec.schemapatterns import length_in_pattern
     schema = {"type": "string", "pattern": pattern, **{key: bound for key, bound in (("minLength", least),
                                                                                      ("maxLength", most)) if bound is not None}}
     assert length_in_pattern(schema) == ({"type": "string", "pattern": written} if written else schema)
@@ -228,6 +228,7 @@ def test_a_long_string_is_followed_to_its_exact_length(tiny_pair):
      {"type": "string", "format": "date"}, {"type": "string", "format": "date-time"},
      {"type": "number", "minimum": 0, "maximum": 1}, {"type": "number", "exclusiveMinimum": -3, "maximum": 7},
      {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3000},
+     {"type": "string", "pattern": "[a-z]+"}, {"type": "string", "pattern": "\\d{4}$"},
      {"$defs": {"N": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}}}}},
       "$ref": "#/$defs/N"}])
 def test_llama_cpps_own_parser_takes_every_bound(tiny_decoder, schema):

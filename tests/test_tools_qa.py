@@ -291,3 +291,28 @@ def test_llama3s_trigger_is_a_known_function_written_as_the_grammar_writes_it():
         return any(p.search(text) for p in patterns)
     assert triggers('{"name": "now"') and triggers('\n{"name":"get.weather"') and triggers('x <|python_tag|>')
     assert not triggers('{"name": "Alice"') and not triggers('{\n  "name": "now"') and not triggers('{"name": "getXweather"')
+
+
+@pytest.mark.parametrize("pattern", ["[a-z]+", "^ab", "b$", "\\d{2}-\\d{2}", "a|b", ""])
+def test_a_pattern_left_open_at_an_end_is_followed_as_json_schema_reads_it(pattern):
+    """JSON Schema's pattern may match anywhere in the string: "[a-z]+" was refused ("Pattern must start
+    with ^"), which also refused a whole agent's request whose tool had one. Each string the grammar
+    allows holds a match."""
+    rules, rng = gbnf_rules(toolkit.schema_grammar({"type": "string", "pattern": pattern})), random.Random(0)
+    for _ in range(40):
+        assert re.search(pattern, json.loads(sample(rules, rng))), pattern
+
+
+def test_a_tool_parameter_whose_pattern_the_grammar_cannot_write_is_any_string(vocab):
+    """A lookahead or \\s in one tool's pattern refused the whole request (a tool's schema is not refused,
+    as response_format's is: agents check the arguments); that string is now free, the rest followed."""
+    fmt = toolkit.detect_format("")
+    tools = toolkit.check_tools([tool("f", {"type": "object", "required": ["a", "b", "n"], "properties": {
+        "a": {"type": "string", "pattern": "^(?=x)x+$"}, "b": {"type": "string", "pattern": "^\\s+$"},
+        "n": {"type": "integer", "minimum": 1, "maximum": 3}}})])
+    grammar = toolkit.call_grammar(tools, fmt)
+    assert parses(vocab, grammar)
+    rules, rng = gbnf_rules(grammar), random.Random(1)
+    for _ in range(20):
+        for name, arguments in calls_in(sample(rules, rng), fmt):
+            assert name == "f" and 1 <= arguments["n"] <= 3 and isinstance(arguments["b"], str)
