@@ -1,5 +1,5 @@
 """llama.cpp's flags for the target's logits on run and serve: --logit-bias, the penalties, --grammar,
---grammar-file, --json-schema; the same tokens as the engine's Constraints give, and one line per bad flag."""
+--grammar-file, --json-schema, --json-schema-file; the same tokens as the engine's Constraints give, and one line per bad flag."""
 import json
 
 import httpx
@@ -38,12 +38,15 @@ def test_flags_give_what_the_engines_constraints_give(tiny_pair, tiny_decoder, t
         assert json.loads(result.stdout)["text"] == expected.text != plain, flags
 
 
-def test_json_schema_flag(tiny_pair):
+def test_json_schema_flag(tiny_pair, tmp_path):
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     result = run(tiny_pair, "--draft", "3", "-j", schema, "-n", "200")
     assert result.exit_code == 0, result.output
     text = json.loads(result.stdout)["text"]
     assert text.lstrip().startswith("{")  # a random tiny model may not finish the object in 200 tokens
+    (tmp_path / "schema.json").write_text(schema)  # llama.cpp's -jf: the same schema from a file
+    from_file = run(tiny_pair, "--draft", "3", "-jf", str(tmp_path / "schema.json"), "-n", "200")
+    assert from_file.exit_code == 0 and json.loads(from_file.stdout)["text"] == text, from_file.output
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -51,6 +54,8 @@ def test_json_schema_flag(tiny_pair):
     (["--frequency-penalty", "5"], "frequency_penalty must be in [-2, 2]"),
     (["--json-schema", "{not json"], "--json-schema is not valid JSON"),
     (["--grammar", "root ::= x", "--json-schema", "{}"], "choose one of --grammar, --json-schema"),
+    (["-j", "{}", "-jf", __file__], "choose one of --json-schema, --json-schema-file"),
+    (["--json-schema-file", __file__], "--json-schema-file is not valid JSON"),
     (["--grammar", "root ::= (unclosed"], "the grammar does not parse"),
 ])
 def test_bad_flags_are_one_line(tiny_pair, flags, says):

@@ -32,12 +32,15 @@ def constraint_options():
         click.option("-j", "--json-schema", "json_schema", default=None,
                      help="A JSON schema the output must follow (turned into a grammar; a constraint it "
                           "cannot enforce is an error)."),
+        click.option("-jf", "--json-schema-file", "json_schema_file", default=None,
+                     type=click.Path(exists=True, dir_okay=False), help="Read the JSON schema from a file."),
     ]
 
 
 def constraints_from(opts: dict) -> Constraints | None:
     """The Constraints the flags describe (consumed from `opts`); None when they ask for nothing."""
-    grammar = _grammar(opts.pop("grammar"), opts.pop("grammar_file"), opts.pop("json_schema"))
+    grammar = _grammar(opts.pop("grammar"), opts.pop("grammar_file"), opts.pop("json_schema"),
+                       opts.pop("json_schema_file"))
     constraints = Constraints(logit_bias=parse_logit_bias(opts.pop("logit_bias")),
                               repeat_penalty=opts.pop("repeat_penalty"), repeat_last_n=opts.pop("repeat_last_n"),
                               presence_penalty=opts.pop("presence_penalty"),
@@ -56,19 +59,26 @@ def parse_logit_bias(values) -> dict[int, float]:
     return bias
 
 
-def _grammar(grammar: str | None, grammar_file, json_schema: str | None) -> str | None:
+def _grammar(grammar: str | None, grammar_file, json_schema: str | None, json_schema_file) -> str | None:
     given = [name for name, v in (("--grammar", grammar), ("--grammar-file", grammar_file),
-                                  ("--json-schema", json_schema)) if v is not None]
+                                  ("--json-schema", json_schema), ("--json-schema-file", json_schema_file))
+             if v is not None]
     if len(given) > 1:
         raise GgufspecError(f"choose one of {', '.join(given)}")
     if grammar_file is not None:
-        try:
-            return Path(grammar_file).read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise not_utf8_file("--grammar-file", grammar_file, exc) from None
+        return _file_text("--grammar-file", grammar_file)
+    if json_schema_file is not None:  # llama.cpp's -jf
+        return schema_grammar(_file_text("--json-schema-file", json_schema_file), "--json-schema-file")
     if json_schema is not None:
         return schema_grammar(utf8_text("--json-schema", json_schema), "--json-schema")
     return utf8_text("--grammar", grammar)
+
+
+def _file_text(flag: str, path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise not_utf8_file(flag, path, exc) from None
 
 
 def schema_grammar(schema: str, where: str) -> str:
