@@ -97,3 +97,13 @@ def test_contradictory_drafting_flags(tiny_pair, flags, words):
 def test_consistent_drafting_flags_still_run(tiny_pair, flags):
     result = run(tiny_pair, "-p", "hi", "--json", *flags)
     assert result.exit_code == 0, result.output
+
+
+def test_llama_cpps_long_flag_names_are_taken_too(tiny_pair):
+    """A llama.cpp command line copied over: --n-gpu-layers, --n-gpu-layers-draft and -sys/--system-prompt
+    (llama.cpp's names) are -ngl, -ngld and --system here."""
+    short = run(tiny_pair, "-p", "hi", "--chat", "--system", "Be brief.", "-ngl", "0", "-ngld", "0", "--temp", "0")
+    for flags in (["-sys", "Be brief.", "--n-gpu-layers", "0", "--n-gpu-layers-draft", "0"],
+                  ["--system-prompt", "Be brief.", "--gpu-layers", "0", "--gpu-layers-draft", "0"]):
+        long = run(tiny_pair, "-p", "hi", "--chat", *flags, "--temp", "0")
+        assert long.exit_code == short.exit_code == 0 and long.stdout == short.stdout, long.output

@@ -25,7 +25,8 @@ from .options import (RenamedOption, check_defaults, check_rpc, generation_optio
 @click.option("-e", "--escape", is_flag=True, help="Process escapes (\\n, \\t, \\xHH...) in the prompt.")
 @click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
 @click.option("--chat", is_flag=True, help="Apply the target's chat template.")
-@click.option("--system", default=None, help="System message for --chat.")
+@click.option("-sys", "--system", "--system-prompt", "system", default=None,
+              help="System message for --chat.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and statistics as one JSON object on stdout.")
 @rpc_timeout_option
 @friendly_errors
@@ -88,8 +89,9 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("-s", "--seed", type=click.IntRange(min=-1), default=1, show_default=True, help="-1: random.")
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=None)
-@click.option("-ngl", "--gpu-layers", "n_gpu_layers", type=int, default=None, help="Target layers on the GPU [default: planned].")
-@click.option("-ngld", "--gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
+@click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "n_gpu_layers", type=int, default=None,
+              help="Target layers on the GPU [default: planned].")
+@click.option("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
               help="Draft layers on the GPU [default: planned].")
 @click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
               show_default=True, help="Flash attention (auto: where the backend has it).")
@@ -335,7 +337,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
 @main.command(context_settings={"show_default": True})
 @model_options
 @generation_options(n_predict=-1)
-@click.option("--system", default=None, help="System message.")
+@click.option("-sys", "--system", "--system-prompt", "system", default=None, help="System message.")
 @click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
 @rpc_timeout_option
 @friendly_errors
