@@ -20,7 +20,7 @@ import math
 import numbers
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -45,6 +45,7 @@ class Constraints:
     grammar_root: str = "root"
     grammar_patterns: tuple[str, ...] = ()      # lazy grammar: regexes over the output that switch it on
     grammar_trigger_tokens: tuple[int, ...] = ()  # ...or token ids; with neither, it is on from the start
+    ignore_eos: bool = False         # llama.cpp's: the end-of-generation tokens get a bias of -inf (TargetJudge)
 
     def __post_init__(self):
         self._check_types()
@@ -89,7 +90,7 @@ class Constraints:
 
     @property
     def active(self) -> bool:
-        return bool(self.logit_bias) or self.penalises or self.grammar is not None
+        return bool(self.logit_bias) or self.penalises or self.grammar is not None or self.ignore_eos
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -205,6 +206,9 @@ class TargetJudge:
         self._is_end = target.is_end_of_generation
         if constraints is not None and not isinstance(constraints, Constraints):
             raise GgufspecError(f"constraints must be a ggufspec.Constraints, got {type(constraints).__name__}")
+        if constraints is not None and constraints.ignore_eos:  # the model's own end tokens, known here
+            ended = dict.fromkeys(target.end_of_generation_ids, -math.inf)
+            constraints = replace(constraints, logit_bias={**constraints.logit_bias, **ended}, ignore_eos=False)
         active = constraints is not None and constraints.active
         self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab) if active else None
         self.needs_history = active and constraints.penalises

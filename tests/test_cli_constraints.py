@@ -49,6 +49,22 @@ def test_json_schema_flag(tiny_pair, tmp_path):
     assert from_file.exit_code == 0 and json.loads(from_file.stdout)["text"] == text, from_file.output
 
 
+def test_ignore_eos_generates_n_tokens_the_target_alones(tiny_pair, tiny_decoder):
+    """llama.cpp's --ignore-eos: "a" ends at 44 tokens on the tiny pair; with it, 60, every one the target
+    alone's under the same bias (greedy, drafted by the draft model: lossless)."""
+    target, draft = tiny_pair
+    args = ["run", "-m", str(target), "-md", str(draft), "-p", "a", "-n", "60", "-c", "256", "-t", "1", "--temp", "0",
+            "--json", "--draft", "3"]
+    ended = json.loads(CliRunner().invoke(main, args).stdout)
+    assert ended["stats"]["stop_reason"] == "eos" and len(ended["tokens"]) < 60
+    result = CliRunner().invoke(main, [*args, "--ignore-eos"])
+    out = json.loads(result.stdout)
+    assert out["stats"]["stop_reason"] == "n_predict" and len(out["tokens"]) == 60, result.output
+    ended_ids = set(tiny_decoder.target.end_of_generation_ids)
+    alone = tiny_decoder.generate("a", n_predict=60, n_draft=0, temperature=0, constraints=Constraints(ignore_eos=True))
+    assert out["tokens"] == alone.tokens and not ended_ids & set(alone.tokens)
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--logit-bias", "abc"], "--logit-bias takes TOKEN_ID(+/-)BIAS"),
     (["--frequency-penalty", "5"], "frequency_penalty must be in [-2, 2]"),

@@ -26,6 +26,8 @@ def constraint_options():
                      help="Tokens the penalties look back over (0: off, -1: the whole sequence)."),
         click.option("--presence-penalty", default=Constraints.presence_penalty, help="Presence penalty (0: off)."),
         click.option("--frequency-penalty", default=Constraints.frequency_penalty, help="Frequency penalty (0: off)."),
+        click.option("--ignore-eos", is_flag=True,
+                     help="Never end at the model's end-of-generation tokens (a bias of -inf): -n tokens."),
         click.option("--grammar", default=None, help="A GBNF grammar the output must follow."),
         click.option("--grammar-file", default=None, type=click.Path(exists=True, dir_okay=False),
                      help="Read the GBNF grammar from a file."),
@@ -44,7 +46,8 @@ def constraints_from(opts: dict) -> Constraints | None:
     constraints = Constraints(logit_bias=parse_logit_bias(opts.pop("logit_bias")),
                               repeat_penalty=opts.pop("repeat_penalty"), repeat_last_n=opts.pop("repeat_last_n"),
                               presence_penalty=opts.pop("presence_penalty"),
-                              frequency_penalty=opts.pop("frequency_penalty"), grammar=grammar)
+                              frequency_penalty=opts.pop("frequency_penalty"), grammar=grammar,
+                              ignore_eos=opts.pop("ignore_eos"))
     return constraints if constraints.active else None
 
 
