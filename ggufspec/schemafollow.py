@@ -80,15 +80,43 @@ def check_followed(schema, root: dict, where: str = "#", seen: set | None = None
         check_followed(target, root, ref, seen)
 
 
+# what each keyword's value must be: the converter trips on others with Python's own errors ("'int'
+# object has no attribute 'startswith'"), or takes them as something else (additionalProperties 5 as
+# no property at all)
+KEYWORD_KINDS = {
+    "$ref": (str, "a text (#/$defs/NAME)"), "format": (str, "a text"), "pattern": (str, "a text"),
+    "type": ((str, list), "a type's name or a list of them"), "required": (list, "a list of property names"),
+    "enum": (list, "a list of values"), "properties": (dict, "an object of schemas"),
+    "$defs": (dict, "an object of schemas"), "definitions": (dict, "an object of schemas"),
+    "anyOf": (list, "a non-empty list of schemas"), "oneOf": (list, "a non-empty list of schemas"),
+    "allOf": (list, "a non-empty list of schemas"), "prefixItems": (list, "a list of schemas"),
+    "items": ((dict, list), "a schema"), "additionalProperties": ((bool, dict), "true, false or a schema"),
+}
+
+
+def check_shapes(schema, where: str = "#") -> None:
+    """Each keyword's value of the kind JSON Schema gives it (KEYWORD_KINDS), at every depth, $defs no
+    schema refers to included (the converter reads them all): a ToolError naming the first that is not."""
+    if not isinstance(schema, dict):
+        raise ToolError(f"the JSON schema at {where} must be an object, got {json.dumps(schema, default=str)[:40]}")
+    for key, (kind, wanted) in KEYWORD_KINDS.items():
+        value = schema.get(key, kind)
+        names = key in ("type", "required") and isinstance(value, list)  # lists of texts
+        if value is not kind and (not isinstance(value, kind) or value == [] and wanted.startswith("a non-empty")
+                                  or names and not all(isinstance(name, str) for name in value)):
+            raise ToolError(f"the JSON schema's {key} at {where} must be {wanted}, got "
+                            f"{json.dumps(value, default=str)[:40]}")
+    for key, value in schema.items():
+        places = (enumerate(value) if key in SCHEMA_LISTS and isinstance(value, list) else
+                  [(None, value)] if key in ONE_SCHEMA and isinstance(value, dict) else
+                  value.items() if key in SCHEMA_MAPS and isinstance(value, dict) else ())
+        for name, sub in places:
+            check_shapes(sub, f"{where}/{key}" + ("" if name is None else f"/{name}"))
+
+
 def check_keyword_values(schema: dict, root: dict, where: str) -> None:
-    """Keywords whose values the converter would trip on with a Python error (a $ref or format that is
-    no text, allOf no list), follow in a loop (a $ref to itself), or take as something else
-    (additionalProperties 5 as no property at all; a const NaN written as a literal no JSON has)."""
-    for key, ok, wanted in (("$ref", str, "a text (#/$defs/NAME)"), ("format", str, "a text"),
-                            ("allOf", list, "a non-empty list of schemas"),
-                            ("additionalProperties", (bool, dict), "true, false or a schema")):
-        if key in schema and (not isinstance(schema[key], ok) or schema[key] == []):
-            raise ToolError(f"the JSON schema's {key} at {where} must be {wanted}, got {json.dumps(schema[key])[:40]}")
+    """Values the converter would follow in a loop (a $ref to itself), or write as what no JSON has (a
+    const NaN as a literal)."""
     for key in ("const", "enum"):
         try:
             json.dumps(schema.get(key), allow_nan=False)
@@ -164,7 +192,7 @@ def check_pattern(pattern, where: str) -> None:
     converter alone took "^(a|b$" as a|b and wrote "^a**$" as a grammar llama.cpp refuses, and its
     own errors say neither which schema nor where."""
     if not isinstance(pattern, str):
-        raise ToolError(f"the JSON schema's pattern at {where} must be a string, got {json.dumps(pattern)[:40]}")
+        raise ToolError(f"the JSON schema's pattern at {where} must be a text, got {json.dumps(pattern)[:40]}")
     try:
         re.compile(pattern)
     except re.error as exc:

@@ -25,8 +25,8 @@ from llama_cpp.llama_grammar import JSON_GBNF
 
 from . import tools_xml
 from .errors import ToolError
-from .schemafollow import (BoundedConverter, check_followed, grammar_for, normalized, patterns_it_can_follow,
-                           root_ref_inlined)
+from .schemafollow import (BoundedConverter, check_followed, check_shapes, grammar_for, normalized,
+                           patterns_it_can_follow, root_ref_inlined)
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 PYTHON_TAG = "<|python_tag|>"
@@ -411,6 +411,7 @@ def call_grammar(tools: list[dict], fmt: ToolFormat, *, only: str | None = None,
             function = tool["function"]
             if only is not None and function["name"] != only:
                 continue
+            check_shapes(function["parameters"])
             parameters = patterns_it_can_follow(normalized(json.loads(json.dumps(function["parameters"]))))
             parameters = converter.resolve_refs(root_ref_inlined(parameters), f"tool{i}")
             alternatives.append({"type": "object", "properties": {"name": {"const": function["name"]},
@@ -450,6 +451,7 @@ def schema_grammar(schema) -> str:
     if not isinstance(schema, dict):
         raise ToolError(f"the JSON schema must be an object, got {type(schema).__name__}")
     try:
+        check_shapes(schema)
         schema = normalized(schema)
         check_followed(schema, schema)
         return json_strings_only(grammar_for(schema))

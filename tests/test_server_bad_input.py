@@ -245,7 +245,7 @@ def test_annotations_and_tool_parameters_still_work(server):
      "pattern at #/properties/a is not a regular expression: missing )"),
     ({"type": "string", "pattern": "^a**$"}, "pattern at # is not a regular expression: multiple repeat"),
     ({"type": "string", "pattern": "^[z-a]$"}, "pattern at # is not a regular expression: bad character range"),
-    ({"type": "string", "pattern": 5}, "pattern at # must be a string"),
+    ({"type": "string", "pattern": 5}, "pattern at # must be a text"),
     ({"anyOf": [{"type": "string", "pattern": "^(?<=x)y$"}]}, "pattern at #/anyOf/0 cannot be followed: Unsupported"),
     ({"type": "string", "pattern": "^a|b"}, 'pattern at # cannot be followed: Pattern must start with "^"'),
     # values the converter tripped on with a Python error, looped on, or took as something else
@@ -254,6 +254,11 @@ def test_annotations_and_tool_parameters_still_work(server):
     ({"type": "object", "properties": {"a": {"type": "string", "format": 5}}}, "format at #/properties/a must be a text"),
     ({"type": "object", "additionalProperties": 5}, "additionalProperties at # must be true, false or a schema"),
     ({"enum": [1, float("nan")]}, "enum at # holds a value JSON cannot write (NaN"),
+    ({"properties": False}, "properties at # must be an object of schemas, got false"),
+    ({"$defs": {"a": {"$ref": 5}}, "type": "string"}, "$ref at #/$defs/a must be a text"),  # no schema refers to it
+    ({"type": [{"type": "string"}]}, "type at # must be a type's name or a list of them"),
+    ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": "x"}}},
+     "prefixItems at #/properties/a must be a list of schemas"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "'minItems' at # cannot be enforced next to prefixItems"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "type": "object",
       "properties": {"x": {"$ref": "#/$defs/a"}}}, "$ref at #/properties/x leads back to itself (#/$defs/a -> #/$defs/b -> #/$defs/a)"),

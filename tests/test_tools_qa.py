@@ -206,7 +206,7 @@ def test_llama_cpp_parses_the_json_string_classes(vocab):
 def test_a_property_nothing_can_follow_is_a_tool_error_not_a_grammar_llama_cpp_refuses(empty):
     tools = toolkit.check_tools([tool("f", {"type": "object", "properties": {"a": empty}})])
     for fmt in FORMATS:
-        with pytest.raises(ToolError, match="nothing can follow") as caught:
+        with pytest.raises(ToolError, match="nothing can follow|must be a non-empty list") as caught:
             toolkit.call_grammar(tools, fmt)
         assert "\n" not in str(caught.value)
 
@@ -316,3 +316,14 @@ def test_a_tool_parameter_whose_pattern_the_grammar_cannot_write_is_any_string(v
     for _ in range(20):
         for name, arguments in calls_in(sample(rules, rng), fmt):
             assert name == "f" and 1 <= arguments["n"] <= 3 and isinstance(arguments["b"], str)
+
+
+def test_a_tool_schema_of_the_wrong_shape_says_where_not_a_python_error():
+    """"'str' object has no attribute 'get'" was the whole 400 for a tool whose prefixItems was a text."""
+    fmt = toolkit.detect_format("")
+    for parameters, says in [({"type": "object", "properties": {"xs": {"type": "array", "prefixItems": "array"}}},
+                              "prefixItems at #/properties/xs must be a list of schemas"),
+                             ({"type": "object", "required": [{"a": 1}]}, "required at # must be a list of property names"),
+                             ({"type": "object", "properties": {"a": {"$ref": 5}}}, "$ref at #/properties/a must be a text")]:
+        with pytest.raises(ToolError, match=re.escape(says)):
+            toolkit.call_grammar(toolkit.check_tools([tool("f", parameters)]), fmt)
