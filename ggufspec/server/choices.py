@@ -49,6 +49,12 @@ def shown_pieces(pieces: list[dict]) -> list[dict]:
     return [{name: p[name] for name in PIECE_FIELDS if name in p} for p in pieces]
 
 
+def with_calls(finish: str, called: bool) -> str:
+    """The finish reason of an answer that called tools: "tool_calls" where it ended by itself; one cut
+    by max_tokens or the context keeps "length" (llama-server's), with the calls completed before the cut."""
+    return "tool_calls" if called and finish != "length" else finish
+
+
 class ChoiceState:
     """One choice's pieces so far, and what of them may go out as content."""
 

@@ -9,7 +9,7 @@ import uuid
 from fastapi import Request
 
 from ..stats import Stats
-from .choices import ChoiceState, shown_pieces
+from .choices import ChoiceState, shown_pieces, with_calls
 from .constraints import Shaping
 from .errors import engine_error
 from .jobs import Job
@@ -55,7 +55,7 @@ class Reply:
             if self.chat:
                 message, called = state.message(cut_short=state.finish == "length")
                 choice = {"index": state.index, "message": message}
-                finish = "tool_calls" if called and state.finish != "length" else state.finish
+                finish = with_calls(state.finish, called)
             else:
                 choice = {"index": state.index, "text": "".join(p["text"] for p in state.pieces)}
                 finish = state.finish
@@ -97,7 +97,7 @@ class Reply:
             chunks.append(self.chunk(content if content is not None or calls else "", index=index,
                                      logprobs=state.logprobs(held), tool_calls=calls,
                                      ggufspec={"pieces": shown_pieces(held)}))
-        finish = "tool_calls" if calls and finish != "length" else finish  # cut: "length", as llama-server
+        finish = with_calls(finish, bool(calls))
         chunks.append(self.chunk(None, finish, index=index, timings=timings(stats),
                                  ggufspec={"stats": stats.to_dict(), "estimate": estimate}))
         return chunks

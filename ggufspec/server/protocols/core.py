@@ -25,7 +25,7 @@ from sse_starlette.sse import EventSourceResponse
 from ... import fim
 from ... import tools as toolkit
 from ...stats import Stats
-from ..choices import ChoiceState
+from ..choices import ChoiceState, with_calls
 from ..constraints import Shaping, shaping
 from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
@@ -237,8 +237,7 @@ def with_logprobs(events: list, logprobs: list[dict]) -> list:
 def end_reason(stats: Stats, called: bool) -> str:
     """Why the answer ended; one cut by max_tokens or the context says so, calls or not (llama-server's
     finish_reason "length" whatever it parsed; a call cut in two is dropped, the complete ones kept)."""
-    reason = {"eos": "end", "stop": "stop_sequence"}.get(stats.stop_reason, "length")
-    return "tool_calls" if called and reason != "length" else reason
+    return with_calls({"eos": "end", "stop": "stop_sequence"}.get(stats.stop_reason, "length"), called)
 
 
 def arguments_object(arguments: str) -> dict:
