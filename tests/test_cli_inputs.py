@@ -107,3 +107,23 @@ def test_llama_cpps_long_flag_names_are_taken_too(tiny_pair):
                   ["--system-prompt", "Be brief.", "--gpu-layers", "0", "--gpu-layers-draft", "0"]):
         long = run(tiny_pair, "-p", "hi", "--chat", *flags, "--temp", "0")
         assert long.exit_code == short.exit_code == 0 and long.stdout == short.stdout, long.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["run", "-jf", "/nonexistent/schema.json", "-p", "x"], ["'-jf' / '--json-schema-file'", "/nonexistent/schema.json",
+                                                              "'ggufspec run --help'"]),
+    (["run", "--grammar-file", "/nonexistent/g.gbnf"], ["'--grammar-file'", "does not exist"]),
+    (["run", "-n", "many"], ["'-n' / '--n-predict'", "'many' is not a valid integer"]),
+    (["serve", "--no-such-flag"], ["No such option '--no-such-flag'", "'ggufspec serve --help'"]),
+    (["runn"], ["No such command 'runn'", "Did you mean 'run'?", "'ggufspec --help'"]),
+    (["eval", "humaneval", "--bogus"], ["'--bogus'", "'ggufspec eval humaneval --help'"]),
+])
+def test_a_usage_error_is_one_line_naming_the_help_to_read(args, words):
+    """Click writes a usage error in four lines (usage, a hint, a blank, the error): one line here,
+    as every other error of ggufspec's, exit code 2 as click's."""
+    one_line_error(CliRunner().invoke(main, args, prog_name="ggufspec"), *words)
+
+
+def test_a_group_without_its_command_still_shows_its_help():
+    result = CliRunner().invoke(main, ["eval"])
+    assert result.exit_code == 2 and "humaneval" in result.output and "Usage:" in result.output

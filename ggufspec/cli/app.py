@@ -1,6 +1,7 @@
 """The `ggufspec` command group, its --version, and how errors become one line and an exit code."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -71,7 +72,41 @@ def os_error_line(exc: OSError) -> str:
     return line
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineUsageError(click.UsageError):
+    """A usage error (an unknown option, a missing file) in the one line every other error takes."""
+
+    def show(self, file=None) -> None:
+        command = self.ctx.command_path if self.ctx else "ggufspec"
+        click.echo(f"ggufspec: error: {self.format_message().rstrip('.')} (see '{command} --help')", err=True)
+
+
+class OneLineErrorsGroup(click.Group):
+    """Click writes a usage error as four lines (usage, a hint, a blank, the error): written as one
+    here, as ggufspec's own errors are, with the same exit code 2. Help asked for by running a group
+    with no command (NoArgsIsHelpError) is still shown whole."""
+
+    def make_context(self, *args, **kwargs):
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors():
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise
+    except click.UsageError as exc:
+        if isinstance(exc, OneLineUsageError):
+            raise
+        raise OneLineUsageError(exc.format_message(), exc.ctx) from exc
+
+
+@click.group(cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, help="Show the version and the backends "
               "of the installed llama-cpp-python build, and exit.", callback=lambda ctx, _, value: _print_version(ctx, value))
 def main():
