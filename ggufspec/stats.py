@@ -17,6 +17,7 @@ class Stats:
     n_drafted: int = 0          # draft tokens proposed
     n_accept: int = 0           # of which the target kept
     n_steps: int = 0            # target verification batches
+    n_draft_steps: int = 0      # of which verified drafts (llama-server's spec_decode_num_drafts)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     stop_reason: str = ""       # eos | n_predict | context | interrupted
@@ -27,6 +28,7 @@ class Stats:
 
     def add_step(self, n_drafted: int, n_accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.n_steps += 1
+        self.n_draft_steps += n_drafted > 0
         self.n_drafted += n_drafted
         self.n_accept += n_accepted
         self.draft_seconds += draft_seconds

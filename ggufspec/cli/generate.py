@@ -273,9 +273,12 @@ def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: i
 @click.option("--rpc-timeout", default=60.0, type=click.FloatRange(0, min_open=True),
               help="With --rpc: a generation with no new token for this many seconds means a hung worker (503, "
                    "then the model reloads when the workers answer).")
+@click.option("--metrics", is_flag=True, help="Answer GET /metrics: llama-server's Prometheus counters (tokens, "
+              "seconds, drafts kept), under its names.")
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
-def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, serve_fd, **opts):
+def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, metrics, serve_fd,
+          **opts):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
 
     The options after the model flags are the defaults of every request; a request may override them
@@ -324,7 +327,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
         app = create_app(session.decoder, model_name=session.name, defaults=defaults, max_queue=max_queue,
                          aliases=(target.name, target.stem),
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
-                               "defaults": defaults}, session=session,
+                               "defaults": defaults}, session=session, metrics=metrics,
                          exposure=exposure if serve_fd is None else exposure.behind_front())  # --rpc: its front checks
         if serve_fd is not None:  # `serve --rpc`'s model process, loaded: from now on a lost worker is recovered from
             from ..rpc import faults

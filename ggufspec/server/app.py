@@ -9,13 +9,13 @@ import time
 from importlib import resources
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
 from .. import load
 from .. import tools as toolkit
 from . import protocols
-from .errors import add_error_handlers
+from .errors import APIError, add_error_handlers
 from .guard import Exposure, Guard, OffLoopRoute
 from .jobs import Engine
 from .props import chat_props, pair_props, system_fingerprint
@@ -38,12 +38,13 @@ def chat_page() -> str:
 
 def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_key: str | None = None,
                max_queue: int = 16, aliases: tuple[str, ...] = (), info: dict | None = None,
-               session=None, exposure: Exposure | None = None) -> FastAPI:
+               session=None, exposure: Exposure | None = None, metrics: bool = False) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
     `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
     defaults (no Host check: where it listens is not known here).
     `aliases`: other model ids accepted in requests (file names). `info`: shown in /v1/models' meta.
-    `session`: the opened session, for /props (its `draft_choice`, where it has one)."""
+    `session`: the opened session, for /props (its `draft_choice`, where it has one). `metrics`: answer
+    /metrics (llama-server's --metrics)."""
     engine = Engine(decoder, max_queue)
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
@@ -78,6 +79,15 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         return {"status": "ok", "model": model_name, "busy": engine.busy, "waiting": engine.waiting, "last": last,
                 "stalled_s": round(engine.stalled_seconds, 3), "slots_idle": len(engine.slots) - n_busy,
                 "slots_processing": n_busy}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        """llama-server's Prometheus metrics (`metrics.Metrics`), where the server was started with --metrics."""
+        if not metrics:
+            raise APIError(501, "this server does not answer /metrics: start it with --metrics", "not_supported_error")
+        text = engine.metrics.prometheus(requests_processing=engine.running, requests_deferred=engine.waiting)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4",
+                                 headers={"Process-Start-Time-Unix": str(engine.metrics.started)})
 
     @app.get("/slots")
     async def slots():

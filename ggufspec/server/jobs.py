@@ -25,6 +25,7 @@ from ..stops import LineLimits, StopFilter
 from .choices import logprob_entry
 from .constraints import Shaping, engine_constraints
 from .errors import APIError
+from .metrics import Metrics
 from .speculation import StepTracker, prompt_info, time_estimate
 
 log = logging.getLogger("ggufspec.server")
@@ -167,6 +168,7 @@ class Engine:
         self._mean_seconds = 5.0       # a generation's duration, for Retry-After
         self._current: set[Part] = set()
         self.last: Stats | None = None   # the last finished generation's statistics (/health shows them)
+        self.metrics = Metrics()        # every choice's, summed (/metrics with `serve --metrics`)
         self._stopping = False
 
     @property
@@ -294,6 +296,7 @@ class Engine:
             stream.close()  # the engine keeps its caches consistent; the next prompt reuses them
             for ctx in contexts:
                 ctx.should_stop = None
+            self.metrics.add(stats)  # cut short or not, its tokens were computed
         if self._stopping and job.cancelled.is_set():
             # cut short by the shutdown: an error, not a finish_reason that says the answer is whole
             # (a stream has its tokens already; an answer not streamed is a 503 to retry elsewhere)
@@ -422,8 +425,8 @@ def summed(results: dict[int, Stats], n: int) -> Stats:
     ordered = [results[index] for index in sorted(results)]
     firsts = {index // n: results[index] for index in sorted(results, reverse=True)}  # each prompt's first
     totals = {name: sum(getattr(stats, name) for stats in ordered)
-              for name in ("n_predict", "decode_seconds", "n_drafted", "n_accept", "n_steps", "draft_seconds",
-                           "target_seconds")}
+              for name in ("n_predict", "decode_seconds", "n_drafted", "n_accept", "n_steps", "n_draft_steps",
+                           "draft_seconds", "target_seconds")}
     prompts = {name: sum(getattr(stats, name) for stats in firsts.values())
                for name in ("n_prompt", "n_prompt_cached", "prompt_seconds")}
     return dataclasses.replace(ordered[-1], **prompts, **totals)
