@@ -249,6 +249,14 @@ def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: i
         click.echo(P.markdown(runs))
 
 
+
+def check_alias(alias: str | None) -> None:
+    """An --alias a client can send back as its `model`: some text, without outer whitespace."""
+    utf8_text("--alias", alias)
+    if alias is not None and (not alias.strip() or alias != alias.strip() or "\n" in alias):
+        raise GgufspecError(f"--alias {alias!r} is blank or has outer whitespace or a line break: give the name "
+                            "clients will send as their model, e.g. --alias qwen2.5-coder")
+
 @main.command(context_settings={"show_default": True})
 @model_options
 @generation_options(n_predict=-1)
@@ -273,12 +281,16 @@ def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: i
 @click.option("--rpc-timeout", default=60.0, type=click.FloatRange(0, min_open=True),
               help="With --rpc: a generation with no new token for this many seconds means a hung worker (503, "
                    "then the model reloads when the workers answer).")
+@click.option("-a", "--alias", default=None, metavar="NAME",
+              help="The model's id in /v1/models and in answers (requests may name it so; the file's names still "
+                   "work) [default: the pair's or the file's name].")
+@click.option("--jinja", is_flag=True, hidden=True)  # llama-server's; ggufspec always renders the template in Jinja
 @click.option("--metrics", is_flag=True, help="Answer GET /metrics: llama-server's Prometheus counters (tokens, "
               "seconds, drafts kept), under its names.")
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
-def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, metrics, serve_fd,
-          **opts):
+def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja, metrics,
+          serve_fd, **opts):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
 
     The options after the model flags are the defaults of every request; a request may override them
@@ -297,6 +309,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
+    check_alias(alias)
     check_rpc(opts["rpc"], rpc_timeout_given())
     if api_key is not None and not api_key.strip():
         raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank: no client could ever send it; "
@@ -324,8 +337,8 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
             click.echo(f"ggufspec: timed the step costs for --draft auto in {timed:.1f} s (remembered in "
                        f"costs.json)", err=True)
         target = Path(session.target_path)
-        app = create_app(session.decoder, model_name=session.name, defaults=defaults, max_queue=max_queue,
-                         aliases=(target.name, target.stem),
+        app = create_app(session.decoder, model_name=alias or session.name, defaults=defaults, max_queue=max_queue,
+                         aliases=(session.name, target.name, target.stem),
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
                                "defaults": defaults}, session=session, metrics=metrics,
                          exposure=exposure if serve_fd is None else exposure.behind_front())  # --rpc: its front checks
@@ -333,7 +346,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
             from ..rpc import faults
             from ..server.supervisor import RECOVERY
             faults.set_abort_consequence(RECOVERY)
-        serve_forever(app, sock, name=session.name, host=host, exposure=exposure,
+        serve_forever(app, sock, name=alias or session.name, host=host, exposure=exposure,
                       shown_port=port if serve_fd is not None else None)
 
 

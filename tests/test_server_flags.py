@@ -1,11 +1,16 @@
-"""`serve --metrics`: llama-server's Prometheus endpoint under its names, the sums of the answers'
-own `timings`; without the flag a 501 in OpenAI's shape, as llama-server's."""
+"""llama-server's serve flags that its users copy: `--metrics` (its Prometheus endpoint under its names,
+the sums of the answers' own `timings`; without the flag a 501 in OpenAI's shape, as llama-server's),
+`-a/--alias` (the model's id), `--jinja` (taken: templates are always Jinja)."""
 from __future__ import annotations
 
 import re
 
+import anthropic
 import httpx
 import pytest
+from click.testing import CliRunner
+
+from ggufspec.cli import main
 
 from ggufspec.tinymodels import Shape, make_pair
 from serverproc import serving
@@ -70,3 +75,26 @@ def test_without_the_flag_metrics_is_a_501_in_openais_shape(pair, tmp_path):
     assert response.status_code == 501
     error = response.json()["error"]
     assert error["type"] == "not_supported_error" and "--metrics" in error["message"]
+
+
+def test_alias_names_the_model_for_both_sdks_and_the_files_names_still_work(pair, tmp_path):
+    target, _ = pair
+    with serving(tmp_path, "-m", str(target), "--no-draft", "-a", "coder-7b", "--jinja") as server:
+        client = server.client()
+        assert [model.id for model in client.models.list()] == ["coder-7b"]
+        assert client.models.retrieve("coder-7b").id == "coder-7b"
+        for name in ("coder-7b", target.name, target.stem):
+            answer = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2)
+            assert answer.model == "coder-7b"
+        messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0).messages.create(
+            model="a-model-claude-code-names", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert messages.model == "coder-7b"
+        assert "serving coder-7b at" in server.log.read_text()
+
+
+@pytest.mark.parametrize("alias", ["", "  ", " coder", "a\nb"])
+def test_a_blank_alias_is_one_line(alias):
+    result = CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", "--alias", alias])
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and line.startswith("ggufspec: error: --alias") and "\n" not in line, result.stderr
