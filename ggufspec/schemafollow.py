@@ -5,7 +5,7 @@ it finds: $ref; anyOf/oneOf; a list of types; const; enum; an object's propertie
 additionalProperties); an object's allOf; an array's items (or prefixItems); a string's pattern;
 format uuid, date, time or date-time; a string's minLength/maxLength; else the bare type. Each
 branch follows its own keywords and drops every other constraint without a word: minimum, maximum,
-exclusiveMinimum/Maximum (an integer's, and a number's whole ones, are followed here:
+exclusiveMinimum/Maximum (an integer's and a number's are followed here:
 `BoundedConverter`) and multipleOf; uniqueItems, contains, minProperties, patternProperties,
 propertyNames, not, if/then/else, dependent* and unevaluated*; anything beside $ref or anyOf. An
 answer that breaks the schema it was asked to follow is worse than an error, so those are refused.
@@ -28,8 +28,9 @@ import llama_cpp.llama_grammar
 from llama_cpp.llama_grammar import RESERVED_NAMES, BuiltinRule, SchemaConverter
 
 from .errors import ToolError
-from .schemaints import INT_BOUNDS, int_range_rule, integer_range, number_range, number_range_rule
+from .schemaints import INT_BOUNDS, int_range_rule, integer_range, number_bound, number_range, number_range_rule
 from .schemapatterns import anchored, class_escapes, length_in_pattern
+from .schemarefs import ONE_SCHEMA, SCHEMA_LISTS, SCHEMA_MAPS, resolve_refs
 
 ANY_TYPE = None
 # JSON Schema's constraints, and the types of the values they constrain (a string one says nothing of a number)
@@ -68,10 +69,10 @@ def check_followed(schema, root: dict, where: str = "#", seen: set | None = None
     kind = schema.get("type")
     for keyword in schema:
         if keyword not in branch.followed and constrains(keyword, kind):
-            whole = " (a number's bounds are followed where they are whole numbers)" if (
+            numbers = " (a number's bounds are followed where they are numbers below 2**63 in size)" if (
                 kind == "number" and keyword in INT_BOUNDS and not branch.beside) else ""
             raise ToolError(f"the JSON schema's {keyword!r} at {where} cannot be enforced{branch.beside}: "
-                            f"the grammar would ignore it, so an answer could break it{whole}")
+                            f"the grammar would ignore it, so an answer could break it{numbers}")
     for part, place in branch.parts:
         check_followed(part, root, place, seen)
     ref = schema.get("$ref")
@@ -181,8 +182,9 @@ def converter_branch(schema: dict, root: dict, where: str) -> Branch:
     if kind == "integer":  # its bounds are followed (`BoundedConverter`), multipleOf is not
         integer_range(schema, where)  # bounds that leave no integer: said here, with the place
         return Branch(frozenset({"type", *INT_BOUNDS}))
-    if kind == "number" and number_range(schema, where):  # whole bounds are followed, 0.5 is not
-        return Branch(frozenset({"type", *INT_BOUNDS}))
+    if kind == "number":  # its bounds are followed, but one of 1e300 or "5" (refused by name), and multipleOf
+        number_range(schema, where)  # bounds that leave no number: said here, with the place
+        return Branch(frozenset({"type", *(key for key in INT_BOUNDS if number_bound(schema.get(key)))}))
     return Branch(frozenset({"type", "additionalProperties"} if kind == "object" else {"type"}))
 
 
@@ -282,12 +284,6 @@ def local_target(root: dict, ref: str):
     return target
 
 
-# where a schema holds schemas: one, a list of them, or a map of names to them (anything else is data)
-ONE_SCHEMA = frozenset({"items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-                        "additionalItems", "unevaluatedItems", "unevaluatedProperties"})
-SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
-SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
-
 
 def normalized(schema):
     """`schema` with three shapes the converter mishandles rewritten, at every depth: a list of types
@@ -352,7 +348,7 @@ CALENDAR_DATE = BuiltinRule(
 class BoundedConverter(SchemaConverter):
     """llama-cpp-python's converter, but an integer's bounds are followed (`int_range_rule`), as
     llama.cpp's own converter has done since: pydantic's Field(ge=0) is the common case; and a
-    number's where they are whole (`number_range_rule`: a float's Field(ge=0, le=1))."""
+    number's (`number_range_rule`: a float's Field(ge=0, le=1) or gt=0.5)."""
 
     def visit(self, schema, name):
         kind = schema.get("type")
@@ -368,6 +364,9 @@ class BoundedConverter(SchemaConverter):
             return super().visit(schema, name)
         rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
         return self._add_rule(rule_name, f"({rule}) space")
+
+    def resolve_refs(self, schema, url):
+        return resolve_refs(self, schema, url)  # at the schemas only: a const {"$ref": "x"} is data
 
     def _add_primitive(self, name, rule):
         return super()._add_primitive(name, CALENDAR_DATE if name == "date" else rule)

@@ -1,11 +1,12 @@
 """Bounds in a JSON schema as GBNF (schemafollow.BoundedConverter): the integers from a least to a most
 value, written digit by digit as JSON writes them (ported from llama.cpp's converter), and the numbers
-between whole bounds."""
+between any bounds, as plain decimals."""
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
 
 from .errors import ToolError
 
@@ -168,58 +169,162 @@ def _at_least(least: int, out: list[str], decimals_left: int, fewer: int, top_le
             _more_digits(out, len(text), fewer)
 
 
-# ---------------------------------------------------------------- a number's bounds, where they are whole
-# pydantic's Field(ge=0, le=1) or gt=0 on a float. A number is written as JSON's plain decimals (no
-# exponent): its integer part I (int_range_rule) and a fraction. With whole bounds, v >= m is I >= m,
-# v > m is I > m or I = m with a fraction not all zeros, v <= M is I < M or I = M with a zero fraction,
-# v < M is I < M; a negative number is "-" and a magnitude bounded the other way round.
-# at most 16 digits after the point, as the converter's decimal-part (a fraction that ran on: a small
-# model can write 7s until max_tokens); a nonzero one: its zeros, its first other digit, the rest
+# ---------------------------------------------------------------- a number's bounds
+# pydantic's Field(ge=0, le=1) or gt=0.5 on a float. A number is written as JSON's plain decimals (no
+# exponent): an integer part I and a fraction F of 0 to 16 digits (the converter's decimal-part: a
+# fraction that ran on, a small model writing 7s until max_tokens, ends there). A bound b = Ib.Fb orders
+# them by the integer part first: v >= b is I > Ib, or I = Ib and F >= Fb, where fractions compare as
+# digit strings padded with zeros (.5 = .50 < .51 < .6). So the integers strictly between the bounds'
+# take any fraction (int_range_rule), and a bound's own integer part the fractions on its side, written
+# digit by digit (`at_least`, `at_most`, `between`). A negative number is "-" and a magnitude bounded
+# the other way round, above 0 (never "-0": the rule writes 0).
+FRACTION_DIGITS = 16
 ANY_FRACTION = '("." [0-9]{1,16})?'
-NONZERO_FRACTION = '"." "0"{0,15} [1-9] [0-9]{0,15}'
-ZERO_FRACTION = '("." "0"{1,16})?'
+STEP = Decimal(1).scaleb(-FRACTION_DIGITS)
+EXACT = Context(prec=64)  # a bound below 2**63 to 16 places has at most 35 digits
 
 
 @dataclass(frozen=True)
 class Bound:
-    value: int
+    value: Decimal
     inclusive: bool
 
 
 def number_range(schema: dict, where: str) -> tuple[Bound | None, Bound | None] | None:
-    """A number schema's (lower, upper) bounds where every one is a whole number (None: unbounded on
-    that side), else None: bounds such as 0.5 are not followed (check_followed refuses them)."""
+    """A number schema's (lower, upper) bounds (None: unbounded on that side), or None where it has
+    none or one is no number below 2**63 in magnitude (check_followed refuses it)."""
     bounds = {key: schema[key] for key in INT_BOUNDS if key in schema}
-    if not bounds or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                             and v == int(v) and abs(v) < INT64_MAX for v in bounds.values()):
+    if not bounds or not all(map(number_bound, bounds.values())):
         return None
-    lows = [Bound(int(v), key == "minimum") for key, v in bounds.items() if key.endswith("inimum")]
-    highs = [Bound(int(v), key == "maximum") for key, v in bounds.items() if key.endswith("aximum")]
+    lows = [decimal_bound(v, key == "minimum", ROUND_CEILING) for key, v in bounds.items() if key.endswith("inimum")]
+    highs = [decimal_bound(v, key == "maximum", ROUND_FLOOR) for key, v in bounds.items() if key.endswith("aximum")]
     low = max(lows, key=lambda b: (b.value, not b.inclusive), default=None)  # the tighter of each side
     high = min(highs, key=lambda b: (b.value, b.inclusive), default=None)
-    if low and high and (low.value > high.value or low.value == high.value and not (low.inclusive and high.inclusive)):
-        raise ToolError(f"the JSON schema's bounds at {where} leave no number (from {low.value} to {high.value})")
+    # every bound is on the grid of 16 places now: an exclusive one lets in the next decimal of it inwards
+    if low and high and low.value + STEP * (not low.inclusive) > high.value - STEP * (not high.inclusive):
+        raise ToolError(f"the JSON schema's bounds at {where} leave no number of at most {FRACTION_DIGITS} "
+                        f"decimals (from {plain(low.value)} to {plain(high.value)})")
     return low, high
+
+
+def number_bound(value) -> bool:
+    """Whether a number schema's bound is one the rule follows: a number below 2**63 in size (the
+    rule's integer parts are int64's)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) < INT64_MAX)
+
+
+def decimal_bound(value: int | float, inclusive: bool, rounding: str) -> Bound:
+    """A bound as the decimal its JSON text says (repr: 0.1, not the float's 0.1000000000000000055...).
+    One of more than 16 decimals is rounded inwards to 16 (ROUND_CEILING for a lower bound) and made
+    inclusive: exact, as no decimal the rule writes lies between the two (gt=1e-20 is ge=1e-16)."""
+    exact = Decimal(value) if isinstance(value, int) else Decimal(repr(value))
+    rounded = exact.quantize(STEP, rounding=rounding, context=EXACT)
+    return Bound(rounded if rounded else abs(rounded), inclusive or rounded != exact)  # -1e-20 up: 0, not -0
+
+
+def plain(value: Decimal) -> str:
+    """A decimal as JSON writes it plainly: 0.5, 3, -273.15."""
+    text = format(value, "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def number_range_rule(low: Bound | None, high: Bound | None) -> str:
     """A GBNF expression for the numbers within the bounds, in plain decimals."""
     parts = []
     if high is None or high.value > 0 or high.value == 0 and high.inclusive:
-        parts += magnitudes(low if low and low.value >= 0 else Bound(0, True), high)
+        parts += magnitudes(low if low and low.value >= 0 else Bound(Decimal(0), True), high)
     if low is None or low.value < 0:  # -v: at most -low, above -high (or above 0)
-        above = Bound(-high.value, high.inclusive) if high and high.value < 0 else Bound(0, False)
+        above = Bound(-high.value, high.inclusive) if high and high.value < 0 else Bound(Decimal(0), False)
         below = Bound(-low.value, low.inclusive) if low else None
-        parts.append(f'"-" ({" | ".join(magnitudes(above, below))})')
+        negative = magnitudes(above, below)  # none above -1e-16 exclusive
+        parts += [f'"-" ({" | ".join(negative)})'] if negative else []
     return " | ".join(parts)
 
 
 def magnitudes(low: Bound, high: Bound | None) -> list[str]:
     """Alternatives for the numbers >= 0 between `low` (>= 0) and `high` (None: unbounded)."""
-    first, last = low.value + (not low.inclusive), INT64_MAX if high is None else high.value - 1
-    parts = [f"({int_range_rule(first, last)}) {ANY_FRACTION}"] if first <= last else []
-    if not low.inclusive and (high is None or low.value < high.value):
-        parts.append(f'"{low.value}" {NONZERO_FRACTION}')
-    if high is not None and high.inclusive and (high.value > low.value or low.inclusive):
-        parts.append(f'"{high.value}" {ZERO_FRACTION}')
-    return parts
+    (least, low_digits), strict_low = split(low.value), not low.inclusive
+    most, high_digits = split(high.value) if high else (None, "")
+    if least == most:  # one integer part: the fractions between the two
+        return [part for part in [then(str(least), between(low_digits, high_digits, strict_low, not high.inclusive,
+                                                            FRACTION_DIGITS), ".")] if part]
+    last = INT64_MAX if high is None else most - 1
+    parts = [f"({int_range_rule(least + 1, last)}) {ANY_FRACTION}"] if least < last else []
+    parts.append(then(str(least), at_least(low_digits, strict_low, FRACTION_DIGITS), "."))
+    if high is not None:
+        parts.append(then(str(most), at_most(high_digits, not high.inclusive, FRACTION_DIGITS), "."))
+    return [part for part in parts if part]
+
+
+def split(value: Decimal) -> tuple[int, str]:
+    """(integer part, fraction digits without trailing zeros) of a decimal >= 0: 2.750 -> (2, "75")."""
+    whole, _, fraction = format(value, "f").partition(".")
+    return int(whole), fraction.rstrip("0")
+
+
+# Fractions as (empty, alternatives): the digit strings of 1 to `room` digits that the alternatives
+# match, and the empty one where `empty` (no fraction: 0). A bound's digits s1 s2 ... (no trailing
+# zeros; "" is 0): F >= S where F's first digit is above s1, or is s1 and F's rest >= S's rest.
+Fractions = tuple[bool, list[str]]
+
+
+def at_least(digits: str, strict: bool, room: int) -> Fractions:
+    """The fractions >= `digits` (> where strict)."""
+    if not digits and not strict:
+        return True, [free(1, room)] if room else []
+    if not room:
+        return False, []
+    first, rest = (digits or "0")[0], digits[1:]  # more than 0: a first digit above 0, or 0 and more than 0
+    alternatives = [f"{span(chr(ord(first) + 1), '9')} {free(0, room - 1)}".strip()] if first < "9" else []
+    return False, alternatives + keep(then(first, at_least(rest, strict, room - 1)))
+
+
+def at_most(digits: str, strict: bool, room: int) -> Fractions:
+    """The fractions <= `digits` (< where strict): none (0) is one, unless `digits` is 0 and strict."""
+    if not digits:  # zeros only, equal to 0
+        return not strict, [f'"0"{{1,{room}}}'] if room and not strict else []
+    first, rest = digits[0], digits[1:]
+    alternatives = [f"{span('0', chr(ord(first) - 1))} {free(0, room - 1)}".strip()] if first > "0" else []
+    return True, alternatives + keep(then(first, at_most(rest, strict, room - 1)))
+
+
+def between(low: str, high: str, strict_low: bool, strict_high: bool, room: int) -> Fractions:
+    """The fractions from `low` to `high` (low <= high as fractions), each end excluded where strict."""
+    if not low and not high:
+        return at_most("", strict_low or strict_high, room)
+    empty = not low and not strict_low  # none: 0, below any `high` but "" (taken above)
+    if not room:
+        return empty, []
+    first, last = (low or "0")[0], high[0]
+    if first == last:
+        return empty, keep(then(first, between(low[1:], high[1:], strict_low, strict_high, room - 1)))
+    middle = [f"{span(chr(ord(first) + 1), chr(ord(last) - 1))} {free(0, room - 1)}".strip()] if (
+        ord(last) - ord(first) > 1) else []
+    return empty, middle + keep(then(first, at_least(low[1:], strict_low, room - 1))) + keep(
+        then(last, at_most(high[1:], strict_high, room - 1)))
+
+
+def then(prefix: str, rest: Fractions, point: str = "") -> str | None:
+    """`prefix` followed by `point` and one of `rest` (or nothing, where it takes none): None where
+    `rest` holds no fraction at all. A bound's integer part and its fractions are then('2', ..., '.')."""
+    empty, alternatives = rest
+    if not alternatives:
+        return f'"{prefix}"' if empty else None
+    group = f"({' | '.join(alternatives)})"
+    if point:
+        return f'"{prefix}" ("{point}" {group})?' if empty else f'"{prefix}" "{point}" {group}'
+    return f'"{prefix}" {group}' + ("?" if empty else "")
+
+
+def keep(alternative: str | None) -> list[str]:
+    return [alternative] if alternative else []
+
+
+def span(low: str, high: str) -> str:
+    return f"[{low}]" if low == high else f"[{low}-{high}]"
+
+
+def free(least: int, most: int) -> str:
+    """`least` to `most` digits of any value ("" for none)."""
+    return "" if most == 0 else "[0-9]" if least == most == 1 else f"[0-9]{{{least},{most}}}"

@@ -1,7 +1,8 @@
 """Integer bounds in JSON schemas, followed by the grammar (schemaints.int_range_rule, ported from
 llama.cpp's build_min_max_int): the rule matches exactly the integers in range, written as JSON writes
 them (no leading zeros), checked against every integer in a window around the bounds; and a
-served answer under such a schema is one of them. Lengths and item counts of any size, written as
+served answer under such a schema is one of them. A number's bounds, whole or not (0.5, -273.15), as
+plain decimals: exactly those within them, checked around each bound. Lengths and item counts of any size, written as
 llama.cpp's parser takes them (schemafollow.repetition): exactly the counts in range, and a server
 given an agent's write_file tool (maxLength 100,000) answers instead of overflowing its stack."""
 import json
@@ -67,6 +68,64 @@ def test_a_number_rule_matches_exactly_the_decimals_within_whole_bounds(bounds):
     assert not pattern.fullmatch("0." + "1" * 17) and not pattern.fullmatch("1." + "0" * 17)  # 16 digits at most
 
 
+FRACTIONAL_BOUNDS = [{"minimum": 0.5}, {"maximum": -273.15}, {"exclusiveMinimum": 0.1}, {"maximum": 99.99},
+                     {"minimum": 1e-3}, {"exclusiveMinimum": 1e-3, "maximum": 1}, {"minimum": -0.5, "maximum": 0.5},
+                     {"exclusiveMinimum": -0.5, "exclusiveMaximum": 0.5}, {"minimum": 2.5, "maximum": 2.75},
+                     {"exclusiveMinimum": 2.5, "exclusiveMaximum": 2.75}, {"minimum": 2.5, "maximum": 2.5},
+                     {"minimum": -2.75, "exclusiveMaximum": -2.5}, {"minimum": 0.05, "exclusiveMaximum": 0.5},
+                     {"exclusiveMaximum": -0.001}, {"minimum": 0.0999, "maximum": 0.1},
+                     {"exclusiveMinimum": 0.9999999999999999}, {"minimum": -1.5, "exclusiveMaximum": 12.25, "maximum": 13},
+                     {"minimum": 0.5, "exclusiveMinimum": 0.5}, {"exclusiveMinimum": -1e-16},
+                     {"exclusiveMinimum": -1e-16, "exclusiveMaximum": 1e-16}, {"minimum": -1e-20, "maximum": 3},
+                     {"minimum": 0.0000000000000001, "maximum": 0.9999999999999999}]
+
+
+def near(value: float) -> set[str]:
+    """Plain decimals around a bound: it, written with trailing zeros too; 1 off in its last place and in
+    the places before (to 16 decimals); and integer parts either side."""
+    from decimal import Decimal
+    bound, texts = Decimal(repr(value)), set()
+    for step in ("1e-16", "1e-5", "1e-4", "1e-3", "1e-2", "1e-1", "0.5", "1", "2"):
+        for moved in (bound, bound + Decimal(step), bound - Decimal(step), bound.to_integral_value() + Decimal(step)):
+            text = format(moved.normalize(), "f")
+            texts |= {text, *(text + zeros if "." in text else f"{text}.{zeros}" for zeros in ("0", "00"))}
+    return {t for t in texts if len(t.partition(".")[2]) <= 16 and t.lstrip("-") not in ("0", "0.0", "0.00")} | {"0"}
+
+
+@pytest.mark.parametrize("bounds", FRACTIONAL_BOUNDS)
+def test_a_number_rule_matches_exactly_the_decimals_within_any_bounds(bounds):
+    """minimum 0.5, maximum -273.15, exclusiveMinimum 0.1: the integer parts between the bounds' take any
+    fraction, a bound's own the fractions on its side, compared as decimals (.5 = .50 < .51); around
+    every bound, a plain decimal matches exactly where its value is within them all."""
+    from decimal import Decimal
+    from operator import ge, gt, le, lt
+    from ggufspec.schemaints import number_range, number_range_rule
+    rule = number_range_rule(*number_range(bounds, "#"))
+    pattern, checks = as_regex(rule), {"minimum": ge, "maximum": le, "exclusiveMinimum": gt, "exclusiveMaximum": lt}
+    assert len(rule) < 2000, rule
+    for text in set().union(*map(near, bounds.values())) | {"-0.5", "5", "-5", "12.5", "-1"}:
+        within = all(checks[key](Decimal(text), Decimal(repr(value))) for key, value in bounds.items())
+        assert bool(pattern.fullmatch(text)) == within, (bounds, text)
+    for text in ("-0", "-0.0", "00.5", "0.5e1", ".5", "1.", "0." + "1" * 17, "2." + "5" * 17, "+1"):
+        assert not pattern.fullmatch(text), (bounds, text)  # -0 is written 0; 16 decimals at most
+
+
+def test_a_bound_of_more_than_16_decimals_is_rounded_inwards_exactly():
+    """The rule writes 16 decimals at most: gt=1e-20 lets the same ones through as ge=1e-16, and bounds with
+    none of them between are refused with the place."""
+    from ggufspec.errors import ToolError
+    from ggufspec.schemaints import number_range, number_range_rule
+    bounds = number_range({"exclusiveMinimum": 1e-20, "maximum": 0.12345678901234567}, "#")
+    pattern = as_regex(number_range_rule(*bounds))
+    for text, within in (("0", False), ("0.0000000000000001", True), ("0.1234567890123456", True),
+                         ("0.1234567890123457", False), ("0.1", True)):
+        assert bool(pattern.fullmatch(text)) == within, text
+    with pytest.raises(ToolError, match=r"at #/a leave no number of at most 16 decimals \(from 0.0000000000000001 to 0\)"):
+        number_range({"minimum": 1e-20, "maximum": 2e-20}, "#/a")
+    with pytest.raises(ToolError, match=r"leave no number of at most 16 decimals \(from 0.9999999999999999 to 1\)"):
+        number_range({"exclusiveMinimum": 0.9999999999999999, "exclusiveMaximum": 1}, "#/a")
+
+
 def test_a_served_number_is_within_its_bounds_and_greedy_is_the_target_alones(tiny_pair):
     """Sampled through llama.cpp's grammar sampler: every whole answer's numbers are within [0, 1] and
     (-3, 7]; greedy under the grammar, the drafts change nothing."""
@@ -92,11 +151,34 @@ def test_a_served_number_is_within_its_bounds_and_greedy_is_the_target_alones(ti
             == alone.tokens
 
 
-def test_a_number_bound_that_is_not_whole_is_still_refused():
+def test_a_served_number_is_within_bounds_that_are_not_whole(tiny_pair):
+    """response_format's {"minimum": 0.5, "maximum": 2.75} (once a 400), through llama.cpp's grammar sampler."""
+    from decimal import Decimal
+    from ggufspec import SpeculativeDecoder
+    from ggufspec.processing import Constraints
+    from ggufspec.tools import schema_grammar
+    target, draft = tiny_pair
+    grammar = schema_grammar({"type": "object", "required": ["x"], "properties": {
+        "x": {"type": "number", "minimum": 0.5, "maximum": 2.75}}})
+    with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, strict=True) as decoder:
+        whole = 0
+        for seed in range(8):
+            out = decoder.generate("the", n_predict=100, n_draft=3, temperature=1.0, seed=seed,
+                                   constraints=Constraints(grammar=grammar))
+            if out.stats.stop_reason == "eos":
+                whole += 1
+                value = json.loads(out.text, parse_float=Decimal)["x"]
+                assert Decimal("0.5") <= value <= Decimal("2.75"), out.text
+        assert whole
+
+
+def test_a_number_bound_past_int64_or_not_a_number_is_still_refused():
     from ggufspec.errors import ToolError
     from ggufspec.tools import schema_grammar
     with pytest.raises(ToolError, match="'maximum' at #/properties/p cannot be enforced"):
-        schema_grammar({"type": "object", "properties": {"p": {"type": "number", "maximum": 0.5}}})
+        schema_grammar({"type": "object", "properties": {"p": {"type": "number", "minimum": 0.5, "maximum": 1e300}}})
+    with pytest.raises(ToolError, match="'minimum' at # cannot be enforced.*below 2\\*\\*63"):
+        schema_grammar({"type": "number", "minimum": "0.5"})
     with pytest.raises(ToolError, match="bounds at # leave no number"):
         schema_grammar({"type": "number", "minimum": 3, "exclusiveMaximum": 3})
 
@@ -227,6 +309,8 @@ def test_a_long_string_is_followed_to_its_exact_length(tiny_pair):
      {"type": "string", "minLength": 2000, "maxLength": 10 ** 9}, {"type": "string", "pattern": "^(a{0,3000})?$"},
      {"type": "string", "format": "date"}, {"type": "string", "format": "date-time"},
      {"type": "number", "minimum": 0, "maximum": 1}, {"type": "number", "exclusiveMinimum": -3, "maximum": 7},
+     *({"type": "number", **bounds} for bounds in FRACTIONAL_BOUNDS),
+     {"type": "number", "exclusiveMinimum": -123456789.125, "exclusiveMaximum": 1e-20},
      {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3000},
      {"type": "string", "pattern": "[a-z]+"}, {"type": "string", "pattern": "\\d{4}$"},
      {"$defs": {"N": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}}}}},

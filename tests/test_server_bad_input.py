@@ -183,8 +183,8 @@ def test_a_large_body_is_parsed_as_a_small_one(server):
 
 # ---------------------------------------------------------------- JSON schemas the grammar cannot enforce
 
-BOUNDED = {"type": "number", "minimum": 5.5, "maximum": 9}  # whole bounds are followed, a number's 5.5 not
-NESTED = {"type": "object", "properties": {"n": {"type": "number", "exclusiveMaximum": 3.5}}, "required": ["n"]}
+BOUNDED = {"type": "number", "minimum": 1e300, "maximum": 1e301}  # a number's bounds are followed below 2**63
+NESTED = {"type": "object", "properties": {"n": {"type": "number", "exclusiveMaximum": 1e300}}, "required": ["n"]}
 ANNOTATED = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "x", "title": "flag",
              "description": "d", "$comment": "c", "type": "object", "required": ["ok"],
              "properties": {"ok": {"type": "boolean", "default": True, "examples": [True], "title": "ok"}}}
@@ -225,8 +225,8 @@ def test_annotations_and_tool_parameters_still_work(server):
 @pytest.mark.parametrize("schema, says", [
     (BOUNDED, "'minimum' at #"),
     ({"type": "number", "multipleOf": 2}, "'multipleOf' at #"),
-    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMinimum": 0.1}}}, "at #/properties/a"),
-    ({"type": "array", "items": {"type": "number", "maximum": 3.5}}, "'maximum' at #/items"),
+    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMinimum": -1e300}}}, "at #/properties/a"),
+    ({"type": "array", "items": {"type": "number", "maximum": "3.5"}}, "'maximum' at #/items"),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "bounds at # leave no integer"),
     ({"type": "integer", "multipleOf": 2}, "'multipleOf' at #"),
     ({"type": "array", "minItems": 1}, "'minItems' at #"),
@@ -234,9 +234,9 @@ def test_annotations_and_tool_parameters_still_work(server):
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required at # names 'b'"),
     ({"type": "string", "not": {"const": "x"}}, "'not' at #"),
     ({"type": "string", "pattern": "^a+b$", "maxLength": 3}, "'maxLength' at # cannot be enforced next to pattern"),
-    ({"type": ["number", "null"], "maximum": 0.5}, "'maximum' at #/anyOf/0"),  # the list rewritten, the bound kept
+    ({"type": ["number", "null"], "maximum": 1e300}, "'maximum' at #/anyOf/0"),  # the list rewritten, the bound kept
     ({"anyOf": [{"type": "string"}], "type": "string"}, "'type' at # cannot be enforced next to anyOf"),
-    ({"$defs": {"n": {"type": "number", "maximum": 3.5}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+    ({"$defs": {"n": {"type": "number", "maximum": 1e300}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
      "'maximum' at #/$defs/n"),
     ({"enum": []}, "enum at # is empty"),
     # a pattern: its problem with its place (the converter took "^(a|b$" as a|b, and wrote "^a**$" as a
@@ -412,3 +412,72 @@ def test_anthropic_max_tokens_0_puts_the_prompt_in_the_cache_and_answers_nothing
     response = post(server, "/v1/messages", {"messages": [HI], "max_tokens": 0})
     assert response.status_code == 200, response.text
     assert response.json()["content"] == [] and response.json()["usage"]["output_tokens"] == 0
+
+
+# ---------------------------------------------------------------- bounds that are not whole; "$ref" as data
+
+def test_a_number_between_bounds_that_are_not_whole_is_followed(server):
+    """response_format's minimum 0.5 and maximum 2.75 (a 400 while only whole bounds were followed)."""
+    from decimal import Decimal
+    schema = {"type": "object", "required": ["x"], "properties": {"x": {"type": "number", "minimum": 0.5,
+                                                                        "maximum": 2.75}}}
+    form = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    whole = 0
+    for seed in range(4):
+        response = post(server, "/v1/chat/completions", {"messages": [HI], "max_tokens": 48, "temperature": 1,
+                                                         "seed": seed, "response_format": form})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            whole += 1
+            value = json.loads(choice["message"]["content"], parse_float=Decimal)["x"]
+            assert Decimal("0.5") <= value <= Decimal("2.75"), choice
+    assert whole
+
+
+REF_AS_DATA = [
+    {"type": "object", "properties": {"a": {"const": {"$ref": "x"}}}, "required": ["a"]},
+    {"enum": [{"$ref": "#/nope"}, {"$ref": "#/$defs"}]},
+    {"type": "string", "default": {"$ref": "#/nope"}, "examples": [{"$ref": 5}]},
+    {"type": "object", "properties": {"$ref": {"type": "string"}}, "required": ["$ref"]},  # a property's name
+    {"$defs": {"v": {"const": {"$ref": "#/$defs/v"}}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/v"}},
+     "required": ["a"]},
+]
+
+
+@pytest.mark.parametrize("schema", REF_AS_DATA)
+def test_a_ref_key_in_data_is_data(schema, tiny_decoder):
+    """llama-cpp-python's resolve_refs took every {"$ref": ...} for a reference, a const's, an enum's or a
+    default's value too ("Unsupported ref x", "Error resolving ref #/nope") or a property named $ref
+    ("unhashable type: 'dict'"), and wrote #/$defs as stdin#/$defs in a literal the answer must equal."""
+    from ggufspec.processing import Constraints, Grammar
+    grammar = schema_grammar(schema)
+    assert "stdin" not in grammar, grammar
+    Grammar(tiny_decoder.target.vocab, Constraints(grammar=grammar))  # llama.cpp's parser takes it
+    for value in [*schema.get("enum", []), schema.get("properties", {}).get("a", {}).get("const")]:
+        if value is not None:
+            assert json.dumps(json.dumps(value))[1:-1] in grammar, (value, grammar)
+
+
+def test_a_tools_parameters_with_a_ref_key_in_data():
+    from ggufspec import tools as toolkit
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"mode": {"enum": [{"$ref": "x"}, "plain"], "default": {"$ref": "#/y"}}}}}}
+    hermes = toolkit.detect_format("{% if tools %}<tool_call>{% endif %}")
+    assert json.dumps(json.dumps({"$ref": "x"}))[1:-1] in toolkit.call_grammar(toolkit.check_tools([tool]), hermes)
+
+
+def test_a_const_with_a_ref_key_is_answered_literally(server):
+    value = {"$ref": "#/$defs/v", "n": [1, {"$ref": "y"}]}
+    schema = {"$defs": {"v": {"type": "string"}}, "type": "object", "properties": {"a": {"const": value}},
+              "required": ["a"], "additionalProperties": False}
+    form = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    response = post(server, "/v1/chat/completions", {"messages": [HI], "max_tokens": 60, "response_format": form})
+    assert response.status_code == 200, response.text
+    assert json.loads(response.json()["choices"][0]["message"]["content"]) == {"a": value}
+
+
+def test_a_ref_that_leads_nowhere_is_still_a_one_line_400():
+    with pytest.raises(ToolError) as caught:
+        schema_grammar({"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}})
+    assert "#/$defs/none" in str(caught.value) and "\n" not in str(caught.value)
