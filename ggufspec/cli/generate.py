@@ -250,6 +250,29 @@ def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: i
 
 
 
+def template_variables(text: str | None, reasoning_budget: int) -> dict:
+    """--chat-template-kwargs (a JSON object) and --reasoning-budget 0 as the chat template's variables."""
+    variables = {}
+    if text is not None:
+        try:
+            variables = json.loads(utf8_text("--chat-template-kwargs", text))
+        except ValueError as exc:
+            raise GgufspecError(f"--chat-template-kwargs is no JSON ({exc}): give an object, e.g. "
+                                "'{\"enable_thinking\": false}'") from None
+        if not isinstance(variables, dict):
+            raise GgufspecError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
+        if not isinstance(variables.get("enable_thinking", False), bool):
+            raise GgufspecError("--chat-template-kwargs: enable_thinking must be true or false")
+        from ..server.schemas import RENDERER_VARIABLES
+        taken = [name for name in variables if name in RENDERER_VARIABLES]
+        if taken:
+            raise GgufspecError(f"--chat-template-kwargs: {taken[0]} is set by the server itself: leave it out")
+    if reasoning_budget not in (-1, 0):
+        raise GgufspecError(f"--reasoning-budget {reasoning_budget}: only -1 (think as the template does) and 0 "
+                            "(no thinking) are supported, as llama-server's")
+    return {**variables, "enable_thinking": False} if reasoning_budget == 0 else variables
+
+
 def check_alias(alias: str | None) -> None:
     """An --alias a client can send back as its `model`: some text, without outer whitespace."""
     utf8_text("--alias", alias)
@@ -285,12 +308,20 @@ def check_alias(alias: str | None) -> None:
               help="The model's id in /v1/models and in answers (requests may name it so; the file's names still "
                    "work) [default: the pair's or the file's name].")
 @click.option("--jinja", is_flag=True, hidden=True)  # llama-server's; ggufspec always renders the template in Jinja
+@click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+              help="Variables for the chat template in every chat request (a request's chat_template_kwargs "
+                   "add to them), e.g. '{\"enable_thinking\": false}'.")
+@click.option("--reasoning-format", type=click.Choice(["auto", "deepseek", "deepseek-legacy", "none"]), default="auto",
+              help="Where a reasoning model's <think> block goes in chat answers: reasoning_content (auto, "
+                   "deepseek), there and in content too (deepseek-legacy), or left in content (none).")
+@click.option("--reasoning-budget", type=int, default=-1,
+              help="-1: think as the template does; 0: no thinking (the template's enable_thinking false).")
 @click.option("--metrics", is_flag=True, help="Answer GET /metrics: llama-server's Prometheus counters (tokens, "
               "seconds, drafts kept), under its names.")
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
-def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja, metrics,
-          serve_fd, **opts):
+def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja,
+          template_kwargs, reasoning_format, reasoning_budget, metrics, serve_fd, **opts):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
 
     The options after the model flags are the defaults of every request; a request may override them
@@ -310,6 +341,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
     check_alias(alias)
+    template_defaults = template_variables(template_kwargs, reasoning_budget)
     check_rpc(opts["rpc"], rpc_timeout_given())
     if api_key is not None and not api_key.strip():
         raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank: no client could ever send it; "
@@ -341,6 +373,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
                          aliases=(session.name, target.name, target.stem),
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
                                "defaults": defaults}, session=session, metrics=metrics,
+                         template_defaults=template_defaults, reasoning_format=reasoning_format,
                          exposure=exposure if serve_fd is None else exposure.behind_front())  # --rpc: its front checks
         if serve_fd is not None:  # `serve --rpc`'s model process, loaded: from now on a lost worker is recovered from
             from ..rpc import faults

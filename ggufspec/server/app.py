@@ -38,13 +38,15 @@ def chat_page() -> str:
 
 def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_key: str | None = None,
                max_queue: int = 16, aliases: tuple[str, ...] = (), info: dict | None = None,
-               session=None, exposure: Exposure | None = None, metrics: bool = False) -> FastAPI:
+               session=None, exposure: Exposure | None = None, metrics: bool = False,
+               template_defaults: dict | None = None, reasoning_format: str = "auto") -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
     `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
     defaults (no Host check: where it listens is not known here).
     `aliases`: other model ids accepted in requests (file names). `info`: shown in /v1/models' meta.
     `session`: the opened session, for /props (its `draft_choice`, where it has one). `metrics`: answer
-    /metrics (llama-server's --metrics)."""
+    /metrics (llama-server's --metrics). `template_defaults`: every chat request's template variables
+    (--chat-template-kwargs); `reasoning_format`: where chat answers put a reasoning model's thinking."""
     engine = Engine(decoder, max_queue)
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
@@ -69,7 +71,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     # OpenAI's chat and completions, Anthropic's Messages, OpenAI's Responses: the same requests to the same engine
     fingerprint = system_fingerprint(decoder)
     serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models,
-                                fingerprint=fingerprint)
+                                fingerprint=fingerprint, template_defaults=dict(template_defaults or {}),
+                                reasoning_format=reasoning_format)
     protocols.add_routes(app, serving)
 
     @app.get("/health")

@@ -58,21 +58,27 @@ def with_calls(finish: str, called: bool) -> str:
 class ChoiceState:
     """One choice's pieces so far, and what of them may go out as content."""
 
-    def __init__(self, index: int, shape: Shaping, chat: bool):
+    def __init__(self, index: int, shape: Shaping, chat: bool, new_reasoning=None):
         self.index, self.shape, self.chat = index, shape, chat
         self.pieces: list[dict] = []
         self.held: list[dict] = []   # pieces not yet sent: a tool call may have begun in them
         self.sent_text = ""
         self.logprob_offset = 0      # text_offset of the next legacy logprob entry
         self.finish: str | None = None
+        # a reasoning model's thinking told apart (reasoning.ReasoningContent), or None: all is content
+        self.new_reasoning = new_reasoning
+        self.reasoning = None        # made at the first piece: the prompt (which may open <think>) is rendered by then
+        self.thinking = ""           # thinking not yet sent (reasoning_content)
 
     @property
     def parsing(self) -> bool:
         return self.chat and self.shape.plan.parse
 
     def push(self, pieces: list[dict]) -> list[dict]:
-        """The pieces that can go out as content now."""
+        """The pieces that can go out as content now (their text the content's part of theirs, the
+        thinking kept for `take_thinking`)."""
         self.pieces += pieces
+        pieces = self.content_pieces(pieces)
         if not self.parsing:
             return pieces
         self.held += pieces
@@ -86,10 +92,35 @@ class ChoiceState:
         self.sent_text += "".join(p["text"] for p in released)
         return released
 
+    def content_pieces(self, pieces: list[dict]) -> list[dict]:
+        """The pieces with the thinking taken out of their text (into `thinking`)."""
+        if self.new_reasoning is None:
+            return pieces
+        self.reasoning = self.reasoning or self.new_reasoning()
+        parted = []
+        for piece in pieces:
+            thought, content = self.reasoning.push(piece["text"])
+            self.thinking += thought
+            parted.append({**piece, "text": content})
+        return parted
+
+    def flushed(self) -> list[dict]:
+        """What the thinking splitter held back, at the end: its thinking kept, its content a piece."""
+        if self.new_reasoning is None:
+            return []
+        self.reasoning = self.reasoning or self.new_reasoning()
+        thought, content = self.reasoning.flush()
+        self.thinking += thought
+        return [{"text": content}] if content else []
+
+    def take_thinking(self) -> str:
+        thinking, self.thinking = self.thinking, ""
+        return thinking
+
     def end(self, cut_short: bool = False) -> tuple[list[dict], str | None, list[dict]]:
         """The choice ended (`cut_short`: by max_tokens or the context): (held pieces, their content or
         None, tool calls) for the last chunks."""
-        held, self.held = self.held, []
+        held, self.held = self.held + self.flushed(), []
         text = "".join(p["text"] for p in held)
         if not self.parsing or not held:
             return held, text or None, []
@@ -120,12 +151,15 @@ class ChoiceState:
     def message(self, cut_short: bool = False) -> tuple[dict, bool]:
         """The whole answer's message (chat) and whether it called tools: the content a stream of the
         same pieces shows (`push`, then `end`), so that the text before a call is the same either way."""
-        text = "".join(p["text"] for p in self.pieces)
+        fresh = ChoiceState(self.index, self.shape, self.chat, self.new_reasoning)
+        pieces = fresh.content_pieces(self.pieces) + fresh.flushed()
+        reasoning = {"reasoning_content": fresh.thinking} if fresh.thinking else {}
+        text = "".join(p["text"] for p in pieces)
         if not self.parsing:
-            return {"role": "assistant", "content": text}, False
+            return {"role": "assistant", "content": text, **reasoning}, False
         start = toolkit.call_start(text, self.shape.fmt)
         cut, sent = len(text) if start is None else start, 0
-        for piece in self.pieces:  # what push would have released: the pieces before the cut
+        for piece in pieces:  # what push would have released: the pieces before the cut
             if sent + len(piece["text"]) > cut:
                 break
             sent += len(piece["text"])
@@ -134,8 +168,8 @@ class ChoiceState:
         _, held_content, calls = replay.end(cut_short)
         content = replay.sent_text + (held_content or "")
         if calls:
-            return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
-        return {"role": "assistant", "content": content}, False
+            return {"role": "assistant", "content": content or None, **reasoning, "tool_calls": calls}, True
+        return {"role": "assistant", "content": content, **reasoning}, False
 
     def logprobs(self, pieces: list[dict]) -> dict | None:
         """The pieces' log-probabilities in the API's shape, or None when not asked for."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .. import tools as toolkit
 from ..errors import GgufspecError
 from .errors import APIError
-from .schemas import ChatBody, CompletionBody, GenerationBody, NativeBody
+from .schemas import ChatBody, CompletionBody, GenerationBody, NativeBody, template_variables
 
 NO_GRAMMAR = (None, False, ())
 
@@ -25,13 +25,15 @@ class Shaping:
     plan: toolkit.ToolPlan = toolkit.ToolPlan(None, parse=False)
     fmt: toolkit.ToolFormat | None = None
     logprobs: int | None = None   # None: none; 0: the chosen token's; n: and the n likeliest
+    template_variables: dict = field(default_factory=dict)  # the chat template's (schemas.template_variables)
 
 
 def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids=lambda: (),
-            tokenize=None) -> Shaping:
-    """The request's constraints, tools and logprobs, checked (APIError 400 naming the field).
-    `end_ids()`: the tokens that end a generation, which `ignore_eos` rules out; `tokenize(text)`:
-    the tokens of a logit_bias key that is a text."""
+            tokenize=None, template_defaults: dict | None = None) -> Shaping:
+    """The request's constraints, tools, logprobs and chat template variables, checked (APIError 400
+    naming the field). `end_ids()`: the tokens that end a generation, which `ignore_eos` rules out;
+    `tokenize(text)`: the tokens of a logit_bias key that is a text; `template_defaults`: the server's
+    chat template variables."""
     plan = tool_plan(body, fmt) if isinstance(body, ChatBody) else toolkit.ToolPlan(None, parse=False)
     grammar, lazy, triggers = response_grammar(body)
     if plan.grammar is not None:
@@ -47,7 +49,8 @@ def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids
         constraints["grammar"] = grammar
         if lazy:
             constraints["grammar_patterns"] = toolkit.trigger_patterns(fmt, plan.names)
-    return Shaping(constraints, triggers if lazy else (), plan, fmt, requested_logprobs(body))
+    variables = template_variables(body, template_defaults) if isinstance(body, ChatBody) else {}
+    return Shaping(constraints, triggers if lazy else (), plan, fmt, requested_logprobs(body), variables)
 
 
 def tool_plan(body: ChatBody, fmt: toolkit.ToolFormat) -> toolkit.ToolPlan:

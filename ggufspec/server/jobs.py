@@ -65,6 +65,7 @@ class Job:
         self.stop_sequences: dict[int, str] = {}  # ... and each choice's, by index
         self.started = False  # "started" sent (once: a prompt that found no room starts again)
         self.line_limits = line_limits  # stops.LineLimits' keywords (/infill's n_indent, t_max_predict_ms)
+        self.opens_thinking = False  # the rendered prompt ends in <think>: the answer starts inside it
         self._lock = threading.Lock()  # the parts' shared state below
         self._tokens: list | Exception | None = None  # every prompt's tokens (or why they cannot run)
         self._results: dict[int, Stats] = {}  # each ended choice's statistics, by index
@@ -316,6 +317,7 @@ class Engine:
         decoder = self.decoder
         if job.messages is not None:
             prompt = chat_prompt(decoder, job.messages, job.shape) + job.prefill
+            job.opens_thinking = prompt.rstrip().endswith("<think>")  # DeepSeek-R1's templates; Qwen3's never
         n_predict = job.options.get("n_predict", -1)
         if isinstance(prompt, str):  # a max_tokens that the context lowers (fit_to_context) refuses nothing
             tokens = tokenize_within(decoder, prompt, -1 if job.fit_to_context else n_predict)
@@ -416,7 +418,8 @@ def chat_prompt(decoder, messages: list[dict], shape: Shaping) -> str:
     """A conversation (and the tools its plan offers) through the target's chat template."""
     plan, fmt = shape.plan, shape.fmt or toolkit.detect_format(load.chat_template(decoder.target_llm).text)
     prepared = toolkit.prepare_messages(messages, fmt, plan.tools)
-    return load.render_chat(decoder.target_llm, prepared, tools=plan.tools if fmt.native else None)
+    return load.render_chat(decoder.target_llm, prepared, tools=plan.tools if fmt.native else None,
+                            **shape.template_variables)
 
 
 def summed(results: dict[int, Stats], n: int) -> Stats:

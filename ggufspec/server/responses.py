@@ -39,11 +39,12 @@ class Reply:
     (`n` of them) filled as their pieces come."""
 
     def __init__(self, model: str, chat: bool, shape: Shaping | None = None, n: int = 1,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, new_reasoning=None):
         self.model, self.chat, self.fingerprint = model, chat, fingerprint
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.choices = [ChoiceState(i, shape or Shaping(), chat) for i in range(n)]
+        # new_reasoning: a reasoning model's thinking as reasoning_content (reasoning.reasoning_content_for)
+        self.choices = [ChoiceState(i, shape or Shaping(), chat, new_reasoning) for i in range(n)]
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -66,9 +67,11 @@ class Reply:
                             ggufspec={"stats": stats.to_dict(), "estimate": estimate})
 
     def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False, index: int = 0,
-              logprobs: dict | None = None, tool_calls: list | None = None, **extra) -> dict:
+              logprobs: dict | None = None, tool_calls: list | None = None, reasoning: str = "", **extra) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else {} if text is None else {"content": text}
+            if reasoning:  # llama-server's field for a reasoning model's thinking
+                delta["reasoning_content"] = reasoning
             if tool_calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta}
@@ -82,21 +85,25 @@ class Reply:
         the first one also says how much of the prompt the cache held. Nothing while all of it is held back."""
         state = self.choices[index]
         released = state.push(pieces)
-        if not released and not prompt:
+        thinking = state.take_thinking()
+        if not released and not prompt and not thinking:
             return []
         extra = {"pieces": shown_pieces(released), **({"prompt": prompt} if prompt else {})}
         text = "".join(p["text"] for p in released) if released else None  # the prompt's figures alone: no content
-        return [self.chunk(text, index=index, logprobs=state.logprobs(released), ggufspec=extra)]
+        if thinking and not text:  # thinking alone: no content key
+            text = None
+        return [self.chunk(text, index=index, logprobs=state.logprobs(released), reasoning=thinking, ggufspec=extra)]
 
     def choice_end_chunks(self, index: int, stats: Stats, finish: str, estimate: dict | None) -> list[dict]:
         """What the choice held back (content, or its tool calls), then its finish_reason."""
         state = self.choices[index]
         held, content, calls = state.end(cut_short=finish == "length")
+        thinking = state.take_thinking()
         chunks = []
-        if held:
-            chunks.append(self.chunk(content if content is not None or calls else "", index=index,
-                                     logprobs=state.logprobs(held), tool_calls=calls,
-                                     ggufspec={"pieces": shown_pieces(held)}))
+        if held or thinking:
+            text = content if content is not None or calls or thinking else ""
+            chunks.append(self.chunk(text, index=index, logprobs=state.logprobs(held), tool_calls=calls,
+                                     reasoning=thinking, ggufspec={"pieces": shown_pieces(held)}))
         finish = with_calls(finish, bool(calls))
         chunks.append(self.chunk(None, finish, index=index, timings=timings(stats),
                                  ggufspec={"stats": stats.to_dict(), "estimate": estimate}))

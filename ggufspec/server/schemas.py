@@ -164,6 +164,35 @@ class ChatBody(GenerationBody):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = Field(None, strict=True)
+    # llama-server's: variables for the chat template ({"enable_thinking": false} for Qwen3), and where a
+    # reasoning model's <think> block goes (reasoning_content, or left in content: "none")
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] | None = None
+    reasoning_effort: str | None = None  # OpenAI's; "none" turns thinking off, others go to the template
+
+
+# what the chat template is given by the renderer itself: a request may not set them
+RENDERER_VARIABLES = ("messages", "tools", "tool_choice", "functions", "function_call", "eos_token", "bos_token",
+                      "raise_exception", "add_generation_prompt", "strftime_now")
+
+
+def template_variables(body: ChatBody, defaults: dict | None = None) -> dict:
+    """The chat template's variables: the server's --chat-template-kwargs, then the request's, then
+    reasoning_effort (llama-server's rules: "none" is enable_thinking false; another effort is passed
+    on as `reasoning_effort`, which gpt-oss's template reads)."""
+    variables = {**(defaults or {}), **(body.chat_template_kwargs or {})}
+    taken = [name for name in body.chat_template_kwargs or {} if name in RENDERER_VARIABLES]
+    if taken:
+        raise APIError(400, f"chat_template_kwargs.{taken[0]} is set by the server itself: leave it out",
+                       code="invalid_value", param="chat_template_kwargs")
+    if not isinstance(variables.get("enable_thinking", False), bool):
+        raise APIError(400, "chat_template_kwargs.enable_thinking must be true or false, got "
+                            f"{variables['enable_thinking']!r}", code="invalid_value", param="chat_template_kwargs")
+    if body.reasoning_effort == "none":
+        variables["enable_thinking"] = False
+    elif body.reasoning_effort:
+        variables["reasoning_effort"] = body.reasoning_effort
+    return variables
 
 
 def request_options(body: GenerationBody, defaults: dict) -> dict:

@@ -82,7 +82,7 @@ class CountTokensBody(Strict):
     system: str | list[Block] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: dict | None = None     # accepted; a model whose template reasons does so in its text
+    thinking: dict | None = None     # enabled / disabled: the template's enable_thinking (thinking_variables)
 
 
 class MessagesBody(CountTokensBody):
@@ -118,6 +118,7 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
                                      else {"type": "function", "function": {"name": choice.name}})
         if choice.disable_parallel_tool_use:
             translated["parallel_tool_calls"] = False
+    translated.update(thinking_variables(body))
     if isinstance(body, MessagesBody):
         # max_tokens 0: the prompt into the cache, nothing generated (llama.cpp's n_predict 0)
         translated.update({"max_tokens" if body.max_tokens else "n_predict": body.max_tokens},
@@ -126,6 +127,16 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
         if form is not None:
             translated["response_format"] = {"type": "json_schema", "json_schema": {"schema": form.schema_}}
     return serving.chat_body(translated, body.model_extra, names=request_names(body)), prefill
+
+
+def thinking_variables(body: CountTokensBody) -> dict:
+    """`thinking` as the chat template's enable_thinking (Qwen3's and others' switch): "disabled" turns
+    it off, "enabled" on; the request's own chat_template_kwargs (an engine extra) say it first."""
+    kind = (body.thinking or {}).get("type")
+    if kind not in ("enabled", "disabled"):
+        return {}
+    given = (body.model_extra or {}).get("chat_template_kwargs")
+    return {"chat_template_kwargs": {"enable_thinking": kind == "enabled", **(given if isinstance(given, dict) else {})}}
 
 
 def request_names(body: CountTokensBody) -> dict:
@@ -324,7 +335,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         chat, prefill = await asyncio.to_thread(chat_request, body, serving)  # thousands of messages take a while
         job = await serving.submit(chat, prefill, names=request_names(body))
         return await respond(job, request, body.stream, lambda n_prompt: MessageState(serving, n_prompt),
-                             lambda: splitter_for(serving))
+                             lambda: splitter_for(serving, job))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensBody):

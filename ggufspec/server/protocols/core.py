@@ -35,7 +35,7 @@ from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts,
 # Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
                  "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
-                 "ignore_eos", *SAMPLERS_NOT_HAD)
+                 "ignore_eos", "chat_template_kwargs", *SAMPLERS_NOT_HAD)
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,8 @@ class Serving:
     accepted_models: set = field(default_factory=set)
     thinking: tuple[bool, bool] = (False, False)  # reasoning.template_thinking: the template's <think> block
     fingerprint: str | None = None  # OpenAI's system_fingerprint (props.system_fingerprint)
+    template_defaults: dict = field(default_factory=dict)  # --chat-template-kwargs: every request's variables
+    reasoning_format: str = "auto"  # --reasoning-format: chat answers' thinking in reasoning_content, or not
 
     def check_model(self, requested: str | None) -> None:
         # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
@@ -108,7 +110,8 @@ class Serving:
     def shape(self, body: ChatBody) -> Shaping:
         target, llm = self.decoder.target, self.decoder.target_llm
         return shaping(body, self.tool_format, target.n_vocab, lambda: target.end_of_generation_ids,
-                       lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+                       lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False),
+                       template_defaults=self.template_defaults)
 
     async def submit(self, body: GenerationBody, prefill: str = "", names: dict | None = None, *,
                      prompt: str | list[int] | None = None, prompts: list | None = None, n: int = 1,

@@ -10,6 +10,7 @@ from ..errors import APIError
 from ..responses import Reply, stream_events, whole_answer
 from ..schemas import ChatBody, CompletionBody, GenerationBody, completion_prompts
 from .core import Serving, answer_or_stream
+from .reasoning import reasoning_content_for
 
 
 def add_routes(app: FastAPI, serving: Serving) -> None:
@@ -39,7 +40,8 @@ async def answer(serving: Serving, request: Request, body: GenerationBody, chat:
     A max_tokens beyond the context is refused, as OpenAI's API does, not lowered."""
     serving.check_model(body.model)
     job = await serving.submit(body, prompts=prompts, n=body.n, fit_to_context=False)
-    reply = Reply(serving.model_name, chat, job.shape, job.n_choices, serving.fingerprint)
+    reasoning = reasoning_content_for(serving, body, job) if chat else None
+    reply = Reply(serving.model_name, chat, job.shape, job.n_choices, serving.fingerprint, reasoning)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await answer_or_stream(job, request, body.stream, lambda n_prompt: whole_answer(job, reply, request),
                                   lambda n_prompt: stream_events(job, reply, include_usage))

@@ -73,6 +73,7 @@ class ResponsesBody(Strict):
     conversation: str | dict | None = None  # a stored conversation (refused: nothing is stored)
     prompt: dict | None = None              # a stored prompt template (refused likewise)
     metadata: dict | None = None
+    reasoning: dict | None = None  # its effort as chat's reasoning_effort ("none": no thinking)
 
 
 # ---------------------------------------------------------------- the request
@@ -82,7 +83,7 @@ LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them
 
 # chat's field names in an error: this API's (in this order: the longer first)
 NAMES = {"response_format.json_schema.": "text.format.", "response_format": "text.format",
-         "max_tokens": "max_output_tokens", "].function.": "]."}
+         "max_tokens": "max_output_tokens", "].function.": "].", "reasoning_effort": "reasoning.effort"}
 
 
 def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
@@ -92,7 +93,8 @@ def chat_request(body: ResponsesBody, serving: Serving) -> ChatBody:
                                 "stateless); send the whole conversation in input", code="invalid_value")
     translated: dict[str, Any] = {"messages": conversation(body), "max_tokens": body.max_output_tokens,
                                   "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-                                  "stop": body.stop, "parallel_tool_calls": body.parallel_tool_calls}
+                                  "stop": body.stop, "parallel_tool_calls": body.parallel_tool_calls,
+                                  "reasoning_effort": (body.reasoning or {}).get("effort")}
     tools = [{"type": "function", "function": {key: t[key] for key in ("name", "description", "parameters") if key in t}}
              for t in body.tools or [] if isinstance(t, dict) and t.get("type", "function") == "function"]
     if tools:
@@ -307,4 +309,4 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         chat = await asyncio.to_thread(chat_request, body, serving)  # thousands of items take a while
         job = await serving.submit(chat, names=NAMES)
         return await respond(job, request, body.stream, lambda n_prompt: ResponseState(serving, body),
-                             lambda: splitter_for(serving))
+                             lambda: splitter_for(serving, job))

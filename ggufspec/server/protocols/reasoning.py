@@ -30,10 +30,43 @@ def template_thinking(decoder) -> tuple[bool, bool]:
     return True, prompt.rstrip().endswith(OPEN)
 
 
-def splitter_for(serving) -> ThinkingSplitter | None:
-    """A splitter for an answer of the served model, when its template knows a thinking block."""
+def splitter_for(serving, job=None) -> ThinkingSplitter | None:
+    """A splitter for an answer of the served model, when its template knows a thinking block; the
+    answer starts inside it where the job's rendered prompt opened it (its variables may say not to)."""
     knows, opens = serving.thinking
-    return ThinkingSplitter(opens) if knows else None
+    if not knows:
+        return None
+    return ThinkingSplitter(job.opens_thinking if job is not None else opens)
+
+
+def reasoning_content_for(serving, body, job):
+    """For OpenAI chat's answer, a maker of each choice's ReasoningContent, or None where the thinking
+    stays in `content`: llama-server's reasoning_format (the request's, else --reasoning-format) "none",
+    or a template that knows no thinking block."""
+    form = body.reasoning_format or serving.reasoning_format
+    if form == "none" or not serving.thinking[0]:
+        return None
+    return lambda: ReasoningContent(job.opens_thinking, keep_in_content=form == "deepseek-legacy")
+
+
+class ReasoningContent:
+    """A choice's text as it comes, split into (reasoning_content, content), as llama-server's
+    reasoning_format deepseek does; deepseek-legacy keeps the whole text in content as well."""
+
+    def __init__(self, opened: bool, keep_in_content: bool = False):
+        self.splitter, self.keep_in_content = ThinkingSplitter(opened), keep_in_content
+
+    def push(self, text: str) -> tuple[str, str]:
+        return self._parted(self.splitter.push(text), text)
+
+    def flush(self) -> tuple[str, str]:
+        return self._parted(self.splitter.flush(), "")
+
+    def _parted(self, events: list, text: str) -> tuple[str, str]:
+        thinking = "".join(e.text for e in events if isinstance(e, Thinking))
+        if self.keep_in_content:
+            return thinking, text
+        return thinking, "".join(e.text for e in events if not isinstance(e, Thinking))
 
 
 def trailing_prefix(text: str, marker: str) -> int:
