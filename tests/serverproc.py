@@ -51,7 +51,7 @@ def start_server(tmp_path: Path, *args: str) -> Server:
                                 stderr=stderr, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+        match = re.search(r"at (https?://127\.0\.0\.1:\d+)/v1", log.read_text())
         if match:
             return Server(match.group(1), proc, log)
         assert proc.poll() is None, log.read_text()

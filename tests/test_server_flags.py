@@ -1,12 +1,17 @@
 """llama-server's serve flags that its users copy: `--metrics` (its Prometheus endpoint under its names,
 the sums of the answers' own `timings`; without the flag a 501 in OpenAI's shape, as llama-server's),
-`-a/--alias` (the model's id), `--jinja` (taken: templates are always Jinja)."""
+`-a/--alias` (the model's id), `--jinja` (taken: templates are always Jinja), `--ssl-key-file` and
+`--ssl-cert-file` (HTTPS)."""
 from __future__ import annotations
 
 import re
+import shutil
+import ssl
+import subprocess
 
 import anthropic
 import httpx
+import openai
 import pytest
 from click.testing import CliRunner
 
@@ -98,3 +103,72 @@ def test_a_blank_alias_is_one_line(alias):
     result = CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", "--alias", alias])
     line = result.stderr.strip()
     assert result.exit_code == 2 and line.startswith("ggufspec: error: --alias") and "\n" not in line, result.stderr
+
+
+# ---------------------------------------------------------------- --ssl-key-file / --ssl-cert-file
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1, and its key (openssl, as a user makes one)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl to make a certificate with")
+    folder = tmp_path_factory.mktemp("tls")
+    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem"), "-days", "2",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return folder / "key.pem", folder / "cert.pem"
+
+
+def test_https_with_the_key_and_certificate_and_the_sdks_trusting_it(pair, tmp_path, certificate):
+    target, draft = pair
+    key, cert = certificate
+    with serving(tmp_path, "-m", str(target), "-md", str(draft), "--ssl-key-file", str(key),
+                 "--ssl-cert-file", str(cert), "--api-key", "sekrit") as server:
+        assert server.url.startswith("https://127.0.0.1:")
+        trusting = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(server.url + "/health", verify=trusting, timeout=10).json()["status"] == "ok"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit", max_retries=0,
+                               http_client=httpx.Client(verify=trusting, timeout=60))
+        answer = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4)
+        assert answer.choices[0].message.content is not None
+        with pytest.raises(httpx.HTTPError):  # plain HTTP gets no answer from a TLS port
+            httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # nor does a client that does not trust the certificate
+            httpx.get(server.url + "/health", timeout=5)
+
+
+@pytest.mark.parametrize("which, words", [
+    ("key only", "give both --ssl-key-file and --ssl-cert-file"),
+    ("missing", "No such file"),
+    ("swapped", "are not a PEM certificate and its unencrypted private key"),
+])
+def test_bad_tls_files_are_one_line_before_anything_loads(certificate, tmp_path, which, words):
+    key, cert = certificate
+    flags = {"key only": ["--ssl-key-file", str(key)],
+             "missing": ["--ssl-key-file", str(tmp_path / "none.pem"), "--ssl-cert-file", str(cert)],
+             "swapped": ["--ssl-key-file", str(cert), "--ssl-cert-file", str(key)]}[which]
+    result = CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", *flags])
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and words in line and "\n" not in line, result.stderr
+
+
+def test_https_through_serve_rpcs_supervisor(needs_rpc, pair, tmp_path, certificate):
+    """With --rpc the front (the supervisor) speaks HTTPS; the model process behind it, plain on its socket."""
+    from rpcworkers import Worker
+    target, draft = pair
+    key, cert = certificate
+    (tmp_path / "worker").mkdir()
+    worker = Worker(tmp_path / "worker")
+    try:
+        with serving(tmp_path, "-m", str(target), "-md", str(draft), "--rpc", str(worker.endpoint),
+                     "--ssl-key-file", str(key), "--ssl-cert-file", str(cert)) as server:
+            assert server.url.startswith("https://")
+            trusting = ssl.create_default_context(cafile=str(cert))
+            answer = httpx.post(server.url + "/completion", json={"prompt": "one two", "n_predict": 4},
+                                verify=trusting, timeout=60)
+            assert answer.status_code == 200 and answer.json()["tokens_predicted"] == 4
+    finally:
+        worker.stop()

@@ -316,12 +316,17 @@ def check_alias(alias: str | None) -> None:
                    "deepseek), there and in content too (deepseek-legacy), or left in content (none).")
 @click.option("--reasoning-budget", type=int, default=-1,
               help="-1: think as the template does; 0: no thinking (the template's enable_thinking false).")
+@click.option("--ssl-key-file", "ssl_key_file", default=None, metavar="FILE",
+              help="Serve HTTPS: this PEM private key (unencrypted), with --ssl-cert-file.")
+@click.option("--ssl-cert-file", "ssl_cert_file", default=None, metavar="FILE",
+              help="Serve HTTPS: this PEM certificate (chain), with --ssl-key-file.")
 @click.option("--metrics", is_flag=True, help="Answer GET /metrics: llama-server's Prometheus counters (tokens, "
               "seconds, drafts kept), under its names.")
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
 def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja,
-          template_kwargs, reasoning_format, reasoning_budget, metrics, serve_fd, **opts):
+          template_kwargs, reasoning_format, reasoning_budget, ssl_key_file, ssl_cert_file, metrics, serve_fd,
+          **opts):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
 
     The options after the model flags are the defaults of every request; a request may override them
@@ -335,13 +340,14 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
     try:
         from ..server import create_app
         from ..server.guard import Exposure, parse_hosts, parse_origins, parse_size
-        from ..server.listen import exit_quietly_on_signals, listen, serve_forever
+        from ..server.listen import exit_quietly_on_signals, listen, serve_forever, tls_from
     except ImportError as exc:
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
     check_alias(alias)
     template_defaults = template_variables(template_kwargs, reasoning_budget)
+    tls = tls_from(ssl_key_file, ssl_cert_file)
     check_rpc(opts["rpc"], rpc_timeout_given())
     if api_key is not None and not api_key.strip():
         raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank: no client could ever send it; "
@@ -355,7 +361,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
     if opts["rpc"] and serve_fd is None:  # a bad --rpc failed above (check_rpc), in one line
         from ..server.supervisor import supervise
         sys.exit(supervise(listen(host, port), rpc=opts["rpc"], rpc_timeout=rpc_timeout, argv=sys.argv[1:],
-                           exposure=exposure))
+                           exposure=exposure, tls=tls))
     if serve_fd is not None:
         from ..server.supervisor import supervised_socket
         sock = supervised_socket(serve_fd, opts["rpc"])
@@ -380,7 +386,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
             from ..server.supervisor import RECOVERY
             faults.set_abort_consequence(RECOVERY)
         serve_forever(app, sock, name=alias or session.name, host=host, exposure=exposure,
-                      shown_port=port if serve_fd is not None else None)
+                      shown_port=port if serve_fd is not None else None, tls=tls)
 
 
 @main.command(context_settings={"show_default": True})

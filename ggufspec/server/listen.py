@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
+from dataclasses import dataclass
 
 import uvicorn
 from sse_starlette.sse import AppStatus
@@ -34,6 +36,37 @@ def listen(host: str, port: int):
         raise GgufspecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
+
+
+@dataclass(frozen=True)
+class Tls:
+    """--ssl-key-file and --ssl-cert-file (llama-server's): the server speaks HTTPS, so that an API key
+    and the conversations cross a network encrypted."""
+    keyfile: str
+    certfile: str
+
+    def uvicorn_options(self) -> dict:
+        return {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile}
+
+
+def tls_from(keyfile: str | None, certfile: str | None) -> Tls | None:
+    """The two files, checked now (a PEM certificate and its private key that load together), rather
+    than by the first client after the models have loaded; None where neither is given."""
+    if keyfile is None and certfile is None:
+        return None
+    if keyfile is None or certfile is None:
+        raise GgufspecError("give both --ssl-key-file and --ssl-cert-file (a PEM private key and its certificate), "
+                            "or neither")
+    try:  # an encrypted key would make OpenSSL ask for its passphrase on the terminal: an empty one fails instead
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=lambda: b"")
+    except ssl.SSLError as exc:
+        raise GgufspecError(f"--ssl-cert-file {certfile} and --ssl-key-file {keyfile} are not a PEM certificate and "
+                            f"its unencrypted private key ({exc.reason or exc}; an encrypted key: openssl pkey -in KEY "
+                            f"-out PLAIN.pem)") from None
+    except OSError as exc:
+        raise GgufspecError(f"--ssl-key-file / --ssl-cert-file: {exc.filename or certfile}: "
+                            f"{exc.strerror or exc}") from None
+    return Tls(os.path.abspath(keyfile), os.path.abspath(certfile))
 
 
 def exit_quietly_on_signals() -> None:
@@ -73,15 +106,16 @@ def warnings(host: str, exposure: Exposure) -> list[str]:
 
 
 def serve_forever(app, sock: socket.socket, *, name: str, host: str, exposure: Exposure,
-                  shown_port: int | None = None) -> None:
+                  shown_port: int | None = None, tls: Tls | None = None) -> None:
     """Serve until Ctrl-C or SIGTERM. `shown_port`: the port clients use, when `sock` is not it (the
-    Unix socket of `serve --rpc`'s model process, behind its supervisor on host:shown_port).
-    `exposure`: the policy clients meet, said in the start line."""
+    Unix socket of `serve --rpc`'s model process, behind its supervisor on host:shown_port, which
+    speaks the `tls` then). `exposure`: the policy clients meet, said in the start line."""
     for warning in warnings(host, exposure):
         sys.stderr.write(f"ggufspec: warning: {warning}\n")
     bound_host, bound_port = (host, shown_port) if shown_port is not None else sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    sys.stderr.write(f"ggufspec: serving {name} at http://{shown}:{bound_port}/v1 (OpenAI and Anthropic APIs; "
+    scheme = "https" if tls else "http"
+    sys.stderr.write(f"ggufspec: serving {name} at {scheme}://{shown}:{bound_port}/v1 (OpenAI and Anthropic APIs; "
                      f"{exposure.summary()}; Ctrl-C stops)\n")
     stopping = threading.Event()
 
@@ -101,5 +135,7 @@ def serve_forever(app, sock: socket.socket, *, name: str, host: str, exposure: E
                 cut.daemon = True
                 cut.start()
             super().handle_exit(sig, frame)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S)
+    encrypted = tls.uvicorn_options() if tls and shown_port is None else {}  # behind a supervisor: it encrypts
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S,
+                            **encrypted)
     Server(config).run(sockets=[sock])
