@@ -486,6 +486,8 @@ def test_sigterm_while_a_stream_is_open_and_another_waits(slow_target, tmp_path)
     ("--max-body", "lots", "is not a size"),
     ("--max-body", "0", "is not a size"),
     ("--api-key", "sesame ", "whitespace"),
+    ("--api-key", "one,,two", "an empty key between commas"),
+    ("--api-key-file", "/nonexistent/keys.txt", "No such file"),
 ])
 def test_bad_values_are_one_line_before_anything_loads(chat_pair, tmp_path, flag, value, message):
     import subprocess
@@ -620,3 +622,32 @@ def test_the_server_under_a_rebound_name_answers_nothing(page, server):
     assert response.status == 403 and "host_not_allowed" in page.content()
     assert page.evaluate(FETCH, ["/v1/completions", "cors"]) == "403 host_not_allowed"
     assert page.evaluate("fetch('/props').then(r => r.status)") == 403
+
+
+def test_several_keys_each_open_the_api_and_no_other_does(chat_pair, tmp_path):
+    """llama-server's comma-separated --api-key and its --api-key-file (one key a line): any of them, as a
+    Bearer token or x-api-key, and under `serve --rpc`'s front alike (its Guard is the same)."""
+    from serverproc import serving
+    keys = tmp_path / "keys.txt"
+    keys.write_text("\nteam-b\n  team-c  \n\n")
+    with serving(tmp_path, "-m", str(chat_pair[0]), "--no-draft", "--api-key", "team-a, team-z",
+                 "--api-key-file", str(keys)) as running:
+        for key in ("team-a", "team-z", "team-b", "team-c"):
+            for headers in ({"x-api-key": key}, {"Authorization": f"Bearer {key}"}):
+                assert httpx.get(running.url + "/v1/models", headers=headers, timeout=10).status_code == 200
+        for key in ("team-a,team-z", "team", "team-d", ""):
+            response = httpx.get(running.url + "/v1/models", headers={"x-api-key": key}, timeout=10)
+            assert response.status_code == 401, key
+    assert "key required" in running.log.read_text()
+
+
+def test_an_api_key_file_without_keys_is_one_line(chat_pair, tmp_path):
+    import subprocess
+
+    from serverproc import GGUFSPEC
+    for text, says in (("\n\n", "it holds none"), ("a,b\n", "a line with a comma")):
+        keys = tmp_path / "keys.txt"
+        keys.write_text(text)
+        done = subprocess.run([GGUFSPEC, "serve", "-m", str(chat_pair[0]), "--port", "0", "--api-key-file", str(keys)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, done.stderr

@@ -287,7 +287,9 @@ def check_alias(alias: str | None) -> None:
 @click.option("--port", default=8080, type=click.IntRange(0, 65535), help="Port (0: a free one, printed).")
 @click.option("--api-key", default=None, envvar="GGUFSPEC_API_KEY",
               help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but the chat page and "
-                   "/health (or set GGUFSPEC_API_KEY).")
+                   "/health (or set GGUFSPEC_API_KEY); several keys comma-separated.")
+@click.option("--api-key-file", default=None, metavar="FILE",
+              help="More keys, one a line (each works, as --api-key's comma-separated ones).")
 @click.option("--cors-origins", default=None, metavar="LIST",
               help="Web pages of these origins (comma-separated scheme://host[:port], or * for any) may use the "
                    "API from a browser, beyond loopback ones and the server's own page.")
@@ -324,7 +326,7 @@ def check_alias(alias: str | None) -> None:
               "seconds, drafts kept), under its names.")
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
-def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja,
+def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja,
           template_kwargs, reasoning_format, reasoning_budget, ssl_key_file, ssl_cert_file, metrics, serve_fd,
           **opts):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
@@ -339,7 +341,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
     """
     try:
         from ..server import create_app
-        from ..server.guard import Exposure, parse_hosts, parse_origins, parse_size
+        from ..server.guard import Exposure, parse_api_keys, parse_hosts, parse_origins, parse_size
         from ..server.listen import exit_quietly_on_signals, listen, serve_forever, tls_from
     except ImportError as exc:
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
@@ -349,12 +351,7 @@ def serve(host, port, api_key, cors_origins, allowed_hosts, max_body, max_queue,
     template_defaults = template_variables(template_kwargs, reasoning_budget)
     tls = tls_from(ssl_key_file, ssl_cert_file)
     check_rpc(opts["rpc"], rpc_timeout_given())
-    if api_key is not None and not api_key.strip():
-        raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank: no client could ever send it; "
-                            "give a key, or leave it unset")
-    if api_key is not None and api_key != api_key.strip():  # HTTP drops a header value's outer spaces
-        raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) begins or ends with whitespace, which no client's "
-                            "header can carry: give it without")
+    api_key = parse_api_keys(api_key, api_key_file)
     exposure = Exposure.listening(host, api_key=api_key, cors_origins=parse_origins(cors_origins),
                                   allowed_hosts=parse_hosts(allowed_hosts), max_body=parse_size(max_body))
     exit_quietly_on_signals()

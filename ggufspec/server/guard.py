@@ -79,6 +79,11 @@ class Exposure:
         return dataclasses.replace(self, trusted=True)
 
     @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a client may send (`api_key` holds them comma-separated, as llama-server's --api-key)."""
+        return tuple(key for key in (self.api_key or "").split(",") if key)
+
+    @property
     def any_origin(self) -> bool:
         return "*" in self.cors_origins
 
@@ -152,6 +157,27 @@ def parse_hosts(text: str | None) -> tuple[str, ...]:
                                 f"example.com or *.example.com, comma-separated, or *")
         hosts.append(name if name.startswith("*.") or name == "*" else host_name(name))
     return tuple(hosts)
+
+
+def parse_api_keys(api_key: str | None, key_file: str | None) -> str | None:
+    """--api-key (a key, or llama-server's comma-separated list) and --api-key-file (one key a line,
+    blank lines skipped) as the comma-separated keys any of which a client may send; each checked for
+    what no client's header could carry."""
+    keys = [] if api_key is None else [key.strip() for key in api_key.split(",")]
+    if api_key is not None and (not all(keys) or api_key != api_key.strip()):
+        raise GgufspecError("--api-key (or GGUFSPEC_API_KEY) is blank, has an empty key between commas, or begins "
+                            "or ends with whitespace, which no client's header can carry: give the key(s) without")
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as lines:
+                from_file = [line.strip() for line in lines if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GgufspecError(f"--api-key-file {key_file}: {getattr(exc, 'strerror', None) or exc}") from None
+        if not from_file or any("," in key for key in from_file):
+            raise GgufspecError(f"--api-key-file {key_file}: give one key a line (no commas); it holds "
+                                f"{'none' if not from_file else 'a line with a comma'}")
+        keys += from_file
+    return ",".join(keys) if keys else None
 
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": MIB, "mb": 1000 ** 2, "mib": MIB,
@@ -258,7 +284,7 @@ def header(scope, name: bytes) -> str | None:
 class Checks:
     def __init__(self, app, exposure: Exposure):
         self.app, self.exposure = app, exposure
-        self.key = exposure.api_key.encode() if exposure.api_key else None
+        self.keys = tuple(key.encode() for key in exposure.api_keys) or None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -274,7 +300,7 @@ class Checks:
         # a CORS preflight carries no key (browsers send none): the CORS layer answers it, nothing more
         preflight = method == "OPTIONS" and origin is not None and b"access-control-request-method" in headers
         guarded = is_guarded(path) and not preflight
-        if guarded and self.key is not None and not exposure.trusted and not self.key_given(headers):
+        if guarded and self.keys is not None and not exposure.trusted and not self.key_given(headers):
             return await refuse(scope, send, 401, "invalid or missing API key: send the header Authorization: "
                                 "Bearer KEY (or x-api-key: KEY)", "authentication_error", "invalid_api_key")
         length = headers.get(b"content-length")
@@ -294,11 +320,13 @@ class Checks:
         await self.app(scope, receive, send)
 
     def key_given(self, headers: dict) -> bool:
-        """`Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's clients), both compared in constant time."""
+        """`Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's clients) naming one of the keys, each
+        compared in constant time (all of them, whichever matches)."""
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        bearer = secrets.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
-        x_api_key = secrets.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)
-        return bearer or x_api_key
+        x_api_key = headers.get(b"x-api-key", b"").strip()
+        bearer = [secrets.compare_digest(token.strip(), key) for key in self.keys]
+        named = [secrets.compare_digest(x_api_key, key) for key in self.keys]
+        return (any(bearer) and scheme.lower() == b"bearer") or any(named)
 
     async def too_large(self, scope, send) -> None:
         limit = size_text(self.exposure.max_body)
