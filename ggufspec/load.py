@@ -5,17 +5,19 @@ import contextlib
 import ctypes
 import os
 import re
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import llama_cpp
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
 from .llamalog import allocation_failures, interrupt_after_native, quiet_llama_logs
 from .native import Context
+# the chat template (its own module): re-exported, readers call load.chat_template and load.render_chat
+from .chat_templates import (DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_prompt, chat_template,  # noqa: F401
+                             check_messages, checked_chat_template, render_chat, system_in_first_user,
+                             use_chat_template)
 
 GGUF_MAGIC = b"GGUF"
 # llama.cpp's speculative example allows this much vocabulary size difference, and compares token
@@ -29,7 +31,14 @@ class LoadParams:
     n_ctx: int = 4096
     n_threads: int | None = None
     n_gpu_layers: int = 0
-    n_batch: int = 512
+    n_batch: int = 512  # -b: the most tokens one llama_decode takes (a prompt goes in chunks of it; K + 1 at most)
+    # -ub: the tokens llama.cpp computes at once, a batch split into these (None: n_batch, at most n_batch)
+    n_ubatch: int | None = None
+    n_threads_batch: int | None = None  # -tb: threads for a batch (a prompt, a verification); None: n_threads
+    use_mmap: bool = True               # False (--no-mmap): read the weights into memory, not mapped from the file
+    use_mlock: bool = False             # --mlock: keep the weights in RAM, never swapped out
+    type_k: str = "f16"                 # -ctk / -ctv: the KV cache's element types (KV_CACHE_TYPES)
+    type_v: str = "f16"
     strict: bool = False  # verify token by token (n_ubatch=1): bit-identical to the target alone
     flash_attn: str = "auto"  # on | off | auto (llama.cpp's default: on where the backend has it)
     devices: tuple | None = None       # RPC workers (and local GPUs) to place layers on; None: llama.cpp's default
@@ -58,6 +67,49 @@ class LoadParams:
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
+# llama.cpp's KV cache types (common/arg.cpp's kv_cache_types: what -ctk/-ctv take), by ggml's names
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+FLOAT_CACHE_TYPES = ("f32", "f16", "bf16")  # the others are quantized: blocks of 32 elements
+
+
+def cache_type(name: str) -> int:
+    """A -ctk/-ctv name as ggml's type id (llama_context_params.type_k/type_v)."""
+    if name not in KV_CACHE_TYPES:
+        raise GgufspecError(f"a KV cache type is one of {', '.join(KV_CACHE_TYPES)}, got {name!r}")
+    import gguf
+    return int(gguf.GGMLQuantizationType[name.upper()])
+
+
+def check_cache_types(type_k: str, type_v: str, flash_attn: str, flag: str = "-ctv") -> None:
+    """Cache types llama.cpp would refuse fail here in one line. A quantized V cache needs flash
+    attention: llama.cpp switches -fa auto on for it, and fails the load with -fa off."""
+    cache_type(type_k)
+    cache_type(type_v)
+    if flash_attn in ("off", False) and type_v not in FLOAT_CACHE_TYPES:
+        raise GgufspecError(f"{flag} {type_v}: a quantized V cache needs flash attention, and -fa is off: "
+                            f"use -fa on (or auto), or a V cache of {', '.join(FLOAT_CACHE_TYPES)}")
+
+
+def with_flags(target: LoadParams, draft: LoadParams, flags: dict | None) -> tuple[LoadParams, LoadParams]:
+    """The two models' LoadParams with llama.cpp's load flags applied by role (flags["target"]: fields
+    of the target's, e.g. {"type_k": "q8_0"}; flags["draft"] the draft's)."""
+    flags = flags or {}
+    return replace(target, **flags.get("target", {})), replace(draft, **flags.get("draft", {}))
+
+
+# load flags that change what a step costs (the micro-batch, the cache types, the batch threads): part of
+# the key under which --draft auto remembers a machine's step costs
+COST_FLAGS = ("n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads")
+
+
+def flags_tag(flags: dict | None) -> str:
+    """The load flags that change step costs, as a costs key's tag ("" for llama.cpp's defaults)."""
+    defaults = {"n_ubatch": 512, "type_k": "f16", "type_v": "f16"}
+    return "".join(f",{role[0]}{name}={value}" for role, fields in sorted((flags or {}).items())
+                   for name, value in sorted(fields.items())
+                   if name in COST_FLAGS and value is not None and defaults.get(name) != value)
 
 
 def flash_attn_type(setting: str | bool) -> int:
@@ -174,29 +226,18 @@ def check_gguf_file(path: str | os.PathLike, role: str) -> Path:
 
 def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict: bool = False) -> llama_cpp.Llama:
     path = check_gguf_file(path, role)
+    check_cache_types(params.type_k, params.type_v, params.flash_attn, "-ctv" if role == "target" else "-ctvd")
     if params.exact:
         if params.flash_attn == "off":
             raise GgufspecError("--exact needs flash attention (-fa on or auto): without it attention is batched too")
         exact_kernels(path, role)
     elif os.environ.get("GGML_CPU_TILED_MM") != "0":
         _opened_with_tiled_products.append(str(path))
-    threads = params.n_threads or default_threads()
     quiet_llama_logs()
     allocation_failures()  # an earlier load's are not this one's
     try:
         unified = params.kv_unified and not (strict or params.strict or params.exact)
-        n_ctx = params.n_ctx if unified else params.n_ctx * params.n_seq
-        n_ubatch = 1 if strict else min(params.n_batch, EXACT_UBATCH) if params.exact else params.n_batch
-        if params.n_rs_seq and n_ubatch <= params.n_rs_seq:  # llama.cpp asserts (aborts) in the first batch
-            raise GgufspecError(f"n_rs_seq {params.n_rs_seq} needs micro-batches of more than {params.n_rs_seq} "
-                                f"tokens, but they are {n_ubatch}" + (" (--strict)" if strict else "")
-                                + ": leave n_rs_seq 0 (snapshots) or raise n_batch")
-        # bit-exact (--strict, --exact): a window-sized cache, once it wraps, refills freed cells out of
-        # position order, and attention sums the cells in cell order: another rounding than alone
-        swa_full = params.swa_full or strict or params.strict or params.exact
-        options = dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=n_ubatch,
-                       n_threads=threads, n_threads_batch=threads, n_gpu_layers=params.n_gpu_layers,
-                       logits_all=False, verbose=False, swa_full=swa_full)
+        options = _llama_options(params, strict, unified)
         with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
                 _model_params(params.load_mtp, repack=not params.exact), interrupt_after_native():
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
@@ -207,12 +248,39 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {load_failure(exc, params)}") from None
 
 
+def micro_batch(params: LoadParams, strict: bool = False) -> int:
+    """n_ubatch as loaded: 1 under strict (each row computed alone); at most EXACT_UBATCH under exact;
+    else -ub, or n_batch where none was given (llama.cpp caps it at n_batch)."""
+    asked = min(params.n_ubatch or params.n_batch, params.n_batch)
+    return 1 if strict else min(asked, EXACT_UBATCH) if params.exact else asked
+
+
+def _llama_options(params: LoadParams, strict: bool, unified: bool) -> dict:
+    """llama_cpp.Llama's keyword arguments for `params`."""
+    n_ctx = params.n_ctx if unified else params.n_ctx * params.n_seq
+    n_ubatch = micro_batch(params, strict)
+    if params.n_rs_seq and n_ubatch <= params.n_rs_seq:  # llama.cpp asserts (aborts) in the first batch
+        raise GgufspecError(f"n_rs_seq {params.n_rs_seq} needs micro-batches of more than {params.n_rs_seq} "
+                            f"tokens, but they are {n_ubatch}" + (" (--strict)" if strict else "")
+                            + ": leave n_rs_seq 0 (snapshots) or raise -ub (n_ubatch)")
+    # bit-exact (--strict, --exact): a window-sized cache, once it wraps, refills freed cells out of
+    # position order, and attention sums the cells in cell order: another rounding than alone
+    swa_full = params.swa_full or strict or params.strict or params.exact
+    threads = params.n_threads or default_threads()
+    return dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=n_ubatch, n_threads=threads,
+                n_threads_batch=params.n_threads_batch or threads, n_gpu_layers=params.n_gpu_layers,
+                use_mmap=params.use_mmap, use_mlock=params.use_mlock, type_k=cache_type(params.type_k),
+                type_v=cache_type(params.type_v), logits_all=False, verbose=False, swa_full=swa_full)
+
+
 def load_failure(exc: Exception, params: LoadParams) -> str:
     """Why a load failed: where the memory ran out, when llama.cpp's log said so (its exception says
     only "Failed to load model from file"), with what to change; else llama.cpp's words."""
     failed = allocation_failures()
     if not failed:
         hint = f" (-c {params.n_ctx}: a smaller context needs less memory)" if "context" in str(exc) else ""
+        if "context" in str(exc) and params.type_v not in FLOAT_CACHE_TYPES + (params.type_k,):
+            hint += f"; this model may need the same K and V cache types, not {params.type_k} and {params.type_v}"
         return f"{exc}{hint}"
     buffer, size = failed[0]
     if worker := re.fullmatch(r"RPC\d*\[(.+)\]", buffer):
@@ -246,96 +314,6 @@ def check_compatible(target: Context, draft: Context) -> None:
                 f"the vocabularies differ at token {token}: target {t_text.decode(errors='replace')!r}, "
                 f"draft {d_text.decode(errors='replace')!r} (target {target.n_vocab} tokens, draft "
                 f"{draft.n_vocab}); pair models of the same family (see `ggufspec list`)")
-
-
-# llama.cpp's fallback for a model without a chat template is ChatML; this one also renders tools,
-# tool calls and tool results the way Hermes/Qwen models were trained to read them.
-DEFAULT_CHAT_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}"
-    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\n</tool_call><|im_end|>\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and tools and loop.first %}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
-    "{%- elif message.role == 'assistant' and message.tool_calls %}{{- '<|im_start|>assistant' }}"
-    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
-    "{%- for call in message.tool_calls %}{{- '\n<tool_call>\n{\"name\": \"' + call.function.name + "
-    "'\", \"arguments\": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}{%- endfor %}"
-    "{{- '<|im_end|>\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    text: str
-    fallback: bool  # the model has none: DEFAULT_CHAT_TEMPLATE (ChatML) stands in
-
-
-def chat_template(llm: llama_cpp.Llama) -> ChatTemplate:
-    """The target's chat template (GGUF `tokenizer.chat_template`), or ChatML where it has none."""
-    text = llm.metadata.get("tokenizer.chat_template")
-    return ChatTemplate(text, False) if text else ChatTemplate(DEFAULT_CHAT_TEMPLATE, True)
-
-
-def check_messages(messages) -> None:
-    if (not isinstance(messages, (list, tuple)) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-        raise GgufspecError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
-
-
-def chat_prompt(llm: llama_cpp.Llama, user: str, system: str | None = None) -> str:
-    """The target's own chat template applied to one user turn (ChatML where it has none:
-    `chat_template(llm).fallback` says so)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return render_chat(llm, messages, warn=True)
-
-
-def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | None = None, *, warn: bool = False,
-                **variables) -> str:
-    """The target's chat template over a conversation, ending with the assistant's turn opened.
-    llama-cpp-python's formatter renders it in a sandboxed Jinja. `tools` (OpenAI's tool objects) and
-    other `variables` are passed to the template. A model without a template gets ChatML
-    (`chat_template(llm).fallback` is then true; `warn`: a warning says so, once, where the caller
-    has not said it already, as the server does when it starts)."""
-    check_messages(messages)
-    found = chat_template(llm)
-    if found.fallback and warn:  # (Python's warnings: once per place): its markers may be no tokens of the model
-        warnings.warn("the model has no chat template: the conversation is rendered as ChatML", stacklevel=3)
-    template = found.text
-    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
-    token_text = lambda t: (llama_cpp.llama_vocab_get_text(vocab, t) or b"").decode(errors="replace") if t >= 0 else ""
-    formatter = Jinja2ChatFormatter(template=template, eos_token=token_text(llama_cpp.llama_vocab_eos(vocab)),
-                                    bos_token=token_text(llama_cpp.llama_vocab_bos(vocab)))
-    try:
-        return formatter(messages=messages, tools=tools or None, **variables).prompt
-    except Exception as exc:  # jinja2's TemplateError, or the template's own raise_exception()
-        merged = system_in_first_user(messages)
-        if merged is not None:  # a template without a system role (Gemma 2's raises on one)
-            try:
-                return formatter(messages=merged, tools=tools or None, **variables).prompt
-            except Exception:
-                pass
-        raise GgufspecError(f"the chat template refused these messages: {exc}") from None
-
-
-def system_in_first_user(messages: list[dict]) -> list[dict] | None:
-    """The conversation with its leading system message put in front of the next message, as llama.cpp
-    renders it for a template without a system role (chat.cpp's system_message_not_supported); None
-    where there is none to move (or either content is not text)."""
-    if len(messages) < 2 or messages[0].get("role") != "system":
-        return None
-    system, following = messages[0].get("content"), messages[1].get("content")
-    if not isinstance(system, str) or not isinstance(following, str):
-        return None
-    return [{**messages[1], "content": system + "\n" + following}] + messages[2:]
 
 
 def tokenize(llm: llama_cpp.Llama, text: str) -> list[int]:

@@ -48,6 +48,20 @@ class ModelOptions:
     exact: bool = False                 # --exact: batches computed as single tokens are (CPU), greedy bit-identical
     swa_full: bool = False              # full-size caches for sliding-window layers (default: window-sized)
     n_parallel: int = 1                 # -np/--parallel: sequences decoded at once (serve's slots)
+    chat_template: str | None = None    # --chat-template(-file): rendered instead of the target's own (Jinja)
+    # llama.cpp's load flags. As in llama.cpp the draft shares -b, -ub, --mlock and --no-mmap, its threads
+    # default to the target's, and its cache types are its own (f16 unless -ctkd / -ctvd)
+    n_batch: int | None = None          # -b; None: 512 (or -ub where larger): see `load_flags_by_role`
+    n_ubatch: int | None = None         # -ub; None: 512, as llama.cpp
+    n_threads_batch: int | None = None  # -tb; None: n_threads
+    n_threads_draft: int | None = None  # -td; None: n_threads
+    n_threads_batch_draft: int | None = None  # -tbd; None: -tb
+    use_mmap: bool = True               # False: --no-mmap
+    use_mlock: bool = False             # --mlock
+    cache_type_k: str = "f16"           # -ctk / -ctv: the target's KV cache types
+    cache_type_v: str = "f16"
+    cache_type_k_draft: str = "f16"     # -ctkd / -ctvd
+    cache_type_v_draft: str = "f16"
     # A K was asked for (--draft 3, not auto): the draft runs even where the plan says it would not
     # pay, so it goes on the GPU beside the target (H100: K = 3 at 148 tok/s there, 30 on the CPU).
     # With auto it follows the plan: a draft left on the CPU is timed too dear to try (auto 1.03x;
@@ -81,26 +95,86 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
         # before the planner asks the workers their memory (native calls that abort on a failing worker)
         install_abort_message(parse_endpoints(options.rpc))
     pool = NgramPool(options.lookup_pool)  # a bad size fails before anything loads
+    flags = load_flags_by_role(options)     # bad load flags too
+    if options.chat_template is not None:    # and a template that does not compile
+        from .load import checked_chat_template
+        template = checked_chat_template(options.chat_template, "--chat-template")
     pair = options.pair
     if pair is None and options.model is None:
         from .registry import load_registry
         pair = load_registry().default  # named, so that serve can call its model by the pair's name
     target, draft, draft_k, choice = resolve_models(pair, options, log)
+    check_cache_widths(target, None if draft == MTP else draft, flags)
     ngl, ngld = planned_offload(target, None if draft == MTP else draft, options.n_ctx, draft_k or 3, options.n_gpu_layers,
-                                options.n_gpu_layers_draft, log, fixed_draft=options.fixed_draft)
-    ngl, tensor_split = planned_rpc_split(target, options.rpc, options.n_gpu_layers, ngl, options.n_ctx)
+                                options.n_gpu_layers_draft, log, fixed_draft=options.fixed_draft, flags=flags)
+    ngl, tensor_split = planned_rpc_split(target, options.rpc, options.n_gpu_layers, ngl, options.n_ctx, flags["target"])
     n_parallel = options.n_parallel
     if draft == MTP and n_parallel > 1:
         log(f"ggufspec: MTP drafting runs one sequence at a time: 1 slot instead of --parallel {n_parallel}")
         n_parallel = 1
     decoder = open_decoder(target, draft, n_ctx=options.n_ctx, n_threads=options.n_threads, n_gpu_layers=ngl,
-                           n_gpu_layers_draft=ngld, strict=options.strict, exact=options.exact, flash_attn=options.flash_attn,
-                           rpc=options.rpc, tensor_split=tensor_split, swa_full=options.swa_full, n_parallel=n_parallel,
-                           rpc_timeout=options.rpc_timeout)
+                           n_gpu_layers_draft=ngld, strict=options.strict, exact=options.exact,
+                           flash_attn=options.flash_attn, rpc=options.rpc, tensor_split=tensor_split,
+                           swa_full=options.swa_full, n_parallel=n_parallel, rpc_timeout=options.rpc_timeout,
+                           load_flags=flags)
     decoder.ngram_pool = pool  # n-grams of every request, for the next ones (`ngram`)
+    if options.chat_template is not None:
+        from .load import use_chat_template
+        use_chat_template(decoder.target_llm, template)
     if choice.kind == "ngram":  # the Python API drafts as the CLI does: by n-gram where no model drafts
         decoder.default_drafter = "lookup"
     return Session(decoder, pair or Path(target).stem, target, draft, draft_k, choice.as_dict())
+
+
+DEFAULT_BATCH = 512  # -b: llama.cpp's is 2048; a prompt goes in chunks of it, and a server's other slots wait on one
+DEFAULT_UBATCH = 512  # -ub: llama.cpp's
+
+
+def load_flags_by_role(options: ModelOptions) -> dict[str, dict]:
+    """The LoadParams fields llama.cpp's load flags give the target and the draft (SpeculativeDecoder's
+    `load_flags`)."""
+    from .load import check_cache_types, default_threads
+    for flag, value in (("-b", options.n_batch), ("-ub", options.n_ubatch), ("-tb", options.n_threads_batch),
+                        ("-td", options.n_threads_draft), ("-tbd", options.n_threads_batch_draft)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise GgufspecError(f"{flag} must be a whole number >= 1, got {value!r}")
+    check_cache_types(options.cache_type_k, options.cache_type_v, options.flash_attn, "-ctv")
+    check_cache_types(options.cache_type_k_draft, options.cache_type_v_draft, options.flash_attn, "-ctvd")
+    n_ubatch = options.n_ubatch or DEFAULT_UBATCH
+    shared = dict(n_batch=options.n_batch or max(DEFAULT_BATCH, n_ubatch), n_ubatch=n_ubatch,
+                  use_mmap=options.use_mmap, use_mlock=options.use_mlock)
+    target = dict(shared, n_threads_batch=options.n_threads_batch, type_k=options.cache_type_k,
+                  type_v=options.cache_type_v)
+    draft = dict(shared, n_threads_batch=options.n_threads_batch_draft or options.n_threads_batch,
+                 type_k=options.cache_type_k_draft, type_v=options.cache_type_v_draft)
+    if options.n_threads_draft:  # batches keep the target's threads unless -tbd or -tb says (llama.cpp's)
+        draft["n_threads"] = options.n_threads_draft
+        draft["n_threads_batch"] = draft["n_threads_batch"] or options.n_threads or default_threads()
+    return {"target": target, "draft": draft}
+
+
+def check_cache_widths(target: str, draft: str | None, flags: dict[str, dict]) -> None:
+    """A quantized cache stores blocks of 32 elements: llama.cpp refuses one whose attention heads are
+    not a multiple of that wide (with flash attention; without, every decode fails). Said before loading."""
+    from .load import FLOAT_CACHE_TYPES
+    for role, path, suffix in (("target", target, ""), ("draft", draft, "d")):
+        for kv in "kv" if path is not None else "":
+            name = flags[role][f"type_{kv}"]
+            width = None if name in FLOAT_CACHE_TYPES else _head_width(path, kv)
+            if width and width % 32:
+                raise GgufspecError(f"-ct{kv}{suffix} {name}: the {role}'s attention heads are {width} wide, not a "
+                                    f"multiple of the 32-element blocks a quantized cache stores (llama.cpp refuses "
+                                    f"it): use {', '.join(FLOAT_CACHE_TYPES)}")
+
+
+def _head_width(path: str, kv: str) -> int | None:
+    """Elements per attention head of K ("k") or V ("v"), from the GGUF header; None where unread."""
+    from . import plan as P
+    try:
+        shape = P.read_shape(path)
+    except P.PlanError:
+        return None  # llama.cpp will say
+    return (shape.n_embd_k_gqa if kv == "k" else shape.n_embd_v_gqa) // max(shape.n_head_kv, 1)
 
 
 def resolve_models(pair, options: ModelOptions, log: Log = _stderr):
@@ -169,9 +243,10 @@ def _no_draft_model(options: ModelOptions):
 # ---------------------------------------------------------------- placement: GPU offload, RPC workers
 
 def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld, log: Log = _stderr,
-                    fixed_draft: bool = False) -> tuple[int, int]:
+                    fixed_draft: bool = False, flags: dict | None = None) -> tuple[int, int]:
     """-ngl / -ngld as given, else from the planner (only where this build can offload at all).
-    `fixed_draft`: the draft runs whatever the plan says (see ModelOptions.fixed_draft)."""
+    `fixed_draft`: the draft runs whatever the plan says (see ModelOptions.fixed_draft); `flags`: each
+    role's load flags (`load_flags_by_role`), whose cache types and -ub size its cache and compute buffer."""
     from . import plan as P
     as_given = ngl or 0, ngld if ngld is not None else (ngl or 0)
     if (ngl is not None and (ngld is not None or draft_path is None)) or not P.gpu_offload_supported():
@@ -179,8 +254,8 @@ def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld, log: Log
     gpu, host = memory_devices()
     if gpu is None:  # nothing to plan: everything runs on the CPU
         return as_given
-    target = P.read_shape(target_path)
-    draft = P.read_shape(draft_path) if draft_path else None
+    target = _as_loaded(P.read_shape(target_path), (flags or {}).get("target"))
+    draft = _as_loaded(P.read_shape(draft_path), (flags or {}).get("draft")) if draft_path else None
     result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx, ctx_given=True, n_draft=n_draft)
     draft_placed = result.draft_if_used if fixed_draft else result.draft
     if draft is not None and (ngl is not None or ngld is not None):  # one given: the other fitted around it
@@ -190,6 +265,14 @@ def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld, log: Log
         return chosen
     log(result.summary())
     return result.target.n_gpu_layers, ngld if ngld is not None else draft_placed.n_gpu_layers if draft_placed else 0
+
+
+def _as_loaded(shape, flags: dict | None):
+    """The shape with the KV cache types and micro-batch it will load with (None: llama.cpp's defaults)."""
+    from . import plan as P
+    if not flags:
+        return shape
+    return P.loaded_as(shape, flags["type_k"], flags["type_v"], min(flags["n_ubatch"], flags["n_batch"]))
 
 
 def memory_devices(vram: str | None = None, ram: str | None = None):
@@ -247,7 +330,8 @@ def _declared_memory(sizes: dict[str, int], endpoints) -> dict:
     return declared
 
 
-def planned_rpc_split(target_path, rpc: str | None, given_ngl: int | None, ngl: int, n_ctx: int):
+def planned_rpc_split(target_path, rpc: str | None, given_ngl: int | None, ngl: int, n_ctx: int,
+                      flags: dict | None = None):
     """(-ngl, tensor_split) for a target on RPC workers: as given with -ngl (0: every layer here), else
     the planner's split by the workers' free memory. Without --rpc, or planned onto a GPU here: (ngl, None)."""
     if rpc is None:
@@ -257,7 +341,7 @@ def planned_rpc_split(target_path, rpc: str | None, given_ngl: int | None, ngl: 
     if ngl:
         return ngl, None
     from .plan import read_shape
-    shares, ngl = rpc_split(read_shape(target_path), rpc, (), n_ctx)
+    shares, ngl = rpc_split(_as_loaded(read_shape(target_path), flags), rpc, (), n_ctx)
     return ngl, [s.blocks for s in shares[1:]]
 
 

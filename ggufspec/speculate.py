@@ -244,8 +244,8 @@ class SpeculativeDecoder:
                  n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
                  check_vocab: bool = True, flash_attn: str = "auto", devices: Sequence | None = None,
                  tensor_split: Sequence[float] | None = None, costs_tag: str = "", swa_full: bool = False,
-                 exact: bool = False, n_parallel: int = 1):
-        from .load import LoadParams, check_compatible, check_gguf_file, flash_attn_type
+                 exact: bool = False, n_parallel: int = 1, load_flags: dict | None = None):
+        from .load import LoadParams, check_compatible, check_gguf_file, flags_tag, flash_attn_type, with_flags
         self._owned: list = []
         self._closed = False
         mtp = isinstance(draft, str) and draft == MTP
@@ -268,6 +268,8 @@ class SpeculativeDecoder:
         draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, n_seq=n_parallel,
                                   kv_unified=not (strict or exact),  # per slot, as the target (rollbacks never lack cells)
                                   n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
+        # llama.cpp's load flags (-b, -ub, -ctk, -td...: LoadParams fields by role, session.load_flags_by_role)
+        target_params, draft_params = with_flags(target_params, draft_params, load_flags)
         try:
             self.target_llm = self._open(target, "target", target_params, strict)
             self.target = Context(self.target_llm, "target")
@@ -289,7 +291,7 @@ class SpeculativeDecoder:
             raise
         self.costs_offload = self._offload_as_applied()
         self._costs_key = _costs_key(target, None if mtp else draft, n_threads, *self.costs_offload,
-                                     costs_tag + ("mtp" if mtp else ""))
+                                     costs_tag + ("mtp" if mtp else "") + flags_tag(load_flags))
         # what `--draft auto` has learned of this machine's step costs, per drafter (remembered on
         # close); a benchmark sets one set per condition it varies
         self.costs: dict[str, Costs] = _load_costs(self._costs_key)

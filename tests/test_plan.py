@@ -644,3 +644,53 @@ def test_the_target_alone_keeps_its_context_for_a_few_per_cent(seed_pair):
     plan = P.make_plan(target, None, gpu=cuda(24), ram=P.DeviceMemory("cpu", "system RAM", 64 * GiB, 64 * GiB, 60),
                        n_ctx=4096)
     assert plan.n_ctx == 4096 and "shrunk" not in plan.reason, plan.reason
+
+
+# ---------------------------------------------------------------- KV cache types (-ctk / -ctv) and -ub
+
+def test_cache_bytes_are_ggmls_row_sizes():
+    assert [P.cache_bytes(t, 64) for t in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")] \
+        == [256, 128, 128, 68, 36, 40, 44, 48, 36]
+
+
+@pytest.mark.parametrize("type_k, type_v", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("f32", "q5_1")])
+def test_estimator_matches_llamacpps_quantized_kv_cache(tmp_path, type_k, type_v):
+    """A tiny model with 32-wide heads (a quantized cache's block), llama.cpp's KV buffer against the estimate."""
+    import gguf
+    from ggufspec.tinymodels import Shape, make_pair
+    target, _ = make_pair(tmp_path, shape=Shape(n_embd=64, n_head=2, n_head_kv=1))
+    ids = {name: int(gguf.GGMLQuantizationType[name.upper()]) for name in (type_k, type_v)}
+    actual = buffer_sizes(target, 16384, 512, type_k=ids[type_k], type_v=ids[type_v], flash_attn=True)
+    shape = P.loaded_as(P.read_shape(target), type_k, type_v)
+    assert within(shape.kv_bytes(16384), actual["kv"], 0.02), (shape.kv_bytes(16384), actual)
+
+
+def test_a_q8_0_cache_fits_more_target_layers(seed_pair, tmp_path):
+    """The 70B at -c 32768 on a 24 GiB card: a q8_0 cache holds 34 bytes a 32 elements, not 64."""
+    target, _ = seed_pair
+    budget = P.gpu_budget(cuda(24))
+    f16, q8 = P.max_layers(target, 32768, budget), P.max_layers(P.loaded_as(target, "q8_0", "q8_0"), 32768, budget)
+    assert q8 > f16 > 0
+    path = write_header_only(tmp_path / "t.gguf", n_layer=80, n_embd=8192, n_head=64, n_head_kv=8, n_ff=28672,
+                             n_vocab=128256)
+    plan = lambda *flags: json.loads(CliRunner().invoke(main, ["plan", "-m", str(path), "--vram", "24GiB", "-c",
+                                                               "32768", "--json", *flags]).output)["ngl"]
+    assert plan("-ctk", "q8_0", "-ctv", "q8_0") > plan() > 0
+    assert plan("-ub", "4096") < plan()  # a larger micro-batch needs a larger compute buffer
+
+
+def test_the_session_plans_with_the_flags_cache_types(seed_pair, monkeypatch):
+    from ggufspec import session
+    shapes = dict(zip(("t70.gguf", "d8.gguf"), seed_pair))
+    monkeypatch.setattr(P, "read_shape", lambda path: shapes[str(path)])
+    monkeypatch.setattr(P, "gpu_offload_supported", lambda: True)
+    monkeypatch.setattr(session, "memory_devices", lambda *args: (cuda(24), RAM))
+    flags = session.load_flags_by_role(session.ModelOptions(cache_type_k="q8_0", cache_type_v="q8_0"))
+    offload = lambda flags: session.planned_offload("t70.gguf", None, 32768, 3, None, None, lambda line: None,
+                                                    flags=flags)
+    assert offload(flags)[0] > offload(None)[0]
+
+
+def test_plan_refuses_an_unknown_cache_type(tiny_pair):
+    result = CliRunner().invoke(main, ["plan", "-m", str(tiny_pair[0]), "-ctk", "q7_0"])
+    assert result.exit_code == 2 and "q7_0" in result.output

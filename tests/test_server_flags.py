@@ -172,3 +172,48 @@ def test_https_through_serve_rpcs_supervisor(needs_rpc, pair, tmp_path, certific
             assert answer.status_code == 200 and answer.json()["tokens_predicted"] == 4
     finally:
         worker.stop()
+
+
+# ---------------------------------------------------------------- --chat-template / --chat-template-file
+
+CUSTOM_TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+
+
+def test_a_chat_template_file_is_rendered_instead_of_the_models_own(pair, tmp_path):
+    target, draft = pair
+    template = tmp_path / "template.jinja"
+    template.write_text(CUSTOM_TEMPLATE)
+    with serving(tmp_path, "-m", str(target), "-md", str(draft), "--chat-template-file", str(template)) as server:
+        prompt = httpx.post(server.url + "/apply-template", json={"messages": [{"role": "user", "content": "hi"}]},
+                            timeout=30).json()["prompt"]
+        assert prompt == "[USER] hi\n[ASSISTANT]"
+        props = httpx.get(server.url + "/props", timeout=10).json()
+        assert props["chat_template"] == CUSTOM_TEMPLATE and not props["chat_template_fallback"]
+        answer = server.client().chat.completions.create(model="target", max_tokens=3,
+                                                         messages=[{"role": "user", "content": "hi"}])
+        assert answer.usage.prompt_tokens > 0
+
+
+def test_chatml_by_name_in_the_python_api(pair):
+    from ggufspec.load import DEFAULT_CHAT_TEMPLATE
+    from ggufspec.session import ModelOptions, open_session
+    target, draft = pair
+    with open_session(ModelOptions(model=str(target), model_draft=str(draft), chat_template="chatml",
+                                   n_ctx=256, n_threads=1), log=lambda line: None) as session:
+        prompt = session.decoder.render_chat([{"role": "user", "content": "hi"}])
+        assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert session.decoder.target_llm.metadata["tokenizer.chat_template"] == DEFAULT_CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--chat-template", "llama3"], "no Jinja template, and of llama.cpp's built-in template names"),
+    (["--chat-template", "{% for m in messages %}"], "not a Jinja template (line 1"),
+    (["--chat-template", "x", "--chat-template-file", "/t.jinja"], "not both"),
+    (["--chat-template-file", "/nonexistent/t.jinja"], "No such file"),
+])
+def test_bad_chat_templates_are_one_line_before_the_models_load(pair, flags, words):
+    target, _ = pair
+    result = CliRunner().invoke(main, ["run", "-m", str(target), "--no-draft", "-p", "x", "-n", "2", *flags])
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and words in line and "\n" not in line, result.stderr

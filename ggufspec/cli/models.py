@@ -8,6 +8,7 @@ import click
 
 from ..errors import GgufspecError
 from .app import friendly_errors, main
+from .options import cache_type_options, options
 
 
 def _model_entries(name: str):
@@ -285,9 +286,13 @@ def _entry_shape(entry, name: str):
 @click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="Plan the target across these workers.")
 @click.option("--rpc-mem", multiple=True, metavar="HOST:PORT=SIZE",
               help="A worker's memory, to plan without contacting it (repeatable).")
+@click.option("-ub", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True,
+              metavar="N", help="The micro-batch the pair will run with (it sizes the compute buffer).")
+@options(*cache_type_options())
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @friendly_errors
-def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads, trace_files, rpc, rpc_mem, as_json):
+def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads, trace_files, rpc, rpc_mem, n_ubatch,
+                 cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft, as_json):
     """Plan GPU offload (-ngl / -ngld) for a pair from its GGUF headers and this machine, and say
     whether the draft pays here: measured costs where bench or --draft auto remembered them,
     estimated otherwise; acceptance from the pair's traces, assumed otherwise."""
@@ -301,6 +306,9 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     if rpc_mem and rpc is None:
         raise GgufspecError("--rpc-mem declares the memory of --rpc's workers: give --rpc too")
     target, draft, local_paths = _shapes_for(pair, model, model_draft)
+    # as they will load: the cache types (-ctk q8_0 holds about half f16's bytes) and -ub size their buffers
+    target = planner.loaded_as(target, cache_type_k, cache_type_v, n_ubatch)
+    draft = draft and planner.loaded_as(draft, cache_type_k_draft, cache_type_v_draft, n_ubatch)
     if rpc is not None:
         return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
     gpu, host = memory_devices(vram, ram)

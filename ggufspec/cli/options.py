@@ -7,6 +7,7 @@ import re
 import click
 
 from ..errors import GgufspecError
+from ..load import KV_CACHE_TYPES
 from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import SamplingParams  # the sampling defaults, in one place
 from .app import not_utf8_file, utf8_text
@@ -65,7 +66,51 @@ def model_options(command):
                           "bit-identical to the target alone with the batch kept (prompt processing slower)."),
         click.option("--swa-full", is_flag=True, help="Full-size caches for sliding-window layers (default: "
                      "window-sized, as llama-server; rollback through checkpoints)."),
+        *load_flag_options(),
+        click.option("--chat-template", "chat_template", default=None, metavar="JINJA",
+                     help="Render chats with this Jinja template (or chatml) instead of the model's own."),
+        click.option("--chat-template-file", "chat_template_file", default=None, metavar="FILE",
+                     help="Read the --chat-template from a file."),
     )(command)
+
+
+def load_flag_options():
+    """llama.cpp's load flags, by its names (common/arg.cpp). -b, -ub, --mlock and --no-mmap apply to
+    both models; the draft's threads default to the target's, its cache types are its own."""
+    threads = dict(type=click.IntRange(min=1), default=None, metavar="N")
+    return [
+        click.option("-b", "--batch-size", "n_batch", **threads,
+                     help="Logical batch: the most tokens one decode takes (a prompt goes in chunks of it; a step's "
+                          "K drafts + 1 must fit) [default: 512, or -ub if larger; llama.cpp's is 2048]."),
+        click.option("-ub", "--ubatch-size", "n_ubatch", **threads,
+                     help="Physical batch: tokens computed at once, at most -b (--strict: the target's is 1; "
+                          "--exact: at most 32) [default: 512]."),
+        click.option("-tb", "--threads-batch", "n_threads_batch", **threads,
+                     help="Threads for batches: prompts, verifications [default: -t]."),
+        click.option("-td", "--threads-draft", "--spec-draft-threads", "n_threads_draft", **threads,
+                     help="The draft's threads [default: -t]."),
+        click.option("-tbd", "--threads-batch-draft", "--spec-draft-threads-batch", "n_threads_batch_draft", **threads,
+                     help="The draft's threads for batches [default: -tb]."),
+        click.option("--mlock", "use_mlock", is_flag=True, help="Keep the models in RAM, never swapped out."),
+        click.option("--no-mmap", "no_mmap", is_flag=True,
+                     help="Read the models into memory instead of mapping their files (slower load, no page-outs)."),
+        *cache_type_options(),
+    ]
+
+
+def cache_type_options():
+    """-ctk/-ctv (the target's KV cache types) and -ctkd/-ctvd (the draft's): run, serve, chat and plan."""
+    kind = dict(type=click.Choice(KV_CACHE_TYPES, case_sensitive=False), default="f16", metavar="TYPE")
+    v_note = " (quantized: flash attention, which -fa auto turns on for it)"
+    return [
+        click.option("-ctk", "--cache-type-k", "cache_type_k", **kind,
+                     help=f"KV cache type for K: {', '.join(KV_CACHE_TYPES)} (q8_0: about half f16's memory)."),
+        click.option("-ctv", "--cache-type-v", "cache_type_v", **kind, help=f"KV cache type for V{v_note}."),
+        click.option("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k", "cache_type_k_draft", **kind,
+                     help="The draft's KV cache type for K."),
+        click.option("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v", "cache_type_v_draft", **kind,
+                     help=f"The draft's KV cache type for V{v_note}."),
+    ]
 
 
 def generation_options(n_predict: int):
@@ -110,13 +155,35 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
                            strict=opts.pop("strict"), exact=opts.pop("exact"),
                            swa_full=opts.pop("swa_full"), n_parallel=opts.pop("parallel", 1),
                            needs_draft_model=not opts["lookup"],
-                           fixed_draft=parse_draft(opts.get("n_draft", "auto")) not in ("auto", 0))
+                           fixed_draft=parse_draft(opts.get("n_draft", "auto")) not in ("auto", 0),
+                           use_mmap=not opts.pop("no_mmap"), **{name: opts.pop(name) for name in LOAD_FLAGS},
+                           chat_template=chat_template_given(opts.pop("chat_template"), opts.pop("chat_template_file")))
     if no_draft and not requests_choose_drafting:
         opts["n_draft"] = "0"
     session = open_(options, log=lambda line: click.echo(line, err=True))
     if session.draft_choice["kind"] == "ngram":
         opts["lookup"], opts["hybrid"] = True, False
     return session
+
+
+def chat_template_given(text: str | None, path: str | None) -> str | None:
+    """--chat-template's text, or --chat-template-file's (UTF-8), one of them at most."""
+    if text is not None and path is not None:
+        raise GgufspecError("give --chat-template or --chat-template-file, not both")
+    if path is None:
+        return utf8_text("--chat-template", text)
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except UnicodeDecodeError as exc:
+        raise not_utf8_file("--chat-template-file", path, exc) from None
+    except OSError as exc:
+        raise GgufspecError(f"--chat-template-file: {path}: {exc.strerror or exc}") from None
+
+
+# model_options' llama.cpp load flags that are ModelOptions fields of the same name
+LOAD_FLAGS = ("n_batch", "n_ubatch", "n_threads_batch", "n_threads_draft", "n_threads_batch_draft", "use_mlock",
+              "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft")
 
 
 def rpc_timeout_option(command):
@@ -181,6 +248,7 @@ def check_defaults(opts: dict) -> None:
     if n_draft != "auto" and n_draft < 0:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {n_draft}")
     check_draft_flags(opts, n_draft)
+    check_batch_size(opts, n_draft)
     if opts["n_predict"] == 0 or opts["n_predict"] < -1:
         raise GgufspecError(f"-n/--n-predict must be >= 1 (or -1 for no limit), got {opts['n_predict']}")
 
@@ -196,6 +264,19 @@ def check_draft_flags(opts: dict, n_draft) -> None:
     if n_draft != 0 and opts["draft_min"] > largest:
         raise GgufspecError(f"--spec-draft-n-min {opts['draft_min']} is above {flag} {largest}: no draft would "
                             f"ever be verified; lower --spec-draft-n-min or raise {flag}")
+
+
+def check_batch_size(opts: dict, n_draft) -> None:
+    """A step verifies its K drafts and the token after them in one batch: a -b below that for the K the
+    drafting flags ask is refused, rather than K silently cut to fit (-ub may be smaller: llama.cpp
+    splits a batch into micro-batches)."""
+    n_batch = opts.get("n_batch")
+    if n_batch is None or opts.get("no_draft") or n_draft == 0:
+        return
+    largest, flag = (opts["draft_max"], "--spec-draft-n-max") if n_draft == "auto" else (n_draft, "--draft")
+    if n_batch < largest + 1:
+        raise GgufspecError(f"-b {n_batch} is smaller than a step verifies at once ({flag} {largest} drafts and "
+                            f"the token after them: {largest + 1}): raise -b to {largest + 1} or lower {flag}")
 
 
 def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:

@@ -28,7 +28,7 @@ from .estimate import (CPU_LAYER_SECONDS, GPU_BANDWIDTH_EFFICIENCY, GPU_LAYER_SE
 from .gguf_header import SHAPES_KEPT, read_remote_shape, read_shape
 from .offload import DEFAULT_ACCEPTANCE, Plan, around_given, gpu_budget, make_plan, plan_table
 from .rpc_split import HostShare, parse_host_sizes, rpc_token_seconds, split_across_hosts
-from .shape import KV_BYTES, ModelShape, shape_from_header, shape_from_reader
+from .shape import KV_BYTES, ModelShape, cache_bytes, loaded_as, shape_from_header, shape_from_reader
 from .units import GiB, MiB, PlanError, parse_size
 
 
@@ -36,7 +36,8 @@ __all__ = [
     "CPU_LAYER_SECONDS", "DEFAULT_ACCEPTANCE", "DEFAULT_GPU_BANDWIDTH_GBS", "DEFAULT_RAM_BANDWIDTH_GBS",
     "DeviceMemory", "GPU_BANDWIDTH_EFFICIENCY", "GPU_BANDWIDTH_GBS", "GPU_LAYER_SECONDS",
     "GPU_OVERHEAD", "GiB", "HostShare", "KV_BYTES", "MARGIN", "MiB", "ModelShape", "Placement", "Plan",
-    "PlanError", "SHAPES_KEPT", "around_given", "bandwidth_for", "batch_seconds", "build_backends", "detect_gpus", "detect_ram",
+    "PlanError", "SHAPES_KEPT", "around_given", "bandwidth_for", "batch_seconds", "build_backends", "cache_bytes",
+    "detect_gpus", "detect_ram", "loaded_as",
     "gpu_budget", "gpu_offload_supported", "llama_cpp_lib_dir", "make_plan", "max_layers",
     "measure_ram_bandwidth", "parse_apple_sysctl", "parse_host_sizes", "parse_nvidia_smi", "parse_rocm_smi",
     "parse_size", "placement", "plan_table", "read_remote_shape", "read_shape", "rpc_token_seconds",

@@ -1,9 +1,10 @@
 """A model's shape, as the planner needs it: each layer's bytes and the sizes that set its KV cache
 and compute buffer, from the GGUF header's keys and tensor list.
 
-The memory model, per model and context (n_ctx, n_ubatch), F16 KV cache, no flash attention:
+The memory model, per model and context (n_ctx, n_ubatch), no flash attention:
 - weights: each tensor's bytes (where they go is `estimate.placement`'s business).
-- KV cache: n_ctx * (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes per layer, where the layer lives; a
+- KV cache: n_ctx rows of n_embd_k_gqa K and n_embd_v_gqa V elements per layer, where the layer lives,
+  at the cache types' bytes (-ctk/-ctv, F16 by default: 2 bytes; q8_0 34 bytes a block of 32); a
   sliding-window layer holds min(n_ctx, pad256(n_swa + n_ubatch)) cells instead, as llama.cpp
   allocates it by default (llama-server's, and ggufspec's: `--swa-full` keeps n_ctx for every layer).
 - compute buffer: the largest set of live activations in llama.cpp's reserve graph, for one ubatch:
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import gguf
+
+from ..load import KV_CACHE_TYPES
 from .units import PlanError
 
-KV_BYTES = 2                  # F16 cache
+KV_BYTES = 2                  # an F16 cache's bytes per element (llama.cpp's default; `cache_bytes` for any)
 # Which layers use the sliding window, where the header does not say: llama.cpp's default pattern per
 # architecture (src/models/*.cpp, load_swa_pattern): n means n - 1 window layers, then a full one.
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2,
@@ -47,9 +51,17 @@ class ModelShape:
     n_ctx_train: int = 0       # the context length it was trained for (0: not in the header)
     n_swa: int = 0             # the sliding window (0: none)
     swa_layers: tuple[bool, ...] = ()  # which layers use it
+    # how it will load, not read from the file (`loaded_as`): the KV cache's types (-ctk, -ctv) and the
+    # micro-batch (-ub), which size its cache and compute buffer
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_ubatch: int = 512
 
     def __post_init__(self):
         self.swa_layers = tuple(self.swa_layers)  # a list, when remembered as JSON
+        if not {self.type_k, self.type_v} <= set(KV_CACHE_TYPES) or not _is_count(self.n_ubatch, 1, MAX_DIMENSION):
+            raise PlanError(f"{self.name}: KV cache types {self.type_k!r}/{self.type_v!r} and -ub {self.n_ubatch!r}: "
+                            f"give cache types of {', '.join(KV_CACHE_TYPES)} and -ub >= 1")
         sizes = [self.n_layer, self.n_embd, self.n_head, self.n_head_kv, self.n_embd_k_gqa, self.n_embd_v_gqa,
                  self.n_ff, self.n_vocab, self.embd_bytes, self.output_bytes, self.other_bytes, self.n_ctx_train,
                  self.n_swa, *self.layer_bytes]
@@ -62,20 +74,33 @@ class ModelShape:
     def weight_bytes(self) -> int:
         return sum(self.layer_bytes) + self.embd_bytes + self.output_bytes + self.other_bytes
 
-    def kv_bytes(self, n_ctx: int, n_layers: int | None = None, n_ubatch: int = 512, swa_full: bool = False) -> int:
+    def kv_bytes(self, n_ctx: int, n_layers: int | None = None, n_ubatch: int | None = None, swa_full: bool = False) -> int:
         """The KV cache of the last n_layers layers (those -ngl offloads; default all)."""
         n = self.n_layer if n_layers is None else n_layers
+        n_ubatch = n_ubatch or self.n_ubatch
         window_cells = -(-min(n_ctx, self.n_swa + n_ubatch) // 256) * 256  # llama-kv-cache-iswa.cpp
         cells = sum(window_cells if self.n_swa and not swa_full and self.swa_layers[il] else n_ctx
                     for il in range(self.n_layer - n, self.n_layer))
-        return cells * (self.n_embd_k_gqa + self.n_embd_v_gqa) * KV_BYTES
+        return cells * (cache_bytes(self.type_k, self.n_embd_k_gqa) + cache_bytes(self.type_v, self.n_embd_v_gqa))
 
-    def compute_bytes(self, n_ctx: int, n_ubatch: int = 512) -> int:
-        n_ub = min(n_ubatch, n_ctx)
+    def compute_bytes(self, n_ctx: int, n_ubatch: int | None = None) -> int:
+        n_ub = min(n_ubatch or self.n_ubatch, n_ctx)
         output = 4 * n_ub * (self.n_vocab + 2 * self.n_embd)
         attention = 4 * n_ub * (n_ctx * (self.n_head + 1) + self.n_ff + 3 * self.n_embd + self.n_embd_k_gqa
                                 + self.n_embd_v_gqa)
         return max(output, attention)
+
+
+def cache_bytes(type_name: str, n_elements: int) -> int:
+    """Bytes of a KV cache row of n_elements of this type (ggml_row_size: gguf's GGML_QUANT_SIZES gives
+    the bytes per block; f16 2 bytes an element, q8_0 34 bytes a block of 32, q4_0 18)."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]]
+    return n_elements * size // block
+
+
+def loaded_as(shape: ModelShape, type_k: str = "f16", type_v: str = "f16", n_ubatch: int = 512) -> ModelShape:
+    """The shape with the KV cache types and micro-batch it will be loaded with."""
+    return replace(shape, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch)
 
 
 def _is_count(value, low: int, high: int) -> bool:

@@ -36,7 +36,21 @@ def model_info(llm) -> dict | None:
     return {"file": path.name, "name": llm.metadata.get("general.name") or path.stem,
             "quantization": quantization(llm), "description": load.model_description(llm),
             "n_params": load.parameter_count(llm), "size_bytes": load.weights_size(llm),
-            "n_layer": load.layer_count(llm), "n_gpu_layers": load.offloaded_layers(llm)}
+            "n_layer": load.layer_count(llm), "n_gpu_layers": load.offloaded_layers(llm), "load": load_settings(llm)}
+
+
+def load_settings(llm) -> dict:
+    """How the model was loaded, by llama.cpp's flags (-b, -ub, -t, -tb, -ctk, -ctv, --mlock, --no-mmap): the
+    batch sizes and threads as its context applied them."""
+    import gguf
+    import llama_cpp
+    ctx, context, mode = llm._ctx.ctx, llm.context_params, llm.model_params.load_mode
+    cache_type = lambda type_id: gguf.GGMLQuantizationType(type_id).name.lower()
+    return {"n_batch": llama_cpp.llama_n_batch(ctx), "n_ubatch": llama_cpp.llama_n_ubatch(ctx),
+            "n_threads": llama_cpp.llama_n_threads(ctx), "n_threads_batch": llama_cpp.llama_n_threads_batch(ctx),
+            "cache_type_k": cache_type(context.type_k), "cache_type_v": cache_type(context.type_v),
+            "mmap": mode in (llama_cpp.LLAMA_LOAD_MODE_MMAP, llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK),
+            "mlock": mode in (llama_cpp.LLAMA_LOAD_MODE_MLOCK, llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK)}
 
 
 def pair_props(decoder, model_name: str, defaults: dict) -> dict:
