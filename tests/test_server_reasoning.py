@@ -142,3 +142,13 @@ def test_a_call_after_thinking_is_parsed_from_the_answer_not_the_thinking():
     whole.pieces = [{"text": text[:9]}, {"text": text[9:]}]
     message, called = whole.message()
     assert called and message["reasoning_content"] == "I should read it" and message["content"] is None
+
+
+def test_a_prefill_that_opens_or_closes_thinking_decides_where_the_answer_starts():
+    from ggufspec.server.jobs import opens_thinking
+    assert opens_thinking("<s>assistant:<think>\n", "")
+    assert not opens_thinking("<s>assistant:<think>\n", "plan</think>\n")
+    assert opens_thinking("<s>assistant:<think>\n", "plan")  # still thinking
+    assert opens_thinking("<s>assistant:", "<think>let me")
+    assert not opens_thinking("<s>assistant:", "Sure")
+    assert not opens_thinking("<s>assistant:<think></think>", "")

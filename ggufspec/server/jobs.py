@@ -316,8 +316,9 @@ class Engine:
         """A prompt of the job (or its conversation, through the chat template) as tokens that fit the context."""
         decoder = self.decoder
         if job.messages is not None:
-            prompt = chat_prompt(decoder, job.messages, job.shape) + job.prefill
-            job.opens_thinking = prompt.rstrip().endswith("<think>")  # DeepSeek-R1's templates; Qwen3's never
+            rendered = chat_prompt(decoder, job.messages, job.shape)
+            job.opens_thinking = opens_thinking(rendered, job.prefill)
+            prompt = rendered + job.prefill
         n_predict = job.options.get("n_predict", -1)
         if isinstance(prompt, str):  # a max_tokens that the context lowers (fit_to_context) refuses nothing
             tokens = tokenize_within(decoder, prompt, -1 if job.fit_to_context else n_predict)
@@ -420,6 +421,15 @@ def chat_prompt(decoder, messages: list[dict], shape: Shaping) -> str:
     prepared = toolkit.prepare_messages(messages, fmt, plan.tools)
     return load.render_chat(decoder.target_llm, prepared, tools=plan.tools if fmt.native else None,
                             **shape.template_variables)
+
+
+def opens_thinking(rendered: str, prefill: str) -> bool:
+    """Whether the answer starts inside a <think> block: the template's assistant turn opened it
+    (DeepSeek-R1's; Qwen3's never) and the prefill did not close it, or the prefill opened one."""
+    last_open, last_close = prefill.rfind("<think>"), prefill.rfind("</think>")
+    if last_open > last_close:
+        return True
+    return rendered.rstrip().endswith("<think>") and last_close < 0
 
 
 def summed(results: dict[int, Stats], n: int) -> Stats:
