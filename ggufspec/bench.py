@@ -133,16 +133,18 @@ class BenchResult:
 def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict: int = 256, repeat: int = 1,
               temperature: float = 0.0, seed: int = 1, progress=None, llamacpp: str | None = None,
               n_threads: int | None = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
-              n_gpu_layers_draft: int | None = None, recorder=None, cost_sampler=None) -> BenchResult:
+              n_gpu_layers_draft: int | None = None, recorder=None, cost_sampler=None,
+              llamacpp_args: tuple[tuple, tuple] = ((), ())) -> BenchResult:
     """flash_attn ("on" | "off" | "auto") and the offload (-ngl, -ngld; None: as the target) are the
-    ones the decoder was opened with: llama.cpp's tools get the same, so both sides run alike.
+    ones the decoder was opened with: llama.cpp's tools get the same, so both sides run alike, and
+    `llamacpp_args` (the load flags: the target's and shared ones, the draft's) as well.
     `recorder` (a traces.TraceRecorder): each prompt's acceptance trace, from its first greedy
     target-alone run (outside every timed run). `cost_sampler` (a CostSampler): a round of cost
     measurements after each prompt's configurations (outside every timed run)."""
     if flash_attn not in FLASH_ATTN_SETTINGS:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
     native = NativeSettings(n_threads, flash_attn, n_gpu_layers,
-                            n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
+                            n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft, *llamacpp_args)
     runs: list[Run] = []
     done, interrupted = 0, False  # done: the runs of the prompts finished
     try:
@@ -372,10 +374,12 @@ class NativeSettings:
     flash_attn: str
     n_gpu_layers: int
     n_gpu_layers_draft: int
+    target_args: tuple = ()  # the load flags given (-b, -ub, -tb, -ctk, -ctv), then the draft's (-td, -ctkd...)
+    draft_args: tuple = ()
 
     def args(self, draft: bool) -> list[str]:
         args = ["-t", str(self.n_threads or default_threads()), "-ngl", str(self.n_gpu_layers), "-fa", self.flash_attn]
-        return args + (["-ngld", str(self.n_gpu_layers_draft)] if draft else [])
+        return args + [*self.target_args] + (["-ngld", str(self.n_gpu_layers_draft), *self.draft_args] if draft else [])
 
 
 def prompt_text(decoder, item: dict) -> str:

@@ -241,3 +241,29 @@ def test_batched_speculative_text_is_the_target_alones_with_a_small_micro_batch(
     print(f"{checked} runs identical, {near_ties} at a near-tie < {NEAR_TIE}")
     assert near_ties <= checked // 10, (checked, near_ties)
     assert accepted > 0
+
+
+def test_bench_takes_the_load_flags_and_gives_them_to_llamacpps_tools(wide_pair, loaded):
+    """bench opens its decoder with them too, and --against-llamacpp's tools get the same ones."""
+    from ggufspec.bench import NativeSettings
+    from ggufspec.cli.generate import llamacpp_load_args
+    target, draft = wide_pair
+    result = CliRunner().invoke(main, ["bench", "-m", str(target), "-md", str(draft), "--draft", "1", "-n", "4",
+                                       "--limit", "1", "-t", "1", "-c", "512", "-ctk", "q8_0", "-ctv", "q8_0",
+                                       "-ub", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    assert (loaded[0]["type_k"], loaded[0]["type_v"], loaded[0]["n_ubatch"]) == (TYPE_ID["q8_0"], TYPE_ID["q8_0"], 64)
+    load = {"n_batch": None, "n_ubatch": 64, "n_threads_batch": None, "cache_type_k": "q8_0", "cache_type_v": "f16",
+            "n_threads_draft": 2, "n_threads_batch_draft": None, "cache_type_k_draft": "q4_0", "cache_type_v_draft": "f16"}
+    target_args, draft_args = llamacpp_load_args(load)
+    assert (target_args, draft_args) == (("-ub", "64", "-ctk", "q8_0"), ("-td", "2", "-ctkd", "q4_0"))
+    native = NativeSettings(1, "auto", 0, 0, target_args, draft_args)
+    assert native.args(draft=False) == ["-t", "1", "-ngl", "0", "-fa", "auto", "-ub", "64", "-ctk", "q8_0"]
+    assert native.args(draft=True)[-6:] == ["-ngld", "0", "-td", "2", "-ctkd", "q4_0"]
+
+
+def test_bench_refuses_a_batch_smaller_than_a_step(wide_pair):
+    target, draft = wide_pair
+    result = CliRunner().invoke(main, ["bench", "-m", str(target), "-md", str(draft), "--draft", "4", "-b", "3"])
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and "-b 3 is smaller than a step" in line and "\n" not in line, result.stderr

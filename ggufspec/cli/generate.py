@@ -13,8 +13,9 @@ from ..errors import GgufspecError
 from ..sampling import SamplingParams
 from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
-from .options import (RenamedOption, check_defaults, check_rpc, generation_options, model_options, open_session,
-                      parse_draft, read_prompt, rpc_timeout_given, rpc_timeout_option, stream_options)
+from .options import (RenamedOption, check_defaults, check_rpc, generation_options, load_flag_options, model_options,
+                      open_session, options, parse_draft, read_prompt, rpc_timeout_given, rpc_timeout_option,
+                      stream_options)
 
 
 @main.command(context_settings={"show_default": True})
@@ -110,10 +111,11 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("--trace", "trace_file", default=None, metavar="FILE",
               help="Predict from this pair's trace [default: the one recorded now, else a known one for the pair].")
 @rpc_timeout_option
+@options(*load_flag_options())
 @friendly_errors
 def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
           temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, rpc, limit, llamacpp,
-          streams, as_json, plot_file, record_trace, trace_file, rpc_timeout):
+          streams, as_json, plot_file, record_trace, trace_file, rpc_timeout, **load):
     """Measure the target alone against speculative configurations, interleaved, per prompt.
 
     The predicted column replays an acceptance trace (`--trace`, `--record-trace`, or one known for
@@ -130,6 +132,11 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     if llamacpp and not os.access(llamacpp, os.X_OK):
         raise GgufspecError(f"--against-llamacpp: {llamacpp} is not an executable (build it: scripts/build-llamacpp.sh)")
     configs = B.parse_configs(drafts, lookup, hybrid, llamacpp, draft_p_min, alone=bool(record_trace))
+    largest = max([c.options.get("n_draft") if c.options.get("n_draft") != "auto" else 8 for c in configs
+                   if c.options.get("n_draft") is not None], default=0)  # auto's largest K: --spec-draft-n-max's 8
+    if load["n_batch"] is not None and load["n_batch"] < largest + 1:
+        raise GgufspecError(f"-b {load['n_batch']} is smaller than a step verifies at once (K = {largest} drafts and "
+                            f"the token after them: {largest + 1}): raise -b to {largest + 1} or give smaller --draft")
     prompts = B.load_prompts(prompts_file)[:limit]
     if not prompts:
         raise GgufspecError(f"--prompts: {prompts_file} holds no prompt (a JSONL file: one "
@@ -147,7 +154,8 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
     options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
                            rpc=rpc, rpc_timeout=rpc_timeout or None, n_parallel=max(counts or [1]),
-                           fixed_draft=any(c.options.get("n_draft") not in (None, 0, "auto") for c in configs))
+                           fixed_draft=any(c.options.get("n_draft") not in (None, 0, "auto") for c in configs),
+                           use_mmap=not load["no_mmap"], **{k: v for k, v in load.items() if k != "no_mmap"})
     if counts:
         return _bench_streams(options, prompts, counts, n_predict, as_json)
     with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
@@ -169,7 +177,8 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
             result = B.run_bench(decoder, prompts, configs, n_predict=n_predict, repeat=repeat,
                                  temperature=temperature, seed=seed, progress=progress, llamacpp=llamacpp,
                                  n_threads=n_threads, flash_attn=flash_attn, recorder=recorder, cost_sampler=sampler,
-                                 n_gpu_layers=decoder.n_gpu_layers, n_gpu_layers_draft=decoder.n_gpu_layers_draft)
+                                 n_gpu_layers=decoder.n_gpu_layers, n_gpu_layers_draft=decoder.n_gpu_layers_draft,
+                                 llamacpp_args=llamacpp_load_args(load))
         if recorder is not None:
             recorded = recorder.write(record_trace, {"prompts": Path(prompts_file).name if prompts_file else "seed"})
             click.echo(f"trace: {len(recorded.prompts)} prompt(s), acceptance {recorded.acceptance:.0%} per token, "
@@ -232,6 +241,20 @@ def _stream_counts(streams: str | None) -> list[int]:
     return counts
 
 
+# the load flags llama.cpp's tools take for bench --against-llamacpp: the target's (and shared), the draft's
+TOOL_FLAGS = {"n_batch": "-b", "n_ubatch": "-ub", "n_threads_batch": "-tb", "cache_type_k": "-ctk", "cache_type_v": "-ctv"}
+TOOL_DRAFT_FLAGS = {"n_threads_draft": "-td", "n_threads_batch_draft": "-tbd", "cache_type_k_draft": "-ctkd",
+                    "cache_type_v_draft": "-ctvd"}
+
+
+def llamacpp_load_args(load: dict) -> tuple[tuple, tuple]:
+    """The load flags given, as llama.cpp's tools take them, so that both sides of a race run alike."""
+    def given(flags: dict) -> tuple:
+        return tuple(arg for name, flag in flags.items() if load.get(name) not in (None, "f16")
+                     for arg in (flag, str(load[name])))
+    return given(TOOL_FLAGS), given(TOOL_DRAFT_FLAGS)
+
+
 def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: int, as_json: bool) -> None:
     """bench --streams: the prompts N at once (`bench_parallel`), results to stdout."""
     from tqdm.auto import tqdm
@@ -247,7 +270,6 @@ def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: i
         click.echo(json.dumps([{**vars(r), "aggregate_tps": r.aggregate_tps} for r in runs], indent=2))
     else:
         click.echo(P.markdown(runs))
-
 
 
 def template_variables(text: str | None, reasoning_budget: int) -> dict:
