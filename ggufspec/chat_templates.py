@@ -10,6 +10,10 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from .errors import GgufspecError
 
+# what the renderer gives the template itself: a caller's variables may not set them
+RENDERER_VARIABLES = ("messages", "tools", "tool_choice", "functions", "function_call", "eos_token", "bos_token",
+                      "raise_exception", "add_generation_prompt", "strftime_now")
+
 
 # llama.cpp's fallback for a model without a chat template is ChatML; this one also renders tools,
 # tool calls and tool results the way Hermes/Qwen models were trained to read them.

@@ -349,11 +349,12 @@ class SpeculativeDecoder:
             return list(prompt)
         return tokenize(self.target_llm, chat_prompt(self.target_llm, prompt, system) if chat else prompt)
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The target's chat template over [{"role": ..., "content": ...}, ...], the assistant's turn opened."""
+    def render_chat(self, messages: list[dict], **variables) -> str:
+        """The target's chat template over [{"role": ..., "content": ...}, ...], the assistant's turn opened
+        (`variables`: the template's, e.g. enable_thinking=False)."""
         from .load import render_chat
         self._check_open()
-        return render_chat(self.target_llm, messages, warn=True)
+        return render_chat(self.target_llm, messages, warn=True, **variables)
 
     def chat(self, messages: list[dict], **options) -> Generation:
         """The assistant's next message. A conversation that grows call by call reuses the KV cache:

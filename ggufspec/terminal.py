@@ -19,7 +19,8 @@ def shown(piece, color: bool) -> str:
     return ACCEPTED_COLOR + piece.text + RESET_COLOR if color and piece.from_draft else piece.text
 
 
-def chat_session(decoder, options: dict, system: str | None, color: bool) -> None:
+def chat_session(decoder, options: dict, system: str | None, color: bool, variables: dict | None = None) -> None:
+    """The REPL; `variables`: the chat template's (--chat-template-kwargs)."""
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
     interactive = sys.stdin.isatty()
@@ -55,7 +56,7 @@ def chat_session(decoder, options: dict, system: str | None, color: bool) -> Non
             continue
         history.append({"role": "user", "content": line})
         try:
-            text = chat_turn(decoder, history, options, color)
+            text = chat_turn(decoder, history, options, color, variables or {})
         except GgufspecError as exc:  # the session goes on: the turn is dropped
             history.pop()
             hint = " (/reset starts a new conversation)" if "context" in str(exc) else ""
@@ -64,10 +65,10 @@ def chat_session(decoder, options: dict, system: str | None, color: bool) -> Non
         history.append({"role": "assistant", "content": text})
 
 
-def chat_turn(decoder, history: list[dict], options: dict, color: bool) -> str:
+def chat_turn(decoder, history: list[dict], options: dict, color: bool, variables: dict | None = None) -> str:
     """Stream one answer to stdout; Ctrl-C ends it at the next token (the caches stay consistent)."""
     stop = threading.Event()
-    stream = decoder.stream(decoder.render_chat(history), **options)
+    stream = decoder.stream(decoder.render_chat(history, **(variables or {})), **options)
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())  # never interrupt llama.cpp mid-call
     contexts = [ctx for ctx in (decoder.target, decoder.draft) if ctx is not None]
     for ctx in contexts:  # a long prompt (or the draft's catch-up) stops between its chunks too

@@ -118,7 +118,7 @@ def test_bad_template_variables_are_one_line_400s(server, fields, words):
 @pytest.mark.parametrize("flags, words", [
     (["--chat-template-kwargs", "{enable"], "--chat-template-kwargs is no JSON"),
     (["--chat-template-kwargs", "[1]"], "must be a JSON object"),
-    (["--chat-template-kwargs", '{"tools": 1}'], "tools is set by the server"),
+    (["--chat-template-kwargs", '{"tools": 1}'], "tools is set by the renderer"),
     (["--reasoning-budget", "512"], "only -1"),
 ])
 def test_bad_server_flags_are_one_line(flags, words):
@@ -152,3 +152,30 @@ def test_a_prefill_that_opens_or_closes_thinking_decides_where_the_answer_starts
     assert opens_thinking("<s>assistant:", "<think>let me")
     assert not opens_thinking("<s>assistant:", "Sure")
     assert not opens_thinking("<s>assistant:<think></think>", "")
+
+
+# ---------------------------------------------------------------- the same variables on run --chat and chat
+
+def test_run_chat_and_the_terminal_chat_take_the_template_variables(tmp_path, monkeypatch):
+    """llama-cli's --chat-template-kwargs and --reasoning-budget 0: Qwen3's empty thinking block written by
+    the template itself, one prompt token count longer than without."""
+    import json
+
+    from ggufspec.speculate import SpeculativeDecoder
+    target = reasoner(tmp_path, QWEN3_LIKE)
+    base = ["run", "-m", str(target), "--no-draft", "-p", "hi", "--chat", "-n", "2", "-t", "1", "-c", "256", "--json"]
+    n_prompt = lambda *flags: json.loads(CliRunner().invoke(main, [*base, *flags]).stdout)["stats"]["n_prompt"]  # noqa: E731
+    alone = n_prompt()
+    closed = n_prompt("--chat-template-kwargs", '{"enable_thinking": false}')
+    assert closed > alone and n_prompt("--reasoning-budget", "0") == closed
+    assert n_prompt("--chat-template-kwargs", '{"enable_thinking": true}') == alone
+    refused = CliRunner().invoke(main, ["run", "-m", str(target), "-p", "hi", "--reasoning-budget", "0"])
+    assert refused.exit_code == 2 and "give --chat too" in refused.stderr
+    rendered = []
+    original = SpeculativeDecoder.render_chat
+    monkeypatch.setattr(SpeculativeDecoder, "render_chat",
+                        lambda self, messages, **variables: rendered.append(variables) or original(self, messages, **variables))
+    result = CliRunner().invoke(main, ["chat", "-m", str(target), "--no-draft", "-n", "2", "-t", "1", "-c", "256",
+                                       "--reasoning-budget", "0"], input="hi\n")
+    assert result.exit_code == 0, result.output
+    assert rendered == [{"enable_thinking": False}]

@@ -15,7 +15,7 @@ from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
 from .options import (RenamedOption, check_defaults, check_rpc, generation_options, load_flag_options, model_options,
                       open_session, options, parse_draft, read_prompt, rpc_timeout_given, rpc_timeout_option,
-                      stream_options)
+                      stream_options, template_variable_options, template_variables)
 
 
 @main.command(context_settings={"show_default": True})
@@ -29,9 +29,10 @@ from .options import (RenamedOption, check_defaults, check_rpc, generation_optio
 @click.option("-sys", "--system", "--system-prompt", "system", default=None,
               help="System message for --chat.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and statistics as one JSON object on stdout.")
+@template_variable_options
 @rpc_timeout_option
 @friendly_errors
-def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
+def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwargs, reasoning_budget, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
     check_rpc(opts["rpc"], rpc_timeout_given())
     text = read_prompt(prompt, prompt_file, escape)
@@ -39,8 +40,14 @@ def run(prompt, prompt_file, escape, color, chat, system, as_json, **opts):
         raise GgufspecError("--system is the chat template's system message: give --chat too")
     utf8_text("--system", system)
     check_defaults(opts)  # a bad --draft, --temp or constraint fails before loading anything
+    variables = template_variables(template_kwargs, reasoning_budget)
+    if variables and not chat:
+        raise GgufspecError("--chat-template-kwargs and --reasoning-budget are the chat template's: give --chat too")
     with open_session(opts) as session:
         decoder = session.decoder
+        if variables:  # the template rendered here, with them
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            text, chat, system = decoder.render_chat(messages, **variables), False, None
         stream = decoder.stream(text, chat=chat, system=system, **stream_options(opts))
         interrupted, pieces = write_stream(stream, color=color, quiet=as_json)
         stats = decoder.last_stats
@@ -272,29 +279,6 @@ def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: i
         click.echo(P.markdown(runs))
 
 
-def template_variables(text: str | None, reasoning_budget: int) -> dict:
-    """--chat-template-kwargs (a JSON object) and --reasoning-budget 0 as the chat template's variables."""
-    variables = {}
-    if text is not None:
-        try:
-            variables = json.loads(utf8_text("--chat-template-kwargs", text))
-        except ValueError as exc:
-            raise GgufspecError(f"--chat-template-kwargs is no JSON ({exc}): give an object, e.g. "
-                                "'{\"enable_thinking\": false}'") from None
-        if not isinstance(variables, dict):
-            raise GgufspecError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
-        if not isinstance(variables.get("enable_thinking", False), bool):
-            raise GgufspecError("--chat-template-kwargs: enable_thinking must be true or false")
-        from ..server.schemas import RENDERER_VARIABLES
-        taken = [name for name in variables if name in RENDERER_VARIABLES]
-        if taken:
-            raise GgufspecError(f"--chat-template-kwargs: {taken[0]} is set by the server itself: leave it out")
-    if reasoning_budget not in (-1, 0):
-        raise GgufspecError(f"--reasoning-budget {reasoning_budget}: only -1 (think as the template does) and 0 "
-                            "(no thinking) are supported, as llama-server's")
-    return {**variables, "enable_thinking": False} if reasoning_budget == 0 else variables
-
-
 def check_alias(alias: str | None) -> None:
     """An --alias a client can send back as its `model`: some text, without outer whitespace."""
     utf8_text("--alias", alias)
@@ -332,14 +316,10 @@ def check_alias(alias: str | None) -> None:
               help="The model's id in /v1/models and in answers (requests may name it so; the file's names still "
                    "work) [default: the pair's or the file's name].")
 @click.option("--jinja", is_flag=True, hidden=True)  # llama-server's; ggufspec always renders the template in Jinja
-@click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
-              help="Variables for the chat template in every chat request (a request's chat_template_kwargs "
-                   "add to them), e.g. '{\"enable_thinking\": false}'.")
+@template_variable_options
 @click.option("--reasoning-format", type=click.Choice(["auto", "deepseek", "deepseek-legacy", "none"]), default="auto",
               help="Where a reasoning model's <think> block goes in chat answers: reasoning_content (auto, "
                    "deepseek), there and in content too (deepseek-legacy), or left in content (none).")
-@click.option("--reasoning-budget", type=int, default=-1,
-              help="-1: think as the template does; 0: no thinking (the template's enable_thinking false).")
 @click.option("--ssl-key-file", "ssl_key_file", default=None, metavar="FILE",
               help="Serve HTTPS: this PEM private key (unencrypted), with --ssl-cert-file.")
 @click.option("--ssl-cert-file", "ssl_cert_file", default=None, metavar="FILE",
@@ -413,9 +393,10 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
 @generation_options(n_predict=-1)
 @click.option("-sys", "--system", "--system-prompt", "system", default=None, help="System message.")
 @click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
+@template_variable_options
 @rpc_timeout_option
 @friendly_errors
-def chat(system, color, **opts):
+def chat(system, color, template_kwargs, reasoning_budget, **opts):
     """Chat in the terminal. Each turn evaluates only what is new (the KV cache holds the rest).
 
     /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer.
@@ -425,8 +406,9 @@ def chat(system, color, **opts):
     check_rpc(opts["rpc"], rpc_timeout_given())
     utf8_text("--system", system)
     check_defaults(opts)
+    variables = template_variables(template_kwargs, reasoning_budget)
     with open_session(opts) as session:
-        chat_session(session.decoder, stream_options(opts), system, color)
+        chat_session(session.decoder, stream_options(opts), system, color, variables)
 
 
 @main.group(name="eval")

@@ -2,10 +2,12 @@
 opened Session (`ggufspec.session`) and the decoder's stream() keywords."""
 from __future__ import annotations
 
+import json
 import re
 
 import click
 
+from ..chat_templates import RENDERER_VARIABLES
 from ..errors import GgufspecError
 from ..load import KV_CACHE_TYPES
 from ..ngram import DEFAULT_POOL_SIZE
@@ -179,6 +181,39 @@ def chat_template_given(text: str | None, path: str | None) -> str | None:
         raise not_utf8_file("--chat-template-file", path, exc) from None
     except OSError as exc:
         raise GgufspecError(f"--chat-template-file: {path}: {exc.strerror or exc}") from None
+
+
+def template_variable_options(command):
+    """--chat-template-kwargs and --reasoning-budget (llama.cpp's): run --chat, chat and serve."""
+    return options(
+        click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+                     help="Variables for the chat template (on serve, a request's chat_template_kwargs add to "
+                          "them), e.g. '{\"enable_thinking\": false}'."),
+        click.option("--reasoning-budget", type=int, default=-1,
+                     help="-1: think as the template does; 0: no thinking (the template's enable_thinking false)."),
+    )(command)
+
+
+def template_variables(text: str | None, reasoning_budget: int) -> dict:
+    """--chat-template-kwargs (a JSON object) and --reasoning-budget 0 as the chat template's variables."""
+    variables = {}
+    if text is not None:
+        try:
+            variables = json.loads(utf8_text("--chat-template-kwargs", text))
+        except ValueError as exc:
+            raise GgufspecError(f"--chat-template-kwargs is no JSON ({exc}): give an object, e.g. "
+                                "'{\"enable_thinking\": false}'") from None
+        if not isinstance(variables, dict):
+            raise GgufspecError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
+        if not isinstance(variables.get("enable_thinking", False), bool):
+            raise GgufspecError("--chat-template-kwargs: enable_thinking must be true or false")
+        taken = [name for name in variables if name in RENDERER_VARIABLES]
+        if taken:
+            raise GgufspecError(f"--chat-template-kwargs: {taken[0]} is set by the renderer itself: leave it out")
+    if reasoning_budget not in (-1, 0):
+        raise GgufspecError(f"--reasoning-budget {reasoning_budget}: only -1 (think as the template does) and 0 "
+                            "(no thinking) are supported, as llama-server's")
+    return {**variables, "enable_thinking": False} if reasoning_budget == 0 else variables
 
 
 # model_options' llama.cpp load flags that are ModelOptions fields of the same name

@@ -6,6 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from ..chat_templates import RENDERER_VARIABLES
 from .errors import APIError
 
 
@@ -169,11 +170,6 @@ class ChatBody(GenerationBody):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] | None = None
     reasoning_effort: str | None = None  # OpenAI's; "none" turns thinking off, others go to the template
-
-
-# what the chat template is given by the renderer itself: a request may not set them
-RENDERER_VARIABLES = ("messages", "tools", "tool_choice", "functions", "function_call", "eos_token", "bos_token",
-                      "raise_exception", "add_generation_prompt", "strftime_now")
 
 
 def template_variables(body: ChatBody, defaults: dict | None = None) -> dict:
