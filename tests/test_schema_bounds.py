@@ -126,6 +126,14 @@ def test_a_bound_of_more_than_16_decimals_is_rounded_inwards_exactly():
         number_range({"exclusiveMinimum": 0.9999999999999999, "exclusiveMaximum": 1}, "#/a")
 
 
+def whole_sampled_answers(decoder, grammar: str) -> list[str]:
+    """Eight sampled answers under the grammar (drafted, K = 3), those that ended by themselves."""
+    from ggufspec.processing import Constraints
+    answers = (decoder.generate("the", n_predict=100, n_draft=3, temperature=1.0, seed=seed,
+                                constraints=Constraints(grammar=grammar)) for seed in range(8))
+    return [out.text for out in answers if out.stats.stop_reason == "eos"]
+
+
 def test_a_served_number_is_within_its_bounds_and_greedy_is_the_target_alones(tiny_pair):
     """Sampled through llama.cpp's grammar sampler: every whole answer's numbers are within [0, 1] and
     (-3, 7]; greedy under the grammar, the drafts change nothing."""
@@ -137,15 +145,11 @@ def test_a_served_number_is_within_its_bounds_and_greedy_is_the_target_alones(ti
         "p": {"type": "number", "minimum": 0, "maximum": 1}, "t": {"type": "number", "exclusiveMinimum": -3,
                                                                    "maximum": 7}}})
     with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, strict=True) as decoder:
-        whole = 0
-        for seed in range(8):
-            out = decoder.generate("the", n_predict=100, n_draft=3, temperature=1.0, seed=seed,
-                                   constraints=Constraints(grammar=grammar))
-            if out.stats.stop_reason == "eos":
-                whole += 1
-                value = json.loads(out.text)
-                assert 0 <= value["p"] <= 1 and -3 < value["t"] <= 7, out.text
-        assert whole
+        answers = whole_sampled_answers(decoder, grammar)
+        for text in answers:
+            value = json.loads(text)
+            assert 0 <= value["p"] <= 1 and -3 < value["t"] <= 7, text
+        assert answers
         alone = decoder.generate("a cat", n_predict=48, n_draft=0, constraints=Constraints(grammar=grammar))
         assert decoder.generate("a cat", n_predict=48, n_draft=3, constraints=Constraints(grammar=grammar)).tokens \
             == alone.tokens
@@ -155,21 +159,15 @@ def test_a_served_number_is_within_bounds_that_are_not_whole(tiny_pair):
     """response_format's {"minimum": 0.5, "maximum": 2.75} (once a 400), through llama.cpp's grammar sampler."""
     from decimal import Decimal
     from ggufspec import SpeculativeDecoder
-    from ggufspec.processing import Constraints
     from ggufspec.tools import schema_grammar
     target, draft = tiny_pair
     grammar = schema_grammar({"type": "object", "required": ["x"], "properties": {
         "x": {"type": "number", "minimum": 0.5, "maximum": 2.75}}})
     with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1, strict=True) as decoder:
-        whole = 0
-        for seed in range(8):
-            out = decoder.generate("the", n_predict=100, n_draft=3, temperature=1.0, seed=seed,
-                                   constraints=Constraints(grammar=grammar))
-            if out.stats.stop_reason == "eos":
-                whole += 1
-                value = json.loads(out.text, parse_float=Decimal)["x"]
-                assert Decimal("0.5") <= value <= Decimal("2.75"), out.text
-        assert whole
+        answers = whole_sampled_answers(decoder, grammar)
+        for text in answers:
+            assert Decimal("0.5") <= json.loads(text, parse_float=Decimal)["x"] <= Decimal("2.75"), text
+        assert answers
 
 
 def test_a_number_bound_past_int64_or_not_a_number_is_still_refused():
