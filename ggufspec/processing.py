@@ -28,6 +28,7 @@ import numpy as np
 from .errors import GgufspecError
 from .grammar import Grammar, check_trigger_pattern
 from .sampling import Draws, SamplingParams, distribution, greedy_token
+from .thinking import ThinkingBlock, ThinkingTags
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -46,6 +47,10 @@ class Constraints:
     grammar_patterns: tuple[str, ...] = ()      # lazy grammar: regexes over the output that switch it on
     grammar_trigger_tokens: tuple[int, ...] = ()  # ...or token ids; with neither, it is on from the start
     ignore_eos: bool = False         # llama.cpp's: the end-of-generation tokens get a bias of -inf (TargetJudge)
+    reasoning_budget: int = -1       # llama.cpp's: the most tokens in a <think> block, then </think> forced (-1: any)
+    reasoning_budget_message: str = ""  # ...and this text before the forced </think>
+    grammar_outside_thinking: bool = False  # the grammar shapes the answer after a <think> block, not the block
+    thinking_opened: bool | None = None  # the answer starts inside a block (None: read from the prompt's tail)
 
     def __post_init__(self):
         self._check_types()
@@ -80,6 +85,11 @@ class Constraints:
             raise GgufspecError("grammar_patterns must be a sequence of regular expressions (texts)")
         for pattern in self.grammar_patterns:
             check_trigger_pattern(pattern)
+        if not whole(self.reasoning_budget) or self.reasoning_budget < -1:
+            raise GgufspecError(f"reasoning_budget must be a whole number >= -1 (-1: no limit, 0: no thinking), "
+                                f"got {self.reasoning_budget!r}")
+        if not isinstance(self.reasoning_budget_message, str):
+            raise GgufspecError("reasoning_budget_message must be a text")
         if not all(whole(t) and t >= 0 for t in self.grammar_trigger_tokens):
             raise GgufspecError(f"grammar_trigger_tokens must be token ids, got {self.grammar_trigger_tokens!r}")
 
@@ -90,7 +100,12 @@ class Constraints:
 
     @property
     def active(self) -> bool:
-        return bool(self.logit_bias) or self.penalises or self.grammar is not None or self.ignore_eos
+        return (bool(self.logit_bias) or self.penalises or self.grammar is not None or self.ignore_eos
+                or self.tracks_thinking)
+
+    @property
+    def tracks_thinking(self) -> bool:
+        return self.reasoning_budget >= 0 or (self.grammar_outside_thinking and self.grammar is not None)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -113,11 +128,12 @@ class TargetProcessor:
     """One generation's processing of the target's logits: `apply(row, history)` for the position after
     `history`, then `accept(token)` for the token kept there (see the module's note on order)."""
 
-    def __init__(self, constraints: Constraints, vocab, n_vocab: int):
+    def __init__(self, constraints: Constraints, vocab, n_vocab: int, thinking: ThinkingBlock | None = None):
         self.constraints = constraints
         self.n_vocab = n_vocab
         self._bias = _bias_vector(constraints.logit_bias, n_vocab)
         self._grammar = Grammar(vocab, constraints) if constraints.grammar is not None else None
+        self.thinking = thinking  # the <think> block's state: its budget, where the grammar applies
 
     def biased(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """A copy of the row (of up to n_vocab entries) with the logit bias and penalties applied."""
@@ -136,7 +152,10 @@ class TargetProcessor:
         """The processed row. top_n > 0: only the top_n best tokens the grammar allows need their
         exact logits (greedy needs 1, top-k sampling k), the others may come back as -inf; 0: all."""
         out = self.biased(logits, history)
-        if self._grammar is not None:
+        if self.thinking is not None and self.thinking.forced_token() is not None:
+            self._check_grammar_allows(self.thinking.forced_token())
+            self.thinking.restrict(out)  # the one token left: no mask needed
+        elif self._grammar is not None and self.grammar_applies(self.thinking):
             if top_n > 0:
                 self._grammar.mask_all_but_best(out, top_n)
             else:
@@ -146,8 +165,24 @@ class TargetProcessor:
                                 if self._grammar is not None else "logit_bias bans every token: none is left to choose")
         return out
 
+    def _check_grammar_allows(self, forced: int) -> None:
+        """A token the budget forces must be one the grammar takes (llama.cpp's aborts on any other)."""
+        if self._grammar is not None and self.grammar_applies(self.thinking) and \
+                not self._grammar.allows(np.array([forced]), np.zeros(1, np.float32))[0]:
+            raise GgufspecError("the grammar forbids the </think> that the reasoning budget forces: let the "
+                                "grammar allow it, or give no budget")
+
+    def grammar_applies(self, thinking: ThinkingBlock | None) -> bool:
+        """Whether the grammar shapes the next token: not inside a thinking block, where it shapes only
+        the answer (llama.cpp: a lazy grammar's triggers are not looked for there either)."""
+        outside_only = self.constraints.grammar_outside_thinking or bool(self.constraints.grammar_patterns)
+        return thinking is None or not (outside_only and thinking.inside)
+
     def accept(self, token: int) -> None:
-        if self._grammar is not None and not self._grammar.accept(token):
+        grammar_applies = self.grammar_applies(self.thinking)  # before the token moves the block: </think> is no answer
+        if self.thinking is not None:
+            self.thinking.accept(token)
+        if self._grammar is not None and grammar_applies and not self._grammar.accept(token):
             # the token fired a lazy grammar's trigger onto text the grammar rejects: what follows is no
             # call the grammar could shape, so the rest of the answer is not constrained (llama.cpp aborts)
             print("ggufspec: the grammar's trigger appeared in the output followed by text the grammar "
@@ -199,7 +234,7 @@ class TargetJudge:
     token whatever was proposed, so the text is the target alone's, token for token, with any drafter."""
 
     def __init__(self, target, params: SamplingParams, constraints: Constraints | None = None,
-                 n_logprobs: int | None = None):
+                 n_logprobs: int | None = None, prompt: Sequence[int] = ()):
         self.params = params
         self.draws = Draws(params.seed)
         self.n_logprobs = n_logprobs
@@ -210,7 +245,8 @@ class TargetJudge:
             ended = dict.fromkeys(target.end_of_generation_ids, -math.inf)
             constraints = replace(constraints, logit_bias={**constraints.logit_bias, **ended}, ignore_eos=False)
         active = constraints is not None and constraints.active
-        self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab) if active else None
+        thinking = thinking_block(target, constraints, prompt) if active else None
+        self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab, thinking) if active else None
         self.needs_history = active and constraints.penalises
         # how many of the best tokens must be exact: all for logprobs and unfiltered sampling
         self._top_n = 0 if n_logprobs is not None else 1 if params.greedy else params.top_k
@@ -242,11 +278,27 @@ class TargetJudge:
             self.processor.close()
 
 
+def thinking_block(target, c: Constraints, prompt: Sequence[int]) -> ThinkingBlock | None:
+    """The request's <think> block, tracked from where the prompt leaves it (None: it asks for none)."""
+    if not c.tracks_thinking:
+        return None
+    tags = ThinkingTags.of(lambda text: target.llm.tokenize(text.encode(), add_bos=False, special=True),
+                           c.reasoning_budget_message)
+    block = ThinkingBlock(tags, c.reasoning_budget if c.reasoning_budget >= 0 else None, target.piece)
+    if c.thinking_opened is None:
+        block.read_prompt(prompt)
+    elif c.thinking_opened:
+        block.open_block()
+    return block
+
+
 class DraftGuide:
     """The request's constraints over a drafter's proposals, so that it proposes what the target can
     keep. A draft model's row gets the same logit bias and penalties as the target's, and the grammar's
     mask from a copy of the grammar's state walked along the step's proposals (dropped after the step);
-    an n-gram proposal is cut before the first token the grammar or a -inf bias forbids.
+    an n-gram proposal is cut before the first token the grammar or a -inf bias forbids. Where the
+    thinking budget forces a token, the guided row is that token (and an n-gram proposal stops before
+    any other).
 
     Losslessness does not depend on it: the target's rule is unchanged, and a sampled draft token's q
     is the guided distribution it was drawn from. It only raises how many proposals are kept (a draft
@@ -259,6 +311,7 @@ class DraftGuide:
         self.processor, self._is_end = processor, is_end
         self._top_n = 1 if params.greedy else params.top_k
         self._grammar: Grammar | None = None
+        self._thinking: ThinkingBlock | None = None
 
     def fits(self, n_vocab: int) -> bool:
         """Whether a drafter with this vocabulary shares the target's ids (a bridged draft's is smaller)."""
@@ -271,6 +324,8 @@ class DraftGuide:
 
     def __enter__(self) -> DraftGuide:
         self._grammar = self.processor.grammar_copy()
+        thinking = self.processor.thinking
+        self._thinking = thinking.clone() if thinking is not None else None
         return self
 
     def __exit__(self, *exc) -> None:
@@ -281,7 +336,9 @@ class DraftGuide:
     def apply(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray | None:
         """The draft's guided row, or None where the grammar allows none of its tokens."""
         out = self.processor.biased(logits, history)
-        if self._grammar is not None and self._top_n > 0:
+        if self._thinking is not None and self._thinking.forced_token() is not None:
+            self._thinking.restrict(out)  # (`accept` stops there if the grammar forbids it)
+        elif self._grammar is not None and self._top_n > 0 and self.processor.grammar_applies(self._thinking):
             self._grammar.mask_all_but_best(out, self._top_n)
         return out if np.isfinite(out.max()) else None
 
@@ -289,20 +346,26 @@ class DraftGuide:
         """Walk the copy past a proposed token; False at an end of generation (nothing follows it), or
         at a token the grammar forbids (an unmasked row's, with top-k off: llama.cpp's grammar aborts
         the process when it is made to accept one; the target rejects the token anyway)."""
-        if self._is_end(token):
+        if self._is_end(token) or not self._allows(token):
             return False
-        if self._grammar is not None:
-            return self._allows(token) and self._grammar.accept(token)
-        return True
+        grammar_applies = self.processor.grammar_applies(self._thinking)  # as the target's (`accept` there)
+        if self._thinking is not None:
+            self._thinking.accept(token)
+        return self._grammar.accept(token) if self._grammar is not None and grammar_applies else True
 
     def _allows(self, token: int) -> bool:
+        """Whether the grammar, where it applies now, and the thinking block's budget allow the token."""
+        if self._thinking is not None and not self._thinking.allows(token):
+            return False
+        if self._grammar is None or not self.processor.grammar_applies(self._thinking):
+            return True
         return bool(self._grammar.allows(np.array([token]), np.zeros(1, np.float32))[0])
 
     def allowed_prefix(self, proposals: Sequence[int]) -> int:
         """How many leading proposals (an n-gram match) the grammar and -inf biases allow."""
         with self:
             for i, token in enumerate(proposals):
-                if self.processor.forbids(token) or (self._grammar is not None and not self._allows(token)):
+                if self.processor.forbids(token) or not self._allows(token):
                     return i
                 if not self.accept(token):
                     return i + 1

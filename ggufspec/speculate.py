@@ -356,9 +356,9 @@ class SpeculativeDecoder:
         self._check_open()
         return render_chat(self.target_llm, messages, warn=True, **variables)
 
-    def chat(self, messages: list[dict], **options) -> Generation:
-        """The assistant's next message. A conversation that grows call by call reuses the KV cache:
-        only what is new since the last call is evaluated."""
+    def chat(self, messages: list[dict], template_variables: dict | None = None, **options) -> Generation:
+        """The assistant's next message (`template_variables`: the chat template's, e.g. enable_thinking). A
+        conversation that grows call by call reuses the KV cache: only what is new since the last call is evaluated."""
         from .load import check_messages
         check_messages(messages)
         if options.pop("chat", False):
@@ -367,7 +367,7 @@ class SpeculativeDecoder:
             if messages[0]["role"] == "system":
                 raise GgufspecError("system= and a first message with role system: give one of them")
             messages = [{"role": "system", "content": options.pop("system")}, *messages]
-        return self.generate(self.render_chat(messages), **options)
+        return self.generate(self.render_chat(messages, **(template_variables or {})), **options)
 
     def steps(self, prompt: str | Sequence[int], *, n_predict: int = 128, n_draft: int | str = 3,
               temperature: float = SamplingParams.temperature, top_k: int = SamplingParams.top_k,
@@ -425,7 +425,7 @@ class SpeculativeDecoder:
         if adaptive and chosen is not None:
             self.last_stats.costs = costs.summary()
         max_tokens = n_predict if n_predict >= 0 else self.n_ctx
-        judge = TargetJudge(self.target, params, constraints, logprobs)
+        judge = TargetJudge(self.target, params, constraints, logprobs, prompt=tokens)
         return speculative_steps(self.target, chosen, tokens, controller=controller, judge=judge,
                                  max_tokens=max_tokens, stats=self.last_stats, reuse_cache=cache_prompt)
 

@@ -207,3 +207,13 @@ def test_a_decoder_interrupted_by_ctrl_c_goes_on_right_afterwards(slow_target):
             assert llama_cpp.llama_memory_seq_pos_max(target.memory, target.seq) == len(target.tokens) - 1
             target.decode([1], n_logits=1)  # a decode right after (bench's cost sampling) finds its position
             assert decoder.generate("the cat", n_predict=24, n_draft=0, temperature=0).tokens == expected
+
+
+def test_chat_passes_the_templates_variables(tmp_path):
+    """Qwen3's enable_thinking=False: the template writes an empty thinking block, a longer prompt."""
+    from test_server_reasoning import QWEN3_LIKE, reasoner
+    hi = [{"role": "user", "content": "hi"}]
+    with SpeculativeDecoder(str(reasoner(tmp_path, QWEN3_LIKE)), n_ctx=256, n_threads=1) as decoder:
+        thinking = decoder.chat(hi, n_predict=1, n_draft=0).stats.n_prompt
+        closed = decoder.chat(hi, template_variables={"enable_thinking": False}, n_predict=1, n_draft=0)
+        assert closed.stats.n_prompt > thinking

@@ -119,7 +119,8 @@ def test_bad_template_variables_are_one_line_400s(server, fields, words):
     (["--chat-template-kwargs", "{enable"], "--chat-template-kwargs is no JSON"),
     (["--chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["--chat-template-kwargs", '{"tools": 1}'], "tools is set by the renderer"),
-    (["--reasoning-budget", "512"], "only -1"),
+    (["--reasoning-budget", "-2"], "--reasoning-budget must be >= -1"),
+    (["--reasoning-budget-message", "Enough."], "give --reasoning-budget N too"),
 ])
 def test_bad_server_flags_are_one_line(flags, words):
     result = CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", *flags])
@@ -169,7 +170,7 @@ def test_run_chat_and_the_terminal_chat_take_the_template_variables(tmp_path, mo
     closed = n_prompt("--chat-template-kwargs", '{"enable_thinking": false}')
     assert closed > alone and n_prompt("--reasoning-budget", "0") == closed
     assert n_prompt("--chat-template-kwargs", '{"enable_thinking": true}') == alone
-    refused = CliRunner().invoke(main, ["run", "-m", str(target), "-p", "hi", "--reasoning-budget", "0"])
+    refused = CliRunner().invoke(main, ["run", "-m", str(target), "-p", "hi", "--chat-template-kwargs", "{}"])
     assert refused.exit_code == 2 and "give --chat too" in refused.stderr
     rendered = []
     original = SpeculativeDecoder.render_chat

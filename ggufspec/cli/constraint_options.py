@@ -36,6 +36,12 @@ def constraint_options():
                           "cannot enforce is an error)."),
         click.option("-jf", "--json-schema-file", "json_schema_file", default=None,
                      type=click.Path(exists=True, dir_okay=False), help="Read the JSON schema from a file."),
+        click.option("--reasoning-budget", "reasoning_budget", type=int, default=-1, metavar="N",
+                     help="Tokens a reasoning model may think (<think>...</think>) before </think> is forced: -1 "
+                          "no limit; 0 no thinking (with a chat template, its enable_thinking false too)."),
+        click.option("--reasoning-budget-message", "reasoning_budget_message", default="", metavar="TEXT", show_default=False,
+                     help="Text put before the forced </think> when the budget runs out, e.g. \" Time to "
+                          "answer.\"."),
     ]
 
 
@@ -47,8 +53,19 @@ def constraints_from(opts: dict) -> Constraints | None:
                               repeat_penalty=opts.pop("repeat_penalty"), repeat_last_n=opts.pop("repeat_last_n"),
                               presence_penalty=opts.pop("presence_penalty"),
                               frequency_penalty=opts.pop("frequency_penalty"), grammar=grammar,
-                              ignore_eos=opts.pop("ignore_eos"))
+                              ignore_eos=opts.pop("ignore_eos"), **reasoning_budget(opts))
     return constraints if constraints.active else None
+
+
+def reasoning_budget(opts: dict) -> dict:
+    """--reasoning-budget and --reasoning-budget-message as Constraints keywords (consumed from `opts`)."""
+    budget, message = opts.pop("reasoning_budget"), opts.pop("reasoning_budget_message")
+    if budget < -1:
+        raise GgufspecError(f"--reasoning-budget must be >= -1 (-1: no limit, 0: no thinking), got {budget}")
+    if message and budget < 0:
+        raise GgufspecError("--reasoning-budget-message is put before the </think> a budget forces: give "
+                            "--reasoning-budget N too")
+    return {"reasoning_budget": budget, "reasoning_budget_message": utf8_text("--reasoning-budget-message", message)}
 
 
 def parse_logit_bias(values) -> dict[int, float]:

@@ -32,7 +32,7 @@ from .options import (RenamedOption, check_defaults, check_rpc, generation_optio
 @template_variable_options
 @rpc_timeout_option
 @friendly_errors
-def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwargs, reasoning_budget, **opts):
+def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwargs, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
     check_rpc(opts["rpc"], rpc_timeout_given())
     text = read_prompt(prompt, prompt_file, escape)
@@ -40,9 +40,9 @@ def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwar
         raise GgufspecError("--system is the chat template's system message: give --chat too")
     utf8_text("--system", system)
     check_defaults(opts)  # a bad --draft, --temp or constraint fails before loading anything
-    variables = template_variables(template_kwargs, reasoning_budget)
-    if variables and not chat:
-        raise GgufspecError("--chat-template-kwargs and --reasoning-budget are the chat template's: give --chat too")
+    if template_kwargs is not None and not chat:
+        raise GgufspecError("--chat-template-kwargs are the chat template's variables: give --chat too")
+    variables = template_variables(template_kwargs, opts["reasoning_budget"]) if chat else {}
     with open_session(opts) as session:
         decoder = session.decoder
         if variables:  # the template rendered here, with them
@@ -329,7 +329,7 @@ def check_alias(alias: str | None) -> None:
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
 def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja,
-          template_kwargs, reasoning_format, reasoning_budget, ssl_key_file, ssl_cert_file, metrics, serve_fd,
+          template_kwargs, reasoning_format, ssl_key_file, ssl_cert_file, metrics, serve_fd,
           **opts):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) over the pair.
 
@@ -350,7 +350,7 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
                             f"pip install 'ggufspec[server]'") from None
     check_defaults(opts)
     check_alias(alias)
-    template_defaults = template_variables(template_kwargs, reasoning_budget)
+    template_defaults = template_variables(template_kwargs, opts["reasoning_budget"])
     tls = tls_from(ssl_key_file, ssl_cert_file)
     check_rpc(opts["rpc"], rpc_timeout_given())
     api_key = parse_api_keys(api_key, api_key_file)
@@ -396,7 +396,7 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
 @template_variable_options
 @rpc_timeout_option
 @friendly_errors
-def chat(system, color, template_kwargs, reasoning_budget, **opts):
+def chat(system, color, template_kwargs, **opts):
     """Chat in the terminal. Each turn evaluates only what is new (the KV cache holds the rest).
 
     /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer.
@@ -406,7 +406,7 @@ def chat(system, color, template_kwargs, reasoning_budget, **opts):
     check_rpc(opts["rpc"], rpc_timeout_given())
     utf8_text("--system", system)
     check_defaults(opts)
-    variables = template_variables(template_kwargs, reasoning_budget)
+    variables = template_variables(template_kwargs, opts["reasoning_budget"])
     with open_session(opts) as session:
         chat_session(session.decoder, stream_options(opts), system, color, variables)
 

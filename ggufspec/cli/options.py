@@ -184,18 +184,15 @@ def chat_template_given(text: str | None, path: str | None) -> str | None:
 
 
 def template_variable_options(command):
-    """--chat-template-kwargs and --reasoning-budget (llama.cpp's): run --chat, chat and serve."""
-    return options(
-        click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
-                     help="Variables for the chat template (on serve, a request's chat_template_kwargs add to "
-                          "them), e.g. '{\"enable_thinking\": false}'."),
-        click.option("--reasoning-budget", type=int, default=-1,
-                     help="-1: think as the template does; 0: no thinking (the template's enable_thinking false)."),
-    )(command)
+    """--chat-template-kwargs (llama.cpp's): run --chat, chat and serve."""
+    return click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+                        help="Variables for the chat template (on serve, a request's chat_template_kwargs add to "
+                             "them), e.g. '{\"enable_thinking\": false}'.")(command)
 
 
 def template_variables(text: str | None, reasoning_budget: int) -> dict:
-    """--chat-template-kwargs (a JSON object) and --reasoning-budget 0 as the chat template's variables."""
+    """--chat-template-kwargs (a JSON object) and --reasoning-budget 0 as the chat template's variables
+    (a budget of 0 is also forced in the sampler: a template that ignores enable_thinking gets </think>)."""
     variables = {}
     if text is not None:
         try:
@@ -210,9 +207,6 @@ def template_variables(text: str | None, reasoning_budget: int) -> dict:
         taken = [name for name in variables if name in RENDERER_VARIABLES]
         if taken:
             raise GgufspecError(f"--chat-template-kwargs: {taken[0]} is set by the renderer itself: leave it out")
-    if reasoning_budget not in (-1, 0):
-        raise GgufspecError(f"--reasoning-budget {reasoning_budget}: only -1 (think as the template does) and 0 "
-                            "(no thinking) are supported, as llama-server's")
     return {**variables, "enable_thinking": False} if reasoning_budget == 0 else variables
 
 

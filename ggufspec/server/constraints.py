@@ -29,11 +29,12 @@ class Shaping:
 
 
 def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids=lambda: (),
-            tokenize=None, template_defaults: dict | None = None) -> Shaping:
+            tokenize=None, template_defaults: dict | None = None, thinks: bool = False) -> Shaping:
     """The request's constraints, tools, logprobs and chat template variables, checked (APIError 400
     naming the field). `end_ids()`: the tokens that end a generation, which `ignore_eos` rules out;
     `tokenize(text)`: the tokens of a logit_bias key that is a text; `template_defaults`: the server's
-    chat template variables."""
+    chat template variables; `thinks`: the chat template knows a <think> block, which a format (a
+    schema, a tool call) then shapes the answer after, not the thinking."""
     plan = tool_plan(body, fmt) if isinstance(body, ChatBody) else toolkit.ToolPlan(None, parse=False)
     grammar, lazy, triggers = response_grammar(body)
     if plan.grammar is not None:
@@ -44,11 +45,13 @@ def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids
     bias = logit_bias(body.logit_bias, n_vocab, tokenize) if body.logit_bias else {}
     if body.ignore_eos:
         bias.update(dict.fromkeys(end_ids(), -math.inf))
-    constraints = {**penalties(body), **({"logit_bias": bias} if bias else {})}
+    constraints = {**penalties(body), **({"logit_bias": bias} if bias else {}), **reasoning_budget(body)}
     if grammar is not None:
         constraints["grammar"] = grammar
         if lazy:
             constraints["grammar_patterns"] = toolkit.trigger_patterns(fmt, plan.names)
+        if thinks and isinstance(body, ChatBody) and body.grammar is None:  # a raw grammar is the whole output's
+            constraints["grammar_outside_thinking"] = True
     variables = template_variables(body, template_defaults) if isinstance(body, ChatBody) else {}
     return Shaping(constraints, triggers if lazy else (), plan, fmt, requested_logprobs(body), variables)
 
@@ -86,6 +89,16 @@ def response_grammar(body: GenerationBody) -> tuple[str | None, bool, tuple]:
         return toolkit.schema_grammar(schema), False, ()
     except GgufspecError as exc:
         raise APIError(400, f"response_format: {exc}" if form is not None else str(exc), code="invalid_value") from None
+
+
+def reasoning_budget(body: GenerationBody) -> dict:
+    """llama-server's reasoning_budget_tokens (or thinking_budget_tokens; -1: the server's
+    --reasoning-budget) and reasoning_budget_message, as Constraints keywords."""
+    budget = next((n for n in (body.reasoning_budget_tokens, body.thinking_budget_tokens) if n is not None), -1)
+    found = {"reasoning_budget": budget} if budget != -1 else {}
+    if body.reasoning_budget_message is not None:
+        found["reasoning_budget_message"] = body.reasoning_budget_message
+    return found
 
 
 def penalties(body: GenerationBody) -> dict:

@@ -255,6 +255,9 @@ class Engine:
         options = dict(job.options)
         constraints = engine_constraints(job.shape, self._single_tokens(job.shape.triggers),
                                          options.pop("constraints", None))
+        if constraints is not None and constraints.tracks_thinking and job.messages is not None:
+            # where the rendered prompt (and prefill) left the answer: inside a <think> block or not
+            constraints = dataclasses.replace(constraints, thinking_opened=job.opens_thinking)
         if constraints is not None:
             options["constraints"] = constraints
         if job.shape.logprobs is not None:

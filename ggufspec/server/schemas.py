@@ -80,6 +80,10 @@ class GenerationBody(Strict):
     grammar: str | None = None
     json_schema: dict | None = None
     ignore_eos: bool = Field(False, strict=True)  # llama.cpp's: the end-of-generation tokens never chosen (a bias of -inf)
+    # llama-server's: the most tokens a <think> block may hold before </think> is forced (-1: the server's)
+    reasoning_budget_tokens: int | None = Field(None, ge=-1, strict=True)
+    thinking_budget_tokens: int | None = Field(None, ge=-1, strict=True)  # its other name (Anthropic's, passed on)
+    reasoning_budget_message: str | None = None  # ...and the text forced before that </think>
 
     @model_validator(mode="before")
     @classmethod

@@ -32,7 +32,7 @@ TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # the model's earlier reasoning: not rendered again
 # chat's field names in an error: this API's (a tool is {"name", "input_schema"}, not {"function": ...})
 NAMES = {"response_format": "output_config.format", "].function.parameters": "].input_schema",
-         "].function.": "]."}
+         "].function.": "].", "thinking_budget_tokens": "thinking.budget_tokens"}
 
 
 class Block(Strict):
@@ -131,12 +131,17 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
 
 def thinking_variables(body: CountTokensBody) -> dict:
     """`thinking` as the chat template's enable_thinking (Qwen3's and others' switch): "disabled" turns
-    it off, "enabled" on; the request's own chat_template_kwargs (an engine extra) say it first."""
+    it off, "enabled" on, its budget_tokens the thinking's budget (llama-server's thinking_budget_tokens);
+    the request's own chat_template_kwargs (an engine extra) say it first."""
     kind = (body.thinking or {}).get("type")
     if kind not in ("enabled", "disabled"):
         return {}
     given = (body.model_extra or {}).get("chat_template_kwargs")
-    return {"chat_template_kwargs": {"enable_thinking": kind == "enabled", **(given if isinstance(given, dict) else {})}}
+    variables = {"chat_template_kwargs": {"enable_thinking": kind == "enabled",
+                                          **(given if isinstance(given, dict) else {})}}
+    if kind == "enabled" and "budget_tokens" in body.thinking:
+        variables["thinking_budget_tokens"] = body.thinking["budget_tokens"]
+    return variables
 
 
 def request_names(body: CountTokensBody) -> dict:

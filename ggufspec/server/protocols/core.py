@@ -35,7 +35,8 @@ from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts,
 # Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
                  "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
-                 "ignore_eos", "chat_template_kwargs", *SAMPLERS_NOT_HAD)
+                 "ignore_eos", "chat_template_kwargs", "reasoning_budget_tokens", "thinking_budget_tokens",
+                 "reasoning_budget_message", *SAMPLERS_NOT_HAD)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Serving:
         target, llm = self.decoder.target, self.decoder.target_llm
         return shaping(body, self.tool_format, target.n_vocab, lambda: target.end_of_generation_ids,
                        lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False),
-                       template_defaults=self.template_defaults)
+                       template_defaults=self.template_defaults, thinks=self.thinking[0])
 
     async def submit(self, body: GenerationBody, prefill: str = "", names: dict | None = None, *,
                      prompt: str | list[int] | None = None, prompts: list | None = None, n: int = 1,
