@@ -40,6 +40,7 @@ import numpy as np
 
 from .drafting import ModelDrafter
 from .errors import DecodeError, ModelFileError
+from .load import cache_type
 from .native import _SEQ, Context
 
 # architectures whose llama.cpp graph has an MTP (DECODER_MTP) draft head; gemma4's assistant is a
@@ -174,9 +175,10 @@ class MtpContext(Context):
     """The MTP block's own llama.cpp context over the target's model; rollback by cutting its KV
     cache (llama.cpp gives every MTP head a plain attention cache), never past the true entries."""
 
-    def __init__(self, target: Context, hidden: HiddenStates):
+    def __init__(self, target: Context, hidden: HiddenStates, type_k: str = "f16", type_v: str = "f16"):
         params = llama_cpp.llama_context_default_params()
         params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+        params.type_k, params.type_v = cache_type(type_k), cache_type(type_v)  # -ctkd / -ctvd: the draft's
         params.n_ctx, params.n_batch, params.n_ubatch = target.n_ctx, target.n_batch, target.n_batch
         params.n_threads = llama_cpp.llama_n_threads(target.ctx)
         params.n_threads_batch = llama_cpp.llama_n_threads_batch(target.ctx)
@@ -272,15 +274,15 @@ class MtpContext(Context):
             self._freed = True
 
 
-def open_mtp(target: Context) -> MtpContext:
-    """The MTP context for a target loaded with `LoadParams(load_mtp=True)`; it empties the target's
-    cache once and records the target's hidden states from then on."""
+def open_mtp(target: Context, type_k: str = "f16", type_v: str = "f16") -> MtpContext:
+    """The MTP context for a target loaded with `LoadParams(load_mtp=True)`, its KV cache of these
+    types; it empties the target's cache once and records the target's hidden states from then on."""
     if not has_mtp(target.llm):
         raise ModelFileError(f"the {target.name} model has no MTP layers to draft with (or was loaded without them); "
                              f"give a draft model with -md")
     hidden = HiddenStates(target)
     try:
-        return MtpContext(target, hidden)
+        return MtpContext(target, hidden, type_k, type_v)
     except BaseException:
         hidden.detach()
         raise

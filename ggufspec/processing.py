@@ -134,6 +134,7 @@ class TargetProcessor:
         self._bias = _bias_vector(constraints.logit_bias, n_vocab)
         self._grammar = Grammar(vocab, constraints) if constraints.grammar is not None else None
         self.thinking = thinking  # the <think> block's state: its budget, where the grammar applies
+        self._at_start = True  # no token of the answer kept yet
 
     def biased(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """A copy of the row (of up to n_vocab entries) with the logit bias and penalties applied."""
@@ -156,10 +157,14 @@ class TargetProcessor:
             self._check_grammar_allows(self.thinking.forced_token())
             self.thinking.restrict(out)  # the one token left: no mask needed
         elif self._grammar is not None and self.grammar_applies(self.thinking):
+            opening = self._opening_tag()
+            opening_logit = out[opening] if opening is not None else None
             if top_n > 0:
                 self._grammar.mask_all_but_best(out, top_n)
             else:
                 self._grammar.mask(out)
+            if opening is not None:  # the grammar's choices, and <think>
+                out[opening] = opening_logit
         if not np.isfinite(out.max()):
             raise GgufspecError("the grammar allows no token here (it may need an end the model cannot reach)"
                                 if self._grammar is not None else "logit_bias bans every token: none is left to choose")
@@ -178,8 +183,20 @@ class TargetProcessor:
         outside_only = self.constraints.grammar_outside_thinking or bool(self.constraints.grammar_patterns)
         return thinking is None or not (outside_only and thinking.inside)
 
+    def _opening_tag(self) -> int | None:
+        """The <think> token, where a format that shapes only the answer lets the model open a block
+        first: at the answer's start, outside a block, the tag one token (Qwen3's templates leave
+        thinking to the model, which opens it with its first token)."""
+        block = self.thinking
+        if not (self._at_start and self.constraints.grammar_outside_thinking and block is not None
+                and block.state == "outside" and len(block.tags.open) == 1):
+            return None
+        return block.tags.open[0]
+
     def accept(self, token: int) -> None:
-        grammar_applies = self.grammar_applies(self.thinking)  # before the token moves the block: </think> is no answer
+        # before the token moves the block: </think> is no answer; the <think> let through is none either
+        grammar_applies = self.grammar_applies(self.thinking) and token != self._opening_tag()
+        self._at_start = False
         if self.thinking is not None:
             self.thinking.accept(token)
         if self._grammar is not None and grammar_applies and not self._grammar.accept(token):

@@ -276,7 +276,7 @@ class SpeculativeDecoder:
             self.draft_llm = self.draft = None
             if mtp:  # the target's own MTP blocks draft: same vocabulary, no second model
                 from .mtp import open_mtp
-                self.draft = open_mtp(self.target)
+                self.draft = open_mtp(self.target, draft_params.type_k, draft_params.type_v)
             elif draft is not None:
                 self.draft_llm = self._open(draft, "draft", draft_params, False)
                 self.draft = Context(self.draft_llm, "draft")

@@ -23,7 +23,10 @@ FIM_TOKENS = {"<PRE>": gguf.Keys.Tokenizer.FIM_PRE_ID, "<SUF>": gguf.Keys.Tokeni
               "<MID>": gguf.Keys.Tokenizer.FIM_MID_ID}  # CodeLlama's fill-in-the-middle tokens, at the end
 
 
-def vocabulary(extra_words: int = 0, fim: bool = False) -> tuple[list[str], list[int]]:
+THINKING_TOKENS = ["<think>", "</think>"]  # Qwen3's: user-defined, one token each, printed as their text
+
+
+def vocabulary(extra_words: int = 0, fim: bool = False, thinking: bool = False) -> tuple[list[str], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     types += [gguf.TokenType.BYTE] * 256
@@ -31,6 +34,8 @@ def vocabulary(extra_words: int = 0, fim: bool = False) -> tuple[list[str], list
     tokens, types = tokens + words, types + [gguf.TokenType.NORMAL] * len(words)
     if fim:
         tokens, types = tokens + list(FIM_TOKENS), types + [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
+    if thinking:
+        tokens, types = tokens + THINKING_TOKENS, types + [gguf.TokenType.USER_DEFINED] * len(THINKING_TOKENS)
     return tokens, types
 
 
@@ -47,12 +52,13 @@ class Shape:
     eos_bias: float = 0.0
     tokens: list[str] = field(default_factory=list)
     fim: bool = False  # with fill-in-the-middle tokens
+    thinking: bool = False  # with <think> and </think> tokens
 
 
 def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
     """Random weights, numpy shapes (rows = output features), as llama.cpp's llama arch wants."""
     rng = np.random.default_rng(seed)
-    n_vocab = len(vocabulary(shape.extra_words, shape.fim)[0])
+    n_vocab = len(vocabulary(shape.extra_words, shape.fim, shape.thinking)[0])
     e, ff = shape.n_embd, shape.n_ff
     kv = e // shape.n_head * shape.n_head_kv
 
@@ -80,7 +86,7 @@ def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
 
 def write_model(path: Path, shape: Shape, weights: dict[str, np.ndarray],
                 chat_template: str | None = None, tokens: list[str] | None = None) -> Path:
-    vocab, types = vocabulary(shape.extra_words, shape.fim)
+    vocab, types = vocabulary(shape.extra_words, shape.fim, shape.thinking)
     if tokens is not None:
         vocab = tokens
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -208,3 +208,14 @@ def test_m_alone_on_an_mtp_target_drafts_with_its_mtp_blocks(mtp_model, tiny_pai
     refused = CliRunner().invoke(main, args + ["-m", str(tiny_pair[0]), "-md", "mtp"])
     lines = [line for line in refused.output.splitlines() if line.strip()]
     assert refused.exit_code == 2 and len(lines) == 1 and "has no MTP (nextn) blocks" in lines[0], refused.output
+
+
+def test_the_mtp_heads_cache_takes_the_drafts_cache_types(mtp_model):
+    """-ctkd / -ctvd reach the MTP context (the draft's cache), and its drafts stay lossless."""
+    prompt = prompts(1, seed=9)[0]
+    flags = {"draft": {"type_k": "f32", "type_v": "f32"}}
+    with SpeculativeDecoder(str(mtp_model), "mtp", n_ctx=256, n_threads=1, flash_attn="off", load_flags=flags) as decoder:
+        params = decoder.draft.llm.context_params
+        assert (params.type_k, params.type_v) == (0, 0)  # GGML_TYPE_F32
+        expected, margins, _ = target_alone(mtp_model, prompt, 24, decoder.n_ctx)
+        same_as_target_alone(decoder.generate(prompt, n_predict=24, n_draft=3, temperature=0), expected, margins, "f32")

@@ -253,3 +253,70 @@ def test_a_grammar_that_forbids_the_forced_end_is_one_line_not_an_abort(tiny_dec
             tiny_decoder.generate(prompt, n_predict=30, n_draft=k, temperature=0,
                                   constraints=Constraints(grammar=WORDS_GRAMMAR, reasoning_budget=2))
     assert tiny_decoder.generate(prompt, n_predict=3, n_draft=3, temperature=0).tokens  # still serving
+
+
+# ---------------------------------------------------------------- Qwen3: the model opens the block itself
+
+THINK, END = 281, 282  # the vocabulary's <think> and </think> (tinymodels.THINKING_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def thinking_pair(tmp_path_factory):
+    from ggufspec.tinymodels import Shape, make_pair
+    return make_pair(tmp_path_factory.mktemp("thinking"), seed=0, shape=Shape(eos_bias=4.0, thinking=True))
+
+
+def reference_opening(llm, prompt, n_predict, bias, budget, grammar_text):
+    """The target alone under a format that shapes the answer only: at the answer's start the grammar's
+    tokens and <think>; inside the block no grammar, `budget` tokens, then </think> forced; then the
+    grammar from its start."""
+    llm.reset()
+    llm.eval(prompt)
+    grammar = Grammar(llm._model.vocab, Constraints(grammar=grammar_text))
+    out, margins, state, left = [], [], "start", budget
+    while len(out) < n_predict:
+        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        for token, value in bias.items():
+            row[token] += value
+        if state == "forcing":
+            token, margin, state = END, np.inf, "answer"
+        else:
+            if state in ("start", "answer"):
+                opening = row[THINK]
+                grammar.mask(row)
+                if state == "start":
+                    row[THINK] = opening
+            token, top2 = int(np.argmax(row)), np.sort(row)[-2:]
+            margin = float(top2[1] - top2[0])
+            if token == llm.token_eos():
+                break
+            if state == "inside":
+                left -= 1
+                state = "forcing" if left <= 0 and whole_character(llm, token) else state
+            elif token == THINK and state == "start":
+                state = "inside"
+            else:
+                grammar.accept(token)
+                state = "answer"
+        out.append(token)
+        margins.append(margin)
+        llm.eval([token])
+    grammar.close()
+    return out, margins
+
+
+@pytest.mark.parametrize("bias", [{}, {THINK: 30.0}])  # the model's own choice, or <think> made likely
+def test_a_format_lets_the_model_open_a_block_first(thinking_pair, bias):
+    from ggufspec import SpeculativeDecoder
+    constraints = Constraints(grammar=WORDS_GRAMMAR, grammar_outside_thinking=True, reasoning_budget=3,
+                              logit_bias=bias)
+    llm = Llama(model_path=str(thinking_pair[0]), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    with SpeculativeDecoder(*map(str, thinking_pair), n_ctx=256, n_threads=1) as decoder:
+        for prompt in prompts(2, seed=13):
+            expected, margins = reference_opening(llm, prompt, 24, bias, 3, WORDS_GRAMMAR)
+            assert (expected[0] == THINK and END in expected) == bool(bias), expected
+            for k in (0, 3, "auto"):
+                got = decoder.generate(prompt, n_predict=24, n_draft=k, temperature=0, constraints=constraints)
+                if not differs_at_near_tie(got.tokens, expected, margins):
+                    assert got.tokens == expected, (k, first_difference(got.tokens, expected))
+    llm.close()

@@ -94,3 +94,19 @@ def test_a_bad_anthropic_budget_names_its_field(server):
     error = response.json()["error"]
     assert response.status_code == 400 and error["type"] == "invalid_request_error", error
     assert "thinking.budget_tokens" in error["message"] and "\n" not in error["message"], error
+
+
+def test_qwen3_like_thinks_before_a_schema_when_it_opens_the_block_itself(tmp_path):
+    """Qwen3's template leaves the block to the model: a schema lets <think> be its first token, then
+    shapes what follows </think> (<think> made likely, or banned, by a bias; the budget ends the block)."""
+    from ggufspec.tinymodels import Shape, make_weights, write_model
+    from test_server_reasoning import QWEN3_LIKE
+    shape = Shape(eos_bias=4.0, thinking=True)
+    target = write_model(tmp_path / "qwen3-like.gguf", shape, make_weights(shape, 0), QWEN3_LIKE)
+    form = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    with serving(tmp_path, "-m", str(target), "--lookup", "-c", "512") as server:
+        thinking = ask(server, response_format=form, max_tokens=64, logit_bias={"<think>": 30},
+                       reasoning_budget_tokens=3)
+        assert thinking["reasoning_content"] and isinstance(json.loads(thinking["content"])["n"], int), thinking
+        plain = ask(server, response_format=form, max_tokens=64, logit_bias={"<think>": False})  # never opened
+        assert "reasoning_content" not in plain and isinstance(json.loads(plain["content"])["n"], int), plain
