@@ -37,6 +37,24 @@ class _Request:
         self.rc, self.first_logit, self.done = 0, 0, False
 
 
+class DecodeCounts:
+    """llama-server's `n_decode` and `n_busy_slots` (its /metrics): the target's llama_decode calls made
+    for the slots' generations, and the slots generating at each call, summed. Counted once per call
+    (a step), never per token; the draft model's calls are left out, as llama-server leaves out its
+    speculative ones."""
+    __slots__ = ("n_decode", "n_busy_slots")
+
+    def __init__(self):
+        self.n_decode = self.n_busy_slots = 0
+
+    def add(self, n_busy: int) -> None:
+        self.n_decode += 1
+        self.n_busy_slots += n_busy
+
+
+TARGET = "target"  # the target model's Context name: its decodes are the ones llama-server counts
+
+
 class Lockstep:
     def __init__(self):
         self._cond = threading.Condition()
@@ -52,6 +70,7 @@ class Lockstep:
         self._round_due, self._closing = False, False
         self._round_thread: threading.Thread | None = None  # where every round runs (`_run_rounds`)
         self.n_requests = self.n_batches = 0  # decodes asked for by slots, llama_decode calls made for them
+        self.counts = DecodeCounts()  # the target's calls and the slots generating at each (/metrics)
         self.seconds: dict[str, float] = {}     # in llama_decode, per model (by context name)
         self.tokens: dict[str, int] = {}        # decoded, per model
         # the latest round of each model (by context name): tokens per member thread
@@ -231,6 +250,8 @@ class Lockstep:
                 j += 1
         batch.n_tokens = j
         self.n_batches += 1
+        if ctx0.name == TARGET:  # every member generates (its thread waits on a round or for its turn)
+            self.counts.add(len(self._members))
         started = time.perf_counter()
         rc = llama_cpp.llama_decode(ctx0.ctx, batch)
         self.seconds[ctx0.name] = self.seconds.get(ctx0.name, 0.0) + time.perf_counter() - started

@@ -28,7 +28,7 @@ from .bridge import VocabBridge
 from .checks import check_generation_args, check_token_ids
 from .costs import Costs
 from .errors import CacheFullError, GgufspecError
-from .lockstep import Lockstep
+from .lockstep import TARGET, DecodeCounts, Lockstep
 from .native import Context, common_prefix_length
 
 
@@ -60,6 +60,7 @@ class Slots:
             self.lockstep.make_room = self._make_room
             self._share_prefixes()
         self._free = threading.Condition()
+        self._counts: DecodeCounts | None = None  # one slot's target decodes, once asked for (`decode_counts`)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -82,9 +83,41 @@ class Slots:
             slot.last_stats = view.last_stats
             with self._free:
                 slot.busy, slot.last_used = False, time.monotonic()
-                self._free.notify()
+                self._free.notify_all()  # `hold` waits for one slot in particular, `_take` for any
             if self.lockstep is not None:  # after: a round that this lets run may take the slot's cells
                 self.lockstep.leave()
+
+    @contextlib.contextmanager
+    def hold(self, index: int) -> Iterator[Slot]:
+        """Slot `index` for work on its cache between generations (the server's save, restore and erase):
+        once no generation runs in it (waiting, as llama-server defers the task), marked busy so that
+        none starts there, and in its turn among the slots, so that its llama.cpp calls run alone."""
+        slot = self.slots[index]
+        with self._free:
+            self._free.wait_for(lambda: not slot.busy)
+            slot.busy = True
+        if self.lockstep is not None:
+            self.lockstep.join()
+        try:
+            yield slot
+        finally:
+            with self._free:
+                slot.busy, slot.last_used = False, time.monotonic()
+                self._free.notify_all()
+            if self.lockstep is not None:
+                self.lockstep.leave()
+
+    def decode_counts(self) -> DecodeCounts:
+        """The target's llama_decode calls for generations and the busy slots at each (llama-server's
+        n_decode_total and n_busy_slots_per_decode). With several slots the shared rounds count them
+        (`Lockstep`); a single slot decodes alone, so its target's calls are counted where they are made,
+        from the first call of this on, while a generation runs (not the step costs timed at start)."""
+        if self.lockstep is not None:
+            return self.lockstep.counts
+        if self._counts is None:
+            self._counts = DecodeCounts()
+            _count_decodes_alone(self.slots[0], self._counts)
+        return self._counts
 
     def _take(self, tokens: Sequence[int]) -> Slot:
         with self._free:
@@ -235,6 +268,21 @@ def _fit_sharing(slot: Slot, shared: int) -> tuple:
     if lost <= _tokenized_otherwise(slot.target.n_past):
         lost = 0
     return -lost, shared, slot.target.n_past == 0, -slot.last_used
+
+
+def _count_decodes_alone(slot: Slot, counts: DecodeCounts) -> None:
+    """Each llama_decode the slot's target makes alone, counted while the slot generates: the call
+    wrapped on this Context instance (as `mtp` records the target's decodes), one increment a call."""
+    ctx = getattr(slot.target, "inner", slot.target)
+    if getattr(ctx, "name", None) != TARGET:
+        return
+    decode_alone = ctx._decode_alone
+
+    def counted(tokens, n_logits):
+        if slot.busy:
+            counts.add(1)
+        return decode_alone(tokens, n_logits)
+    ctx._decode_alone = counted
 
 
 def _draft_context(draft, seq: int, target: Context):

@@ -108,6 +108,20 @@ def test_mlock(wide_pair, loaded, flags, mode):
     assert [m["load_mode"] for m in loaded] == [mode, mode]
 
 
+@pytest.mark.parametrize("mode, expected", [("auto", "MMAP"), ("none", "NONE"), ("mmap", "MMAP"), ("mlock", "MLOCK"),
+                                            ("mmap+mlock", "MMAP_MLOCK")])
+def test_load_mode_is_llama_cpps_newer_spelling(wide_pair, loaded, mode, expected):
+    assert run(wide_pair, "-lm", mode).exit_code == 0
+    assert [m["load_mode"] for m in loaded] == [getattr(llama_cpp, f"LLAMA_LOAD_MODE_{expected}")] * 2
+
+
+@pytest.mark.parametrize("flags, words", [(["-lm", "dio"], "no DirectIO"),
+                                          (["-lm", "mmap", "--no-mmap"], "contradict each other"),
+                                          (["--load-mode", "none", "--mlock"], "contradict each other")])
+def test_a_load_mode_it_cannot_honour_is_one_line(wide_pair, flags, words):
+    one_line_error(run(wide_pair, *flags), words)
+
+
 def test_strict_keeps_the_target_token_by_token(wide_pair, loaded):
     assert run(wide_pair, "--strict", "-ub", "8").exit_code == 0
     assert [m["n_ubatch"] for m in loaded] == [1, 8]

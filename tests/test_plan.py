@@ -4,6 +4,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from ggufspec.cli import models as models_cli
 from click.testing import CliRunner
 
 from ggufspec import plan as P
@@ -455,6 +457,26 @@ def test_measured_costs_of_any_thread_count_serve_a_plan_without_t(tiny_pair):
     curve = M.measured_curve(*tiny_pair, None, 0, 0)
     assert curve.source == "measured on this machine (-t 2, -ngl 0 -ngld 0)" and curve.step_seconds == 0.001
     assert M.measured_curve(*tiny_pair, 4, 0, 0) is None and M.measured_curve(*tiny_pair, None, 1, 1) is None
+
+
+def test_costs_measured_under_other_load_flags_are_theirs(tiny_pair, monkeypatch):
+    """A bf16 cache's step costs (bench -ctk bf16) are remembered under their own key: plan -ctk bf16 reads
+    them, a plan for the default cache does not (and the decoder names that key alike)."""
+    from ggufspec.home import read_json, write_json
+    from ggufspec.plan import measured as M
+    from ggufspec.session import ModelOptions, open_session
+    monkeypatch.setattr(P, "detect_gpus", lambda: [])
+    remember(tiny_pair, CPU_MS, 23.0)
+    data = read_json(M.COSTS_FILE)
+    tag = models_cli.costs_flags_tag(64, "bf16", "f16", "f16", "f16")
+    data[M.costs_key(*tiny_pair, None, 0, 0, tag)] = data.pop(M.costs_key(*tiny_pair, None, 0, 0))
+    write_json(M.COSTS_FILE, data)
+    assert "measured on this machine" in plan_cli(tiny_pair, "-ub", "64", "-ctk", "bf16").output
+    assert "measured on this machine" not in plan_cli(tiny_pair).output
+    options = ModelOptions(model=str(tiny_pair[0]), model_draft=str(tiny_pair[1]), n_ctx=256, n_ubatch=64,
+                           cache_type_k="bf16", n_gpu_layers=0, n_gpu_layers_draft=0)
+    with open_session(options, log=lambda line: None) as session:
+        assert session.decoder._costs_key == M.costs_key(*tiny_pair, None, 0, 0, tag)
 
 
 def test_the_costs_bench_sampled_come_before_the_least_ones_auto_remembers(tiny_pair):

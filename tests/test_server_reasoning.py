@@ -91,7 +91,7 @@ def test_a_template_that_opens_thinking_is_followed_per_request(tmp_path):
 
 def test_server_flags_set_every_requests_variables(tmp_path):
     target = reasoner(tmp_path, QWEN3_LIKE)
-    for flags in (["--reasoning-budget", "0"], ["--chat-template-kwargs", '{"enable_thinking": false}']):
+    for flags in (["--reasoning-budget", "0"], ["--chat-template-kwargs", '{"enable_thinking": false}'], ["-rea", "off"]):
         with serving(tmp_path, "-m", str(target), "--no-draft", "-c", "512", "--reasoning-format", "none",
                      *flags) as server:
             prompt = httpx.post(server.url + "/apply-template", json={"messages": HI}, timeout=30).json()["prompt"]
@@ -170,13 +170,17 @@ def test_run_chat_and_the_terminal_chat_take_the_template_variables(tmp_path, mo
     closed = n_prompt("--chat-template-kwargs", '{"enable_thinking": false}')
     assert closed > alone and n_prompt("--reasoning-budget", "0") == closed
     assert n_prompt("--chat-template-kwargs", '{"enable_thinking": true}') == alone
-    refused = CliRunner().invoke(main, ["run", "-m", str(target), "-p", "hi", "--chat-template-kwargs", "{}"])
-    assert refused.exit_code == 2 and "give --chat too" in refused.stderr
+    assert n_prompt("-rea", "off") == n_prompt("--reasoning", "false") == closed and n_prompt("-rea", "on") == alone
+    for flags in (["--chat-template-kwargs", "{}"], ["-rea", "off"], ["--reasoning-effort", "low"]):
+        refused = CliRunner().invoke(main, ["run", "-m", str(target), "-p", "hi", *flags])
+        assert refused.exit_code == 2 and "give --chat too" in refused.stderr, flags
+    clash = CliRunner().invoke(main, [*base, "-rea", "on", "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert clash.exit_code == 2 and "contradict each other" in clash.stderr
     rendered = []
     original = SpeculativeDecoder.render_chat
     monkeypatch.setattr(SpeculativeDecoder, "render_chat",
                         lambda self, messages, **variables: rendered.append(variables) or original(self, messages, **variables))
     result = CliRunner().invoke(main, ["chat", "-m", str(target), "--no-draft", "-n", "2", "-t", "1", "-c", "256",
-                                       "--reasoning-budget", "0"], input="hi\n")
+                                       "--reasoning-budget", "0", "--reasoning-effort", "high"], input="hi\n")
     assert result.exit_code == 0, result.output
-    assert rendered == [{"enable_thinking": False}]
+    assert rendered == [{"enable_thinking": False, "reasoning_effort": "high"}]

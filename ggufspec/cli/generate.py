@@ -13,7 +13,9 @@ from ..errors import GgufspecError
 from ..sampling import SamplingParams
 from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
-from .options import (RenamedOption, check_defaults, check_rpc, generation_options, load_flag_options, model_options,
+from .serve_flags import llamacpp_server_options, server_flags
+from .options import (RenamedOption, check_defaults, check_rpc, generation_options, load_flag_options, model_load_fields,
+                      model_options,
                       open_session, options, parse_draft, read_prompt, rpc_timeout_given, rpc_timeout_option,
                       stream_options, template_variable_options, template_variables)
 
@@ -40,9 +42,7 @@ def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwar
         raise GgufspecError("--system is the chat template's system message: give --chat too")
     utf8_text("--system", system)
     check_defaults(opts)  # a bad --draft, --temp or constraint fails before loading anything
-    if template_kwargs is not None and not chat:
-        raise GgufspecError("--chat-template-kwargs are the chat template's variables: give --chat too")
-    variables = template_variables(template_kwargs, opts["reasoning_budget"]) if chat else {}
+    variables = template_variables(template_kwargs, opts, chat)
     with open_session(opts) as session:
         decoder = session.decoder
         if variables:  # the template rendered here, with them
@@ -162,7 +162,7 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
                            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn,
                            rpc=rpc, rpc_timeout=rpc_timeout or None, n_parallel=max(counts or [1]),
                            fixed_draft=any(c.options.get("n_draft") not in (None, 0, "auto") for c in configs),
-                           use_mmap=not load["no_mmap"], **{k: v for k, v in load.items() if k != "no_mmap"})
+                           **model_load_fields(load))
     if counts:
         return _bench_streams(options, prompts, counts, n_predict, as_json)
     with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
@@ -197,10 +197,13 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         B.add_cost_model(result, costs, configs, trace, auto_knew)
         B.remember_costs(decoder, costs)
     if not rpc and costs:  # what plan reads back, marked as measured by this build
+        from ..load import flags_tag
         from ..plan.measured import stamp_costs
+        from ..session import load_flags_by_role
         stamp_costs(session.target_path, session.draft_path, n_threads, *decoder.costs_offload,
                     {"step_seconds": result.cost_model["step_seconds"], "row_seconds": costs.get("row", 0.0),
-                     "draft_batch": B.draft_batches(costs), "sampled": costs})
+                     "draft_batch": B.draft_batches(costs), "sampled": costs},
+                    flags_tag(load_flags_by_role(options)))  # the key the decoder remembered them under
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else B.markdown(result))
     if plot_file:  # after the results are out: a plot that fails loses nothing
         B.plot(result, plot_file)
@@ -326,6 +329,7 @@ def check_alias(alias: str | None) -> None:
               help="Serve HTTPS: this PEM certificate (chain), with --ssl-key-file.")
 @click.option("--metrics", is_flag=True, help="Answer GET /metrics: llama-server's Prometheus counters (tokens, "
               "seconds, drafts kept), under its names.")
+@llamacpp_server_options
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @friendly_errors
 def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja,
@@ -348,9 +352,10 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
     except ImportError as exc:
         raise GgufspecError(f"ggufspec serve needs the server extra ({exc.name} is missing): "
                             f"pip install 'ggufspec[server]'") from None
+    llamacpp = server_flags(opts)  # llama-server's flags: a refused one fails here, before anything loads
     check_defaults(opts)
     check_alias(alias)
-    template_defaults = template_variables(template_kwargs, opts["reasoning_budget"])
+    template_defaults = template_variables(template_kwargs, opts)
     tls = tls_from(ssl_key_file, ssl_cert_file)
     check_rpc(opts["rpc"], rpc_timeout_given())
     api_key = parse_api_keys(api_key, api_key_file)
@@ -359,17 +364,18 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
     exit_quietly_on_signals()
     if opts["rpc"] and serve_fd is None:  # a bad --rpc failed above (check_rpc), in one line
         from ..server.supervisor import supervise
-        sys.exit(supervise(listen(host, port), rpc=opts["rpc"], rpc_timeout=rpc_timeout, argv=sys.argv[1:],
-                           exposure=exposure, tls=tls))
+        sys.exit(supervise(listen(host, port, llamacpp["reuse_port"]), rpc=opts["rpc"], rpc_timeout=rpc_timeout,
+                           argv=sys.argv[1:], exposure=exposure, tls=tls, front=llamacpp["front"]))
     if serve_fd is not None:
         from ..server.supervisor import supervised_socket
         sock = supervised_socket(serve_fd, opts["rpc"])
     else:
-        sock = listen(host, port)  # a port in use fails before the models load
+        sock = listen(host, port, llamacpp["reuse_port"])  # a port in use fails before the models load
     with open_session(opts, requests_choose_drafting=True) as session:
         defaults = stream_options(opts)
         from ..server.speculation import time_costs_before_serving
-        timed = time_costs_before_serving(session.decoder, defaults)  # not on the first request's clock
+        # not on the first request's clock (--no-warmup: on it)
+        timed = time_costs_before_serving(session.decoder, defaults) if llamacpp["warmup"] else 0
         if timed:
             click.echo(f"ggufspec: timed the step costs for --draft auto in {timed:.1f} s (remembered in "
                        f"costs.json)", err=True)
@@ -379,13 +385,15 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
                          info={"target": target.name, "draft": session.draft_path and Path(session.draft_path).name,
                                "defaults": defaults}, session=session, metrics=metrics,
                          template_defaults=template_defaults, reasoning_format=reasoning_format,
+                         endpoints=llamacpp["endpoints"], front=llamacpp["front"] if serve_fd is None else None,
                          exposure=exposure if serve_fd is None else exposure.behind_front())  # --rpc: its front checks
         if serve_fd is not None:  # `serve --rpc`'s model process, loaded: from now on a lost worker is recovered from
             from ..rpc import faults
             from ..server.supervisor import RECOVERY
             faults.set_abort_consequence(RECOVERY)
         serve_forever(app, sock, name=alias or session.name, host=host, exposure=exposure,
-                      shown_port=port if serve_fd is not None else None, tls=tls)
+                      shown_port=port if serve_fd is not None else None, tls=tls,
+                      api_prefix=llamacpp["front"].api_prefix)
 
 
 @main.command(context_settings={"show_default": True})
@@ -406,7 +414,7 @@ def chat(system, color, template_kwargs, **opts):
     check_rpc(opts["rpc"], rpc_timeout_given())
     utf8_text("--system", system)
     check_defaults(opts)
-    variables = template_variables(template_kwargs, opts["reasoning_budget"])
+    variables = template_variables(template_kwargs, opts)
     with open_session(opts) as session:
         chat_session(session.decoder, stream_options(opts), system, color, variables)
 
@@ -429,9 +437,10 @@ def eval_():
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(1), default=2048)
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(1), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
+@options(*load_flag_options())
 @friendly_errors
 def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_predict, seed, n_ctx, n_threads,
-              as_json):
+              as_json, **load):
     """HumanEval pass@1: the target alone and speculative decoding, same run, same checker."""
     from .. import evaluate as E
     from ..session import ModelOptions, open_session
@@ -442,7 +451,12 @@ def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_
     draft = parse_draft(n_draft)
     if draft != "auto" and draft < 0:
         raise GgufspecError(f"--draft must be >= 0 (0: the target alone) or 'auto', got {draft}")
-    options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads)
+    largest = 8 if draft == "auto" else draft  # auto's largest K: --spec-draft-n-max's 8
+    if load["n_batch"] is not None and draft != 0 and load["n_batch"] < largest + 1:
+        raise GgufspecError(f"-b {load['n_batch']} is smaller than a step verifies at once (K = {largest} drafts and "
+                            f"the token after them: {largest + 1}): raise -b to {largest + 1} or give a smaller --draft")
+    options = ModelOptions(pair=pair, model=model, model_draft=model_draft, n_ctx=n_ctx, n_threads=n_threads,
+                           fixed_draft=draft not in ("auto", 0), **model_load_fields(load))
     with open_session(options, log=lambda line: click.echo(line, err=True)) as session:
         result = E.run_humaneval(session.decoder, problems=problems, n_draft=draft, temperature=temperature,
                                  samples=samples, seed=seed, n_predict=n_predict, progress=True)

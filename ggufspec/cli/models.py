@@ -223,6 +223,14 @@ def _remove_paths(name: str, paths: list[Path]) -> None:
     click.echo(f"{name}: removed {store.human_size(freed)}")
 
 
+def costs_flags_tag(n_ubatch, type_k, type_v, type_k_draft, type_v_draft) -> str:
+    """The costs key's tag for plan's load flags, as a decoder loaded with them names its costs (bench's)."""
+    from ..load import flags_tag
+    from ..session import ModelOptions, load_flags_by_role
+    return flags_tag(load_flags_by_role(ModelOptions(n_ubatch=n_ubatch, cache_type_k=type_k, cache_type_v=type_v,
+                                                     cache_type_k_draft=type_k_draft, cache_type_v_draft=type_v_draft)))
+
+
 def _shapes_for(pair, model, model_draft):
     """(target shape, draft shape or None, (target path, draft path) where both are on disk, else
     (None, None)): from -m/-md (paths or hub references, as `run` takes them) or a registry pair.
@@ -317,7 +325,9 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     warnings: list[str] = []
     measured = None
     if vram is None and ram is None:  # measured costs are this machine's as it is, not a declared one
-        measured = lambda ngl, ngld: M.measured_curve(target_path, draft_path, n_threads, ngl, ngld, warnings.append)
+        tag = costs_flags_tag(n_ubatch, cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft)
+        measured = lambda ngl, ngld: M.measured_curve(target_path, draft_path, n_threads, ngl, ngld,  # noqa: E731
+                                                      warnings.append, tag)
     result = planner.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx or 4096, ctx_given=n_ctx is not None,
                                n_draft=n_draft, trace=merged(traces), measured=measured)
     for line in dict.fromkeys(warnings):

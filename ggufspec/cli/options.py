@@ -96,6 +96,9 @@ def load_flag_options():
         click.option("--mlock", "use_mlock", is_flag=True, help="Keep the models in RAM, never swapped out."),
         click.option("--no-mmap", "no_mmap", is_flag=True,
                      help="Read the models into memory instead of mapping their files (slower load, no page-outs)."),
+        click.option("-lm", "--load-mode", "load_mode", type=click.Choice(LOAD_MODES), default=None,
+                     help="llama.cpp's newer spelling of --mlock / --no-mmap: auto and mmap map the files; none "
+                          "reads them; mlock reads and locks them; mmap+mlock maps and locks [default: auto]."),
         *cache_type_options(),
     ]
 
@@ -149,6 +152,7 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
     With -m alone and no draft model found, drafting is by n-gram (as --lookup)."""
     from ..session import ModelOptions, open_session as open_
     no_draft = opts.pop("no_draft")
+    opts.update(load_mode_flags(opts))
     options = ModelOptions(pair=opts.pop("pair"), model=opts.pop("model"), model_draft=opts.pop("model_draft"),
                            draft_dir=opts.pop("draft_dir"), lookup_pool=opts.pop("lookup_pool"),
                            no_draft=no_draft, n_ctx=opts.pop("n_ctx"), n_threads=opts.pop("n_threads"),
@@ -184,15 +188,30 @@ def chat_template_given(text: str | None, path: str | None) -> str | None:
 
 
 def template_variable_options(command):
-    """--chat-template-kwargs (llama.cpp's): run --chat, chat and serve."""
-    return click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
-                        help="Variables for the chat template (on serve, a request's chat_template_kwargs add to "
-                             "them), e.g. '{\"enable_thinking\": false}'.")(command)
+    """--chat-template-kwargs, -rea/--reasoning and --reasoning-effort (llama.cpp's): run --chat, chat, serve."""
+    return options(
+        click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+                     help="Variables for the chat template (on serve, a request's chat_template_kwargs add to "
+                          "them), e.g. '{\"enable_thinking\": false}'."),
+        click.option("-rea", "--reasoning", "reasoning", default="auto", metavar="[on|off|auto]",
+                     type=click.Choice(["on", "off", "auto", "true", "false", "enabled", "disabled", "1", "0"]),
+                     help="Thinking on or off: the template's enable_thinking (auto: as the template does)."),
+        click.option("--reasoning-effort", "reasoning_effort", default="default", metavar="LEVEL",
+                     help="The template's reasoning_effort (gpt-oss's: low, medium, high...; default: the "
+                          "template's own)."),
+    )(command)
 
 
-def template_variables(text: str | None, reasoning_budget: int) -> dict:
-    """--chat-template-kwargs (a JSON object) and --reasoning-budget 0 as the chat template's variables
-    (a budget of 0 is also forced in the sampler: a template that ignores enable_thinking gets </think>)."""
+def template_variables(text: str | None, opts: dict, chat: bool = True) -> dict:
+    """--chat-template-kwargs (a JSON object), -rea/--reasoning, --reasoning-effort (consumed from `opts`)
+    and --reasoning-budget 0 as the chat template's variables (a budget of 0 is also forced in the
+    sampler: a template that ignores enable_thinking gets </think>). Without `chat` none may be given."""
+    reasoning, effort = opts.pop("reasoning"), opts.pop("reasoning_effort")
+    if not chat:
+        if text is not None or reasoning != "auto" or effort != "default":
+            raise GgufspecError("--chat-template-kwargs, -rea/--reasoning and --reasoning-effort are the chat "
+                                "template's: give --chat too")
+        return {}
     variables = {}
     if text is not None:
         try:
@@ -207,7 +226,42 @@ def template_variables(text: str | None, reasoning_budget: int) -> dict:
         taken = [name for name in variables if name in RENDERER_VARIABLES]
         if taken:
             raise GgufspecError(f"--chat-template-kwargs: {taken[0]} is set by the renderer itself: leave it out")
-    return {**variables, "enable_thinking": False} if reasoning_budget == 0 else variables
+    if reasoning != "auto":
+        thinking = reasoning in ("on", "true", "enabled", "1")
+        if variables.get("enable_thinking", thinking) != thinking:
+            raise GgufspecError(f"-rea {reasoning} and --chat-template-kwargs' enable_thinking "
+                                f"{str(variables['enable_thinking']).lower()} contradict each other: give one of them")
+        variables["enable_thinking"] = thinking
+    if effort != "default":
+        variables["reasoning_effort"] = utf8_text("--reasoning-effort", effort)
+    return {**variables, "enable_thinking": False} if opts["reasoning_budget"] == 0 else variables
+
+
+LOAD_MODES = ["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"]
+
+
+def load_mode_flags(load: dict) -> dict:
+    """-lm/--load-mode (consumed from `load`) as --no-mmap and --mlock (llama-cpp-python's Llama takes
+    those and sets llama.cpp's load mode from them); given with either of them, they must agree."""
+    mode = load.pop("load_mode", None)
+    if mode is None:
+        return {"no_mmap": load["no_mmap"], "use_mlock": load["use_mlock"]}
+    if mode == "dio":
+        raise GgufspecError("--load-mode dio: llama-cpp-python's loader has no DirectIO; use none (read the file) "
+                            "or mmap")
+    wanted = {"no_mmap": mode in ("none", "mlock"), "use_mlock": mode in ("mlock", "mmap+mlock")}
+    for flag, name in (("--no-mmap", "no_mmap"), ("--mlock", "use_mlock")):
+        if load[name] and not wanted[name]:
+            raise GgufspecError(f"--load-mode {mode} and {flag} contradict each other: give one of them")
+    return wanted
+
+
+def model_load_fields(load: dict) -> dict:
+    """The load flags (bench's and eval's **load) as ModelOptions fields."""
+    load = dict(load)
+    flags = load_mode_flags(load)
+    load.pop("no_mmap")
+    return {**load, "use_mmap": not flags["no_mmap"], "use_mlock": flags["use_mlock"]}
 
 
 # model_options' llama.cpp load flags that are ModelOptions fields of the same name

@@ -28,14 +28,17 @@ def build_id() -> str:
     return f"llama-cpp-python {version} ({', '.join(build_backends()) or '?'}; libllama {size} bytes)"
 
 
-def costs_key(target_path, draft_path, n_threads, ngl: int, ngld: int) -> str:
-    from ..speculate import _costs_key  # the decoder's own key, so both sides name an entry alike
-    return _costs_key(os.fspath(target_path), os.fspath(draft_path), n_threads, ngl, ngld)
+def costs_key(target_path, draft_path, n_threads, ngl: int, ngld: int, tag: str = "") -> str:
+    """The decoder's own key, so both sides name an entry alike; `tag`: the load flags that change step
+    costs (`load.flags_tag`: -ub, the cache types...), as the decoder adds them."""
+    from ..speculate import _costs_key
+    return _costs_key(os.fspath(target_path), os.fspath(draft_path), n_threads, ngl, ngld, tag)
 
 
-def stamp_costs(target_path, draft_path, n_threads, ngl: int, ngld: int, extra: dict | None = None) -> None:
+def stamp_costs(target_path, draft_path, n_threads, ngl: int, ngld: int, extra: dict | None = None,
+                tag: str = "") -> None:
     """Mark the pair's remembered draft-model costs as this build's (with bench's step figures)."""
-    key = costs_key(target_path, draft_path, n_threads, ngl, ngld)
+    key = costs_key(target_path, draft_path, n_threads, ngl, ngld, tag)
     data = read_json(COSTS_FILE)
     entry = data.get(key, {}).get("model")
     if not isinstance(entry, dict):
@@ -44,9 +47,9 @@ def stamp_costs(target_path, draft_path, n_threads, ngl: int, ngld: int, extra: 
     write_json(COSTS_FILE, data)
 
 
-def _entry(data: dict, target_path, draft_path, n_threads, ngl: int, ngld: int):
+def _entry(data: dict, target_path, draft_path, n_threads, ngl: int, ngld: int, tag: str = ""):
     """The entry for exactly these settings, else (threads not given) one with any thread count."""
-    key = costs_key(target_path, draft_path, n_threads, ngl, ngld)
+    key = costs_key(target_path, draft_path, n_threads, ngl, ngld, tag)
     if key in data or n_threads is not None:
         return key, data.get(key)
     parts = key.split("|")  # target, draft, t<threads>, ngl<n>, ngld<n>
@@ -66,12 +69,13 @@ def _threads(key: str) -> int:
         return 1 << 30
 
 
-def measured_curve(target_path, draft_path, n_threads, ngl: int, ngld: int, warn=None) -> CostCurve | None:
-    """The remembered costs of this pair at this offload as a simulator curve, or None (never
-    measured, too few figures, damaged, or measured by another build: `warn` gets one line)."""
+def measured_curve(target_path, draft_path, n_threads, ngl: int, ngld: int, warn=None,
+                   tag: str = "") -> CostCurve | None:
+    """The remembered costs of this pair at this offload (and load flags: `tag`) as a simulator curve,
+    or None (never measured, too few figures, damaged, or measured by another build: `warn` gets one line)."""
     if target_path is None or draft_path is None:
         return None
-    key, entry = _entry(read_json(COSTS_FILE), target_path, draft_path, n_threads, ngl, ngld)
+    key, entry = _entry(read_json(COSTS_FILE), target_path, draft_path, n_threads, ngl, ngld, tag)
     model = entry.get("model") if isinstance(entry, dict) else None
     if not isinstance(model, dict):
         return None

@@ -4,11 +4,14 @@ API's (`protocols`: HTTP to jobs, jobs to the API's JSON). The routes only parse
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from importlib import resources
 
-from fastapi import FastAPI
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -16,6 +19,7 @@ from .. import load
 from .. import tools as toolkit
 from . import protocols
 from .errors import APIError, add_error_handlers
+from .front import Endpoints, Front
 from .guard import Exposure, Guard, OffLoopRoute
 from .jobs import Engine
 from .props import chat_props, pair_props, system_fingerprint
@@ -39,14 +43,17 @@ def chat_page() -> str:
 def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_key: str | None = None,
                max_queue: int = 16, aliases: tuple[str, ...] = (), info: dict | None = None,
                session=None, exposure: Exposure | None = None, metrics: bool = False,
-               template_defaults: dict | None = None, reasoning_format: str = "auto") -> FastAPI:
+               template_defaults: dict | None = None, reasoning_format: str = "auto",
+               endpoints: Endpoints | None = None, front: Front | None = None) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
     `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
     defaults (no Host check: where it listens is not known here).
     `aliases`: other model ids accepted in requests (file names). `info`: shown in /v1/models' meta.
     `session`: the opened session, for /props (its `draft_choice`, where it has one). `metrics`: answer
     /metrics (llama-server's --metrics). `template_defaults`: every chat request's template variables
-    (--chat-template-kwargs); `reasoning_format`: where chat answers put a reasoning model's thinking."""
+    (--chat-template-kwargs); `reasoning_format`: where chat answers put a reasoning model's thinking.
+    `endpoints`: llama-server's optional ones (the page, /slots and its actions, POST /props); `front`:
+    --api-prefix and --timeout, in front of the Guard (None: behind `serve --rpc`'s front, or none)."""
     engine = Engine(decoder, max_queue)
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
@@ -56,8 +63,13 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     defaults = dict(defaults or {})
     accepted_models = {model_name, *aliases}
     created = int(time.time())
+    endpoints = endpoints or Endpoints()
+    decodes = decoder.slots.decode_counts() if metrics else None  # the target's llama_decode calls
 
     async def lifespan(app):
+        if endpoints.threads_http:  # asyncio.to_thread's pool: tokenizing, parsing bodies, slot files
+            asyncio.get_running_loop().set_default_executor(
+                ThreadPoolExecutor(endpoints.threads_http, thread_name_prefix="ggufspec-http"))
         yield
         await asyncio.to_thread(engine.close)  # stops the running generation within a step
 
@@ -67,6 +79,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     app.add_middleware(Guard, exposure=exposure or Exposure(api_key=api_key))  # Host, CORS, origin, key, body cap
     app.router.route_class = OffLoopRoute  # request bodies parsed and validated off the event loop
     add_error_handlers(app)
+    if front is not None:
+        front.add_to(app)  # outside the Guard: it sees the paths without the prefix
 
     # OpenAI's chat and completions, Anthropic's Messages, OpenAI's Responses: the same requests to the same engine
     fingerprint = system_fingerprint(decoder)
@@ -88,28 +102,36 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         """llama-server's Prometheus metrics (`metrics.Metrics`), where the server was started with --metrics."""
         if not metrics:
             raise APIError(501, "this server does not answer /metrics: start it with --metrics", "not_supported_error")
-        text = engine.metrics.prometheus(requests_processing=engine.running, requests_deferred=engine.waiting)
+        text = engine.metrics.prometheus(requests_processing=engine.running, requests_deferred=engine.waiting,
+                                         decodes=decodes)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4",
                                  headers={"Process-Start-Time-Unix": str(engine.metrics.started)})
 
-    @app.get("/slots")
-    async def slots():
-        """Each slot, as llama-server's /slots: whether it generates, what its cache holds, its last answer."""
-        return engine.slots.describe()
-
+    add_slot_routes(app, engine, endpoints)
     props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
-             **chat_props(template, tool_format, session, decoder), "system_fingerprint": fingerprint}
+             **chat_props(template, tool_format, session, decoder), "system_fingerprint": fingerprint,
+             "endpoint_slots": endpoints.slots, "endpoint_props": endpoints.props, "endpoint_metrics": metrics,
+             "ui": endpoints.webui}
 
-    @app.get("/", response_class=HTMLResponse)
-    async def page():
-        return HTMLResponse(chat_page(), headers={"Cache-Control": "no-cache", **PAGE_POLICY})
+    if endpoints.webui:  # --no-webui: no page (GET / is a 404, as llama-server's), the API the same
+        @app.get("/", response_class=HTMLResponse)
+        async def page():
+            return HTMLResponse(chat_page(), headers={"Cache-Control": "no-cache", **PAGE_POLICY})
 
-    # the chat page's Markdown renderer and sanitiser (marked, DOMPurify), shipped with the package
-    app.mount("/static", StaticFiles(packages=[("ggufspec", "static")]), name="static")
+        # the chat page's Markdown renderer and sanitiser (marked, DOMPurify), shipped with the package
+        app.mount("/static", StaticFiles(packages=[("ggufspec", "static")]), name="static")
 
     @app.get("/props")
     async def props_endpoint():
         return props
+
+    @app.post("/props")
+    async def change_props():
+        """llama-server's POST /props (with --props): it changes nothing there either, and says so."""
+        if not endpoints.props:
+            raise APIError(501, "This server does not support changing global properties. Start it with --props",
+                           "not_supported_error")
+        return {"success": True}
 
     def model_entry() -> dict:
         meta = {"n_ctx": decoder.n_ctx, **(info or {})}
@@ -137,3 +159,37 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         return await asyncio.to_thread(detokenize_tokens, decoder, body)
 
     return app
+
+
+def add_slot_routes(app: FastAPI, engine, endpoints: Endpoints) -> None:
+    """GET /slots (unless --no-slots) and POST /slots/{id}?action=save|restore|erase (--slot-save-path),
+    in llama-server's request and answer shapes."""
+    from .slotfiles import ACTIONS, slot_action
+
+    @app.get("/slots")
+    async def slots(fail_on_no_slot: str | None = None):
+        """Each slot, as llama-server's /slots: whether it generates, what its cache holds, its last answer."""
+        if not endpoints.slots:
+            raise APIError(501, "This server does not support slots endpoint. Start it without --no-slots",
+                           "not_supported_error")
+        if fail_on_no_slot and engine.slots.n_busy == len(engine.slots):
+            raise APIError(503, "no slot available", "unavailable_error", "no_slot_available")
+        return engine.slots.describe()
+
+    @app.post("/slots/{id_slot}")
+    async def slot_file(id_slot: str, request: Request, action: str | None = None):
+        if endpoints.slot_save_path is None:
+            raise APIError(501, "This server does not support slots action. Start it with --slot-save-path DIR",
+                           "not_supported_error")
+        if not (id_slot.isascii() and id_slot.isdigit()):
+            raise APIError(400, f"Invalid slot ID: {id_slot!r}", param="id_slot")
+        if action not in ACTIONS:
+            raise APIError(400, f"Invalid action: {action!r} (action=save, restore or erase)", param="action")
+        body = await request.body()
+        try:
+            fields = json.loads(body) if body.strip() else {}
+        except ValueError:
+            raise APIError(400, "malformed JSON body: send {\"filename\": \"NAME\"}") from None
+        filename = fields.get("filename") if isinstance(fields, dict) else None
+        return await asyncio.to_thread(slot_action, engine.slots, int(id_slot), action, endpoints.slot_save_path,
+                                       filename)

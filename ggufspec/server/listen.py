@@ -23,13 +23,17 @@ STOP_DEADLINE_S = 4.0  # ... and how long the whole process may: then it exits w
 STREAMS_CUT_S = 1.0  # after the stop signal, when sse-starlette cuts the streams still open
 
 
-def listen(host: str, port: int):
-    """A listening socket (uvicorn serves it), so that port 0 works and the real URL can be printed."""
+def listen(host: str, port: int, reuse_port: bool = False):
+    """A listening socket (uvicorn serves it), so that port 0 works and the real URL can be printed.
+    `reuse_port`: llama-server's --reuse-port (SO_REUSEPORT: several servers on one port, the kernel
+    spreading the connections among them)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
         sock.listen(128)
     except OSError as exc:
@@ -106,16 +110,17 @@ def warnings(host: str, exposure: Exposure) -> list[str]:
 
 
 def serve_forever(app, sock: socket.socket, *, name: str, host: str, exposure: Exposure,
-                  shown_port: int | None = None, tls: Tls | None = None) -> None:
+                  shown_port: int | None = None, tls: Tls | None = None, api_prefix: str = "") -> None:
     """Serve until Ctrl-C or SIGTERM. `shown_port`: the port clients use, when `sock` is not it (the
     Unix socket of `serve --rpc`'s model process, behind its supervisor on host:shown_port, which
-    speaks the `tls` then). `exposure`: the policy clients meet, said in the start line."""
+    speaks the `tls` then). `exposure`: the policy clients meet, said in the start line; `api_prefix`:
+    where the routes are (--api-prefix), in the URL it shows."""
     for warning in warnings(host, exposure):
         sys.stderr.write(f"ggufspec: warning: {warning}\n")
     bound_host, bound_port = (host, shown_port) if shown_port is not None else sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     scheme = "https" if tls else "http"
-    sys.stderr.write(f"ggufspec: serving {name} at {scheme}://{shown}:{bound_port}/v1 (OpenAI and Anthropic APIs; "
+    sys.stderr.write(f"ggufspec: serving {name} at {scheme}://{shown}:{bound_port}{api_prefix}/v1 (OpenAI and Anthropic APIs; "
                      f"{exposure.summary()}; Ctrl-C stops)\n")
     stopping = threading.Event()
 

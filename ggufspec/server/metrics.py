@@ -3,8 +3,9 @@ names (`llamacpp:...`), so that a dashboard made for llama-server reads ggufspec
 
 Counted per choice as it ends, whether whole, stopped or cancelled (its tokens were computed either
 way). The two throughput gauges are averages since the last read of /metrics, as llama-server's
-"bucket"; `n_decode_total` and `n_busy_slots_per_decode` are left out (ggufspec's slots share one
-batch per step, which a count per answer does not give)."""
+"bucket". `n_decode_total` and `n_busy_slots_per_decode` come from the slots' own count of the
+target's llama_decode calls (`DecodeCounts`: one per shared step or prompt chunk, with the slots
+generating at it), not from the answers."""
 from __future__ import annotations
 
 import threading
@@ -53,8 +54,10 @@ class Metrics:
             self.n_accepted += stats.n_accept
             self.n_draft_steps += stats.n_draft_steps
 
-    def prometheus(self, requests_processing: int, requests_deferred: int) -> str:
-        """The text exposition format (version 0.0.4); the buckets start again."""
+    def prometheus(self, requests_processing: int, requests_deferred: int, decodes=None) -> str:
+        """The text exposition format (version 0.0.4); the buckets start again. `decodes`: the slots'
+        `DecodeCounts` (the target's llama_decode calls and the busy slots at each)."""
+        n_decode, n_busy_slots = (decodes.n_decode, decodes.n_busy_slots) if decodes is not None else (0, 0)
         with self._lock:
             counters = [
                 ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", self.prompt.tokens),
@@ -62,6 +65,8 @@ class Metrics:
                 ("prompt_seconds_total", "Total time spent processing prompts", self.prompt.seconds),
                 ("tokens_predicted_total", "Number of generation tokens processed", self.predicted.tokens),
                 ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.predicted.seconds),
+                ("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding and "
+                 "multimodal decoding", n_decode),
                 ("n_tokens_max", "Largest observed sequence length (prompt + generation)", self.n_tokens_max),
                 ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", self.n_drafted),
                 ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target "
@@ -75,6 +80,8 @@ class Metrics:
                  self.predicted_bucket.per_second),
                 ("requests_processing", "Number of requests processing", requests_processing),
                 ("requests_deferred", "Number of requests deferred", requests_deferred),
+                ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+                 n_busy_slots / max(n_decode, 1)),
             ]
             self.prompt_bucket, self.predicted_bucket = Throughput(), Throughput()
         return "".join(_metric(name, kind, help_text, value)

@@ -102,8 +102,9 @@ class Backoff:
 
 class Supervisor:
     def __init__(self, command: list[str], socket_path: str, socket_fd: int, endpoints: list[Endpoint],
-                 rpc_timeout: float, exposure: Exposure | None = None, tls=None):
+                 rpc_timeout: float, exposure: Exposure | None = None, tls=None, front=None):
         self.command, self.socket_path, self.socket_fd = command, socket_path, socket_fd
+        self.front = front  # front.Front: --api-prefix and --timeout, here where the clients are
         self.tls = tls  # listen.Tls: the front speaks HTTPS, the model process plain on its Unix socket
         self.endpoints, self.rpc_timeout, self.exposure = endpoints, rpc_timeout, exposure or Exposure()
         self.child: Child | None = None
@@ -132,7 +133,8 @@ class Supervisor:
     async def main(self, sock: socket.socket) -> None:
         # Host, origin, key and body cap are checked here, in front (the model process trusts this one), so
         # that a client without the key learns nothing, the model up or not, and a large body is never read
-        config = uvicorn.Config(Guard(proxy_app(self), self.exposure), log_level="warning", access_log=False,
+        app = Guard(proxy_app(self), self.exposure)
+        config = uvicorn.Config(self.front.wrap(app) if self.front else app, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
                                 **(self.tls.uvicorn_options() if self.tls else {}))
         supervisor = self
@@ -304,7 +306,7 @@ class Supervisor:
 
 
 def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[str],
-              exposure: Exposure | None = None, tls=None) -> int:
+              exposure: Exposure | None = None, tls=None, front=None) -> int:
     """Serve `sock` with the model in a child process (`ggufspec serve ARGV` on a Unix socket); the exit code."""
     endpoints = parse_endpoints(rpc)
     if "serve" not in argv:  # the child is this command line again
@@ -318,7 +320,7 @@ def supervise(sock: socket.socket, *, rpc: str, rpc_timeout: float, argv: list[s
             model_sock.set_inheritable(True)
             command = [sys.executable, "-m", "ggufspec.cli", *argv, "--host", host, "--port", str(port),
                        "--serve-fd", str(model_sock.fileno())]
-            supervisor = Supervisor(command, path, model_sock.fileno(), endpoints, rpc_timeout, exposure, tls)
+            supervisor = Supervisor(command, path, model_sock.fileno(), endpoints, rpc_timeout, exposure, tls, front)
             asyncio.run(supervisor.main(sock))
     return supervisor.exit_code
 

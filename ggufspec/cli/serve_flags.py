@@ -1,0 +1,91 @@
+"""llama-server's flags that `serve` takes as users paste them from its command lines and docs
+(common/arg.cpp, LLAMA_EXAMPLE_SERVER): each one does here what it does there, or, where ggufspec
+has no such behaviour, is refused in one line that says what ggufspec does instead. None is taken
+and ignored."""
+from __future__ import annotations
+
+import click
+
+from ..errors import GgufspecError
+from .options import options
+
+DEFAULT_TIMEOUT_S = 3600  # llama-server's (common.h); the same as server.front's
+
+
+def llamacpp_server_options(command):
+    """The options, in the order --help lists them; the hidden ones are accepted for what ggufspec
+    always does, or refused (`server_flags`)."""
+    hidden_flag = dict(is_flag=True, hidden=True, default=False)
+    return options(
+        click.option("--webui/--no-webui", "--ui/--no-ui", "webui", default=True,
+                     help="The chat page at / (--no-webui: GET / is a 404, as llama-server's; the API the same)."),
+        click.option("--api-prefix", "api_prefix", default="", metavar="PREFIX",
+                     help="Serve every route under this path, e.g. /llm: the API at /llm/v1, the page at /llm/."),
+        click.option("-to", "--timeout", "timeout", type=click.IntRange(min=1), default=DEFAULT_TIMEOUT_S,
+                     metavar="N", help="llama-server's read/write timeout, in seconds, as far as uvicorn keeps it: a "
+                     "request body pausing longer gets 408, a client taking no answer data this long is cut off "
+                     "(request headers and idle keep-alive follow uvicorn's own limits)."),
+        click.option("--slots/--no-slots", "slots_endpoint", default=True,
+                     help="Answer GET /slots (--no-slots: 501, as llama-server's)."),
+        click.option("--slot-save-path", "slot_save_path", default=None, metavar="DIR",
+                     help="Answer POST /slots/ID?action=save|restore|erase: a slot's cached conversation to a "
+                          "file in DIR and back (the target's cache; the draft's catches up on the next prompt)."),
+        click.option("--props", "props_endpoint", is_flag=True,
+                     help="Answer POST /props (llama-server's: it changes nothing, {\"success\": true}); else 501."),
+        click.option("--threads-http", "threads_http", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="Threads for the HTTP side's work off its event loop (tokenizing, parsing bodies, slot "
+                          "files) [default: Python's]; generations run in one thread per slot (-np)."),
+        click.option("--reuse-port", "reuse_port", is_flag=True,
+                     help="Let several servers listen on the same port (SO_REUSEPORT; the kernel spreads clients)."),
+        click.option("--warmup/--no-warmup", "warmup", default=True,
+                     help="Time the step costs for --draft auto before serving (--no-warmup: the first request "
+                          "that needs them times them)."),
+        # what ggufspec always does: accepted; the opposite: refused in `server_flags`
+        click.option("-cb", "--cont-batching", "cont_batching", **hidden_flag),
+        click.option("-nocb", "--no-cont-batching", "no_cont_batching", **hidden_flag),
+        click.option("--cache-prompt", "cache_prompt", **hidden_flag),
+        click.option("--no-cache-prompt", "no_cache_prompt", **hidden_flag),
+        click.option("--cache-reuse", "cache_reuse", type=int, default=0, hidden=True),
+        click.option("-kvu", "--kv-unified", "kv_unified", **hidden_flag),
+        click.option("-no-kvu", "--no-kv-unified", "no_kv_unified", **hidden_flag),
+        click.option("--no-context-shift", "no_context_shift", **hidden_flag),
+        click.option("--context-shift", "context_shift", **hidden_flag),
+    )(command)
+
+
+# a refused flag: what ggufspec does instead
+REFUSED = {
+    "no_cont_batching": ("-nocb/--no-cont-batching", "ggufspec's slots always decode together, one batch per step "
+                         "(continuous batching); for one request at a time give -np 1"),
+    "no_cache_prompt": ("--no-cache-prompt", "ggufspec always reuses the prefix a slot has cached (a request's "
+                        "answer says how much in timings.cache_n)"),
+    "no_kv_unified": ("-no-kvu/--no-kv-unified", "ggufspec's slots share one unified cache, as llama-server's "
+                      "default (--strict or --exact give each slot a cache of its own)"),
+    "context_shift": ("--context-shift", "ggufspec ends an answer when the context is full (finish_reason "
+                      "\"length\"), as llama-server without it; raise -c for longer ones"),
+}
+
+
+def server_flags(opts: dict) -> dict:
+    """The llama-server flags (consumed from `opts`), checked: a refused one raises GgufspecError. The
+    values the server needs, by name."""
+    from ..server.front import Endpoints, Front, check_api_prefix, check_slot_save_path
+    for name, (flag, instead) in REFUSED.items():
+        if opts.pop(name):
+            raise GgufspecError(f"{flag} is not supported: {instead}")
+    cache_reuse = opts.pop("cache_reuse")
+    if cache_reuse != 0:
+        raise GgufspecError(f"--cache-reuse {cache_reuse} is not supported: ggufspec reuses the prefix a slot "
+                            f"(or, on a KV cache, any slot) holds, never chunks moved within the cache (llama.cpp's "
+                            f"KV shifting); leave it out")
+    kv_unified = opts.pop("kv_unified")
+    if kv_unified and (opts.get("strict") or opts.get("exact")):
+        raise GgufspecError("-kvu/--kv-unified: with --strict or --exact each slot has a cache of its own; leave "
+                            "one of them out")
+    for name in ("cont_batching", "cache_prompt", "no_context_shift"):  # what ggufspec does anyway
+        opts.pop(name)
+    front = Front(api_prefix=check_api_prefix(opts.pop("api_prefix")), timeout=opts.pop("timeout"))
+    endpoints = Endpoints(webui=opts.pop("webui"), slots=opts.pop("slots_endpoint"),
+                          slot_save_path=check_slot_save_path(opts.pop("slot_save_path")),
+                          props=opts.pop("props_endpoint"), threads_http=opts.pop("threads_http"))
+    return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup")}

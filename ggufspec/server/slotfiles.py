@@ -1,0 +1,144 @@
+"""POST /slots/{id}?action=save|restore|erase (llama-server's, with --slot-save-path): a slot's cached
+conversation written to a file, read back into a slot, or dropped.
+
+A file is llama.cpp's sequence state file (`llama_state_seq_save_file`: the target's cells for the
+slot's sequence, or its recurrent state) with the cached tokens in llama-server's own layout (a
+marker, a version, the tokens, no media), so that llama-server and ggufspec read each other's files
+for the same model and cache settings. Only the target's cache is saved: after a restore the draft
+model's cache is empty, and it catches up on the next prompt (as after any new prompt). A restored
+slot's next request with the same prefix reuses it (its `timings.cache_n`, `prompt_n` show it); on
+recurrent and sliding-window memory only a prompt that continues all the slot saved does (a restored
+state has no checkpoints inside it to go back to).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import llama_cpp
+
+from .errors import APIError
+
+TOKENS_MARKER, TOKENS_VERSION = -1, 1  # llama-server's server_tokens::serialize (LLAMA_TOKEN_NULL, version 1)
+ACTIONS = ("save", "restore", "erase")
+# codepoints fs_validate_filename refuses besides control characters: lookalikes of . / \, surrogates,
+# the replacement character, the BOM, and what Windows forbids in names
+FORBIDDEN = {0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF, *map(ord, ':*?"<>|/\\')}
+
+
+def valid_filename(name: str) -> bool:
+    """llama.cpp's fs_validate_filename (common.cpp) without subfolders: a plain file name, 1 to 255
+    bytes, no separator, no "..", no control character, no leading or trailing space or trailing dot."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    if not 0 < size <= 255 or name == "." or ".." in name:
+        return False
+    if any(ord(c) <= 0x1F or 0x7F <= ord(c) <= 0x9F or ord(c) in FORBIDDEN for c in name):
+        return False
+    return not (name[0] == " " or name[-1] in " .")
+
+
+def slot_action(slots, index: int, action: str, folder: str, filename: str | None) -> dict:
+    """Run the action on slot `index` once no generation runs in it; llama-server's answer."""
+    if not 0 <= index < len(slots):
+        raise APIError(400, f"Invalid slot ID: {index} (this server has slots 0 to {len(slots) - 1}: -np)",
+                       param="id_slot")
+    if action == "erase":
+        return erase(slots, index)
+    if not isinstance(filename, str) or not valid_filename(filename):
+        raise APIError(400, f"Invalid filename: {filename!r} (a plain file name in --slot-save-path: no /, \\, .., "
+                            f"control characters, leading or trailing space)", param="filename")
+    path = os.path.join(folder, filename)
+    return save(slots, index, path, filename) if action == "save" else restore(slots, index, path, filename)
+
+
+def save(slots, index: int, path: str, filename: str) -> dict:
+    with slots.hold(index) as slot:
+        started = time.perf_counter()
+        ctx = slot.target
+        packed = pack(ctx.tokens)
+        written = llama_cpp.llama_state_seq_save_file(ctx.ctx, path.encode(), ctx.seq,
+                                                      (llama_cpp.llama_token * len(packed))(*packed), len(packed))
+        if not written:
+            raise APIError(500, f"Unable to save slot {index} to {filename} (the folder of --slot-save-path "
+                                f"cannot take it?)", "server_error")
+        return {"id_slot": index, "filename": filename, "n_saved": len(ctx.tokens), "n_written": written,
+                "timings": {"save_ms": (time.perf_counter() - started) * 1000}}
+
+
+def restore(slots, index: int, path: str, filename: str) -> dict:
+    if not os.path.isfile(path):
+        raise APIError(400, f"Unable to restore slot: no file {filename} in --slot-save-path", param="filename")
+    with slots.hold(index) as slot:
+        started = time.perf_counter()
+        for ctx in slot.contexts():  # the draft's cache too: it catches up on the next prompt
+            ctx.keep(0)
+        slot.last_stats = None  # what the slot caches is no longer what its last answer left
+        target = slot.target
+        try:
+            tokens, read = load_state(target, path)
+        except ValueError as exc:
+            llama_cpp.llama_memory_seq_rm(target.memory, target.seq, 0, -1)
+            raise APIError(400, f"Unable to restore slot: {exc}") from None
+        target.tokens.extend(tokens)
+        # the last decode's size, which llama.cpp's recurrent rollback (n_rs_seq) relies on, is not this
+        # sequence's any more (native.py is at its size limit: set here)
+        target._last_batch = 0
+        return {"id_slot": index, "filename": filename, "n_restored": len(tokens), "n_read": read,
+                "timings": {"restore_ms": (time.perf_counter() - started) * 1000}}
+
+
+def load_state(target, path: str) -> tuple[list[int], int]:
+    """The file's state into the (emptied) target sequence; its tokens and the bytes read. ValueError
+    where it cannot be: not a state file of this model and cache layout, too long, tokens out of range."""
+    n_packed = ctypes.c_size_t(0)
+    seq, name = target.seq, path.encode()
+    if not llama_cpp.llama_state_seq_load_file(target.ctx, name, seq, None, 0, ctypes.byref(n_packed)):
+        raise ValueError("not a sequence state file")
+    if n_packed.value > target.n_ctx + 4:
+        raise ValueError(f"it holds {n_packed.value} tokens, more than a slot's context ({target.n_ctx}, -c)")
+    buffer = (llama_cpp.llama_token * max(1, n_packed.value))()
+    read = llama_cpp.llama_state_seq_load_file(target.ctx, name, seq, buffer, len(buffer), ctypes.byref(n_packed))
+    if not read:
+        raise ValueError("No available space in KV cache or invalid slot save file (another model, or other "
+                         "cache settings: -np, -ctk/-ctv, --swa-full?)")
+    tokens = unpack(list(buffer[:n_packed.value]))
+    if len(tokens) > target.n_ctx:
+        raise ValueError(f"Restored prompt does not fit in the slot context ({len(tokens)} > {target.n_ctx})")
+    if any(not 0 <= token < target.n_vocab for token in tokens):
+        raise ValueError("Invalid tokens in slot save file")
+    held = llama_cpp.llama_memory_seq_pos_max(target.memory, seq) + 1
+    if held != len(tokens):
+        raise ValueError(f"the file's state holds {held} positions for its {len(tokens)} tokens")
+    return tokens, read
+
+
+def erase(slots, index: int) -> dict:
+    with slots.hold(index) as slot:
+        n_erased = slot.target.n_past
+        for ctx in slot.contexts():
+            ctx.keep(0)
+        return {"id_slot": index, "n_erased": n_erased}
+
+
+def pack(tokens: list[int]) -> list[int]:
+    """The tokens as llama-server writes them into a slot file: marker, version, count, tokens, no media."""
+    return [TOKENS_MARKER, TOKENS_VERSION, len(tokens), *tokens, 0]
+
+
+def unpack(packed: list[int]) -> list[int]:
+    """A slot file's tokens: llama-server's layout, or a plain token list (older llama-server, and files
+    written by llama.cpp's own examples)."""
+    if not packed or packed[0] != TOKENS_MARKER:
+        return packed
+    if len(packed) < 4 or packed[1] != TOKENS_VERSION:
+        raise ValueError("Unsupported server tokens state version")
+    n = packed[2]
+    if n < 0 or len(packed) != n + 4:
+        raise ValueError("a malformed token list in the slot file")
+    if packed[3 + n] != 0:
+        raise ValueError("Cannot restore media tokens without an mmproj")
+    return packed[3:3 + n]
