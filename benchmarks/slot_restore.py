@@ -1,0 +1,92 @@
+"""A long conversation's cache kept across a server restart (llama-server's --slot-save-path and
+POST /slots/ID?action=save|restore), against evaluating its prompt again.
+
+One `ggufspec serve` reads a long prompt (a source file and a question, through /v1/chat/completions) and
+saves slot 0; it stops. A fresh server then answers a follow-up turn twice: cold (its cache empty), and
+after restoring the file into the slot. Reported: the first-token time of each (the answer's
+`timings.prompt_ms`, and the wall time of a 1-token answer), the tokens read from the cache, the save and
+restore times and the file size, and whether the answers are the same text (greedy).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/slot_restore.py --threads 2 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+HOME = pathlib.Path("~/.local/share/ggufspec/models").expanduser()
+TARGET = HOME / "Qwen__Qwen2.5-Coder-1.5B-Instruct-GGUF/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+DRAFT = HOME / "Qwen__Qwen2.5-Coder-0.5B-Instruct-GGUF/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+def start(folder: pathlib.Path, threads: int) -> tuple[subprocess.Popen, str]:
+    log = folder / f"server-{time.monotonic_ns()}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "ggufspec.cli", "serve", "-m", str(TARGET), "-md", str(DRAFT),
+                             "-c", "4096", "-t", str(threads), "-np", "1", "--port", "0", "--slot-save-path",
+                             str(folder)], stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+        if found:
+            return proc, found.group(1)
+        if proc.poll() is not None:
+            raise SystemExit(log.read_text())
+        time.sleep(0.2)
+    raise SystemExit("the server did not start")
+
+
+def ask(url: str, messages: list[dict], max_tokens: int) -> tuple[dict, float]:
+    started = time.perf_counter()
+    answer = httpx.post(url + "/v1/chat/completions", timeout=900, json={
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0}).json()
+    return answer, time.perf_counter() - started
+
+
+def slot(url: str, action: str) -> dict:
+    return httpx.post(f"{url}/slots/0?action={action}", json={"filename": "conversation.bin"}, timeout=300).json()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--json", dest="out", default=None)
+    args = parser.parse_args()
+    source = pathlib.Path(__file__).with_name("agent_bench.py").read_text()[:6000]
+    first = [{"role": "user", "content": f"Here is a file:\n```python\n{source}\n```\nWhat does it measure?"}]
+    folder = pathlib.Path(tempfile.mkdtemp())
+    proc, url = start(folder, args.threads)
+    answer, _ = ask(url, first, args.max_tokens)
+    saved = slot(url, "save")
+    proc.terminate(), proc.wait(60)
+    turn = first + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "Which function starts the server?"}]
+    results = {"prompt_tokens": answer["usage"]["prompt_tokens"], "file_bytes": saved["n_written"],
+               "save_ms": saved["timings"]["save_ms"]}
+    for case in ("cold", "restored"):
+        proc, url = start(folder, args.threads)  # a fresh server each time: nothing cached but the file
+        if case == "restored":
+            results["restore_ms"] = slot(url, "restore")["timings"]["restore_ms"]
+        _, first_token = ask(url, turn, 1)
+        slot(url, "erase") if case == "cold" else slot(url, "restore")
+        reply, _ = ask(url, turn, args.max_tokens)
+        results[case] = {"first_token_s": round(first_token, 2), "prompt_ms": round(reply["timings"]["prompt_ms"]),
+                         "cache_n": reply["timings"].get("cache_n"), "prompt_n": reply["timings"]["prompt_n"],
+                         "text": reply["choices"][0]["message"]["content"]}
+        proc.terminate(), proc.wait(60)
+    results["same_text"] = results["cold"]["text"] == results["restored"]["text"]
+    print(json.dumps(results, indent=2))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
