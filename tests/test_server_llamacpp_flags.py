@@ -249,6 +249,36 @@ def test_a_restored_recurrent_slot_is_reused_by_the_next_turn(tmp_path):
         assert turn["timings"]["cache_n"] == cached and turn["timings"]["prompt_n"] == len(prompt_ids) + 9 - cached
 
 
+def test_slot_files_while_another_slot_generates_change_nothing_there(server, saves):
+    """Save, erase and restore run in an idle slot between the steps of a generation in the other, which
+    goes on to its answer alone; a save of the busy slot waits for its answer, then holds all of it."""
+    import threading
+    for id_slot in (0, 1):
+        slot_post(server, id_slot, "erase")
+    def long_answer() -> dict:
+        return httpx.post(api(server, "/completion"), timeout=120,
+                          json={"prompt": "a dog ran", "n_predict": 300, "ignore_eos": True}).json()
+    alone = long_answer()
+    for id_slot in (0, 1):
+        slot_post(server, id_slot, "erase")
+    during = {}
+    thread = threading.Thread(target=lambda: during.update(long_answer()))
+    thread.start()
+    busy = None
+    while busy is None and thread.is_alive():
+        busy = next((s["id"] for s in httpx.get(api(server, "/slots"), timeout=10).json() if s["is_processing"]), None)
+    assert busy is not None, "the generation ended before it was seen"
+    idle = 1 - busy
+    assert slot_post(server, idle, "erase").status_code == 200
+    assert slot_post(server, idle, "save", {"filename": "idle.bin"}).json()["n_saved"] == 0
+    assert slot_post(server, idle, "restore", {"filename": "idle.bin"}).json()["n_restored"] == 0
+    held = slot_post(server, busy, "save", {"filename": "busy.bin"}).json()  # waits for the answer
+    thread.join(60)
+    assert during["content"] == alone["content"] and during["id_slot"] == busy
+    # saved after the answer: its prompt and its tokens (the last one, or an end of generation, not decoded)
+    assert held["n_saved"] >= during["tokens_evaluated"] + during["tokens_predicted"] - 1
+
+
 def test_get_slots_can_fail_when_none_is_free(server):
     assert httpx.get(api(server, "/slots?fail_on_no_slot=1"), timeout=10).status_code == 200
 
