@@ -42,8 +42,9 @@ class Server:
         return response.json()
 
 
-def start_server(tmp_path: Path, *args: str) -> Server:
-    """`ggufspec serve --port 0 ARGS`, once it prints its URL (its stderr goes to tmp_path/server.log)."""
+def start_server(tmp_path: Path, *args: str, prefix: str = "") -> Server:
+    """`ggufspec serve --port 0 ARGS`, once it prints its URL (its stderr goes to tmp_path/server.log);
+    `prefix`: the --api-prefix it serves under (the Server's url is the origin, without it)."""
     log = tmp_path / "server.log"
     env = {**os.environ, "GGUFSPEC_HOME": str(tmp_path / "home")}
     with log.open("w") as stderr:
@@ -51,7 +52,7 @@ def start_server(tmp_path: Path, *args: str) -> Server:
                                 stderr=stderr, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        match = re.search(r"at (https?://127\.0\.0\.1:\d+)/v1", log.read_text())
+        match = re.search(r"at (https?://127\.0\.0\.1:\d+)" + re.escape(prefix) + "/v1", log.read_text())
         if match:
             return Server(match.group(1), proc, log)
         assert proc.poll() is None, log.read_text()

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import socket
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,29 +21,15 @@ from click.testing import CliRunner
 from ggufspec.cli import main
 from ggufspec.server.front import ApiPrefix, Timeouts
 from ggufspec.server.slotfiles import pack, unpack, valid_filename
-from serverproc import GGUFSPEC, Server, serving, stop_server
+from serverproc import Server, serving, start_server, stop_server
 
 PREFIX = "/llm"
 PROMPT = "one two three four five six seven eight nine ten eleven twelve"
 
 
 def start_prefixed(tmp_path: Path, *args: str) -> Server:
-    """`ggufspec serve --port 0 ARGS` whose URL carries --api-prefix: `url` is the origin, without it."""
-    log = tmp_path / "server.log"
-    env = {**os.environ, "GGUFSPEC_HOME": str(tmp_path / "home")}
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([GGUFSPEC, "serve", "--port", "0", "-t", "1", *args], stdout=subprocess.DEVNULL,
-                                stderr=stderr, env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        match = re.search(r"at (http://127\.0\.0\.1:\d+)(/\S*)?/v1", log.read_text())
-        if match:
-            assert match.group(2) == PREFIX, log.read_text()
-            return Server(match.group(1), proc, log)
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("the server did not start: " + log.read_text())
+    """`ggufspec serve --port 0 ARGS` under PREFIX: `url` is the origin, without it."""
+    return start_server(tmp_path, *args, prefix=PREFIX)
 
 
 @pytest.fixture(scope="module")
