@@ -2,10 +2,12 @@
 POST /slots/ID?action=save|restore), against evaluating its prompt again.
 
 One `ggufspec serve` reads a long prompt (a source file and a question, through /v1/chat/completions) and
-saves slot 0; it stops. A fresh server then answers a follow-up turn twice: cold (its cache empty), and
-after restoring the file into the slot. Reported: the first-token time of each (the answer's
-`timings.prompt_ms`, and the wall time of a 1-token answer), the tokens read from the cache, the save and
-restore times and the file size, and whether the answers are the same text (greedy).
+saves slot 0 (the target's cache, and the draft's in FILENAME.draft); it stops. A fresh server then answers
+a follow-up turn three times: cold (its cache empty), after restoring the target's file alone (the draft
+file moved away: the draft has the whole conversation to catch up on), and after restoring both.
+Reported for each: the first-token time (the wall time of a 1-token answer), then, the slot set up the
+same way again, a longer answer's prompt and decode times, its drafts made and kept, and its text; the
+save and restore times and the file sizes; whether the texts are the same (greedy).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/slot_restore.py --threads 2 --json out.json
 """
@@ -27,10 +29,10 @@ TARGET = HOME / "Qwen__Qwen2.5-Coder-1.5B-Instruct-GGUF/qwen2.5-coder-1.5b-instr
 DRAFT = HOME / "Qwen__Qwen2.5-Coder-0.5B-Instruct-GGUF/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
 
-def start(folder: pathlib.Path, threads: int) -> tuple[subprocess.Popen, str]:
+def start(folder: pathlib.Path, threads: int, draft: str) -> tuple[subprocess.Popen, str]:
     log = folder / f"server-{time.monotonic_ns()}.log"
     proc = subprocess.Popen([sys.executable, "-m", "ggufspec.cli", "serve", "-m", str(TARGET), "-md", str(DRAFT),
-                             "-c", "4096", "-t", str(threads), "-np", "1", "--port", "0", "--slot-save-path",
+                             "-c", "4096", "-t", str(threads), "-np", "1", "--draft", draft, "--port", "0", "--slot-save-path",
                              str(folder)], stdout=subprocess.DEVNULL, stderr=log.open("w"))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -57,32 +59,45 @@ def slot(url: str, action: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32, help="the first turn's answer")
+    parser.add_argument("--answer-tokens", type=int, default=128, help="the follow-up's longer answer")
+    parser.add_argument("--draft", default="auto", help="the servers' --draft (3: the draft reads every prompt)")
     parser.add_argument("--json", dest="out", default=None)
     args = parser.parse_args()
     source = pathlib.Path(__file__).with_name("agent_bench.py").read_text()[:6000]
     first = [{"role": "user", "content": f"Here is a file:\n```python\n{source}\n```\nWhat does it measure?"}]
     folder = pathlib.Path(tempfile.mkdtemp())
-    proc, url = start(folder, args.threads)
+    proc, url = start(folder, args.threads, args.draft)
     answer, _ = ask(url, first, args.max_tokens)
     saved = slot(url, "save")
     proc.terminate(), proc.wait(60)
     turn = first + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
                     {"role": "user", "content": "Which function starts the server?"}]
+    longer = turn[:-1] + [{"role": "user", "content": "Write a unit test for the function `chat`."}]
     results = {"prompt_tokens": answer["usage"]["prompt_tokens"], "file_bytes": saved["n_written"],
+               "draft": args.draft, "n_saved_draft": saved["n_saved_draft"],
+               "draft_file_bytes": draft_file.stat().st_size if (draft_file := folder / "conversation.bin.draft").exists() else 0,
                "save_ms": saved["timings"]["save_ms"]}
-    for case in ("cold", "restored"):
-        proc, url = start(folder, args.threads)  # a fresh server each time: nothing cached but the file
-        if case == "restored":
-            results["restore_ms"] = slot(url, "restore")["timings"]["restore_ms"]
+    for case in ("cold", "restored-target-only", "restored"):
+        if case == "restored-target-only" and draft_file.exists():
+            draft_file.rename(folder / "aside")
+        proc, url = start(folder, args.threads, args.draft)  # a fresh server each time: nothing cached but the files
+        set_up = (lambda: slot(url, "erase")) if case == "cold" else (lambda: slot(url, "restore"))
+        restored = set_up()
         _, first_token = ask(url, turn, 1)
-        slot(url, "erase") if case == "cold" else slot(url, "restore")
-        reply, _ = ask(url, turn, args.max_tokens)
-        results[case] = {"first_token_s": round(first_token, 2), "prompt_ms": round(reply["timings"]["prompt_ms"]),
-                         "cache_n": reply["timings"].get("cache_n"), "prompt_n": reply["timings"]["prompt_n"],
+        set_up()
+        reply, wall = ask(url, longer, args.answer_tokens)
+        timings = reply["timings"]
+        results[case] = {"first_token_s": round(first_token, 2), "restore": restored,
+                         "answer_s": round(wall, 2), "prompt_ms": round(timings["prompt_ms"]),
+                         "cache_n": timings.get("cache_n"), "prompt_n": timings["prompt_n"],
+                         "predicted_n": timings["predicted_n"], "predicted_ms": round(timings["predicted_ms"]),
+                         "draft_n": timings.get("draft_n"), "draft_n_accepted": timings.get("draft_n_accepted"),
                          "text": reply["choices"][0]["message"]["content"]}
         proc.terminate(), proc.wait(60)
-    results["same_text"] = results["cold"]["text"] == results["restored"]["text"]
+        if (folder / "aside").exists():
+            (folder / "aside").rename(draft_file)
+    results["same_text"] = len({results[case]["text"] for case in ("cold", "restored-target-only", "restored")}) == 1
     print(json.dumps(results, indent=2))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=2))

@@ -186,6 +186,30 @@ def test_save_erase_restore_and_the_restored_slot_is_reused(server, saves):
     assert completion(server)["timings"]["cache_n"] == 0
 
 
+def test_the_draft_cache_goes_beside_the_file_and_comes_back_where_it_fits(server, saves):
+    """FILENAME.draft holds the draft model's cache (a prefix of the target's tokens): restored with the
+    target's, so the restored conversation drafts at once; a draft file of another conversation is passed
+    over (the draft catches up) and the answer is the same either way."""
+    for id_slot in (0, 1):
+        slot_post(server, id_slot, "erase")
+    first = completion(server, PROMPT, 8)
+    saved = slot_post(server, first["id_slot"], "save", {"filename": "with-draft.bin"}).json()
+    assert 0 < saved["n_saved_draft"] <= saved["n_saved"] and (saves / "with-draft.bin.draft").stat().st_size > 0
+    for id_slot in (0, 1):
+        slot_post(server, id_slot, "erase")
+    restored = slot_post(server, 1 - first["id_slot"], "restore", {"filename": "with-draft.bin"}).json()
+    assert (restored["n_restored"], restored["n_restored_draft"]) == (saved["n_saved"], saved["n_saved_draft"])
+    assert completion(server, PROMPT, 8)["content"] == first["content"]
+    other = completion(server, "the cat sat on the mat and", 8)  # another conversation's draft cache
+    slot_post(server, other["id_slot"], "save", {"filename": "other.bin"})
+    (saves / "with-draft.bin.draft").write_bytes((saves / "other.bin.draft").read_bytes())
+    for id_slot in (0, 1):
+        slot_post(server, id_slot, "erase")
+    mismatched = slot_post(server, 0, "restore", {"filename": "with-draft.bin"}).json()
+    assert (mismatched["n_restored"], mismatched["n_restored_draft"]) == (saved["n_saved"], 0)
+    assert completion(server, PROMPT, 8)["content"] == first["content"]
+
+
 @pytest.mark.parametrize("filename", ["../escape.bin", "/etc/passwd", "a/b.bin", "a\\b", "", ".", "x..y", " x",
                                       "x.", "bad\x01name", "a:b", None, 7])
 def test_bad_file_names_are_400_before_anything_is_written(server, saves, filename):

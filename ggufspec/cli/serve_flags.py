@@ -29,7 +29,7 @@ def llamacpp_server_options(command):
                      help="Answer GET /slots (--no-slots: 501, as llama-server's)."),
         click.option("--slot-save-path", "slot_save_path", default=None, metavar="DIR",
                      help="Answer POST /slots/ID?action=save|restore|erase: a slot's cached conversation to a "
-                          "file in DIR and back (the target's cache; the draft's catches up on the next prompt)."),
+                          "file in DIR and back (the target's cache; the draft's in FILE.draft)."),
         click.option("--props", "props_endpoint", is_flag=True,
                      help="Answer POST /props (llama-server's: it changes nothing, {\"success\": true}); else 501."),
         click.option("--threads-http", "threads_http", type=click.IntRange(min=1), default=None, metavar="N",

@@ -4,11 +4,15 @@ conversation written to a file, read back into a slot, or dropped.
 A file is llama.cpp's sequence state file (`llama_state_seq_save_file`: the target's cells for the
 slot's sequence, or its recurrent state) with the cached tokens in llama-server's own layout (a
 marker, a version, the tokens, no media), so that llama-server and ggufspec read each other's files
-for the same model and cache settings. Only the target's cache is saved: after a restore the draft
-model's cache is empty, and it catches up on the next prompt (as after any new prompt). A restored
-slot's next request with the same prefix reuses it (its `timings.cache_n`, `prompt_n` show it); on
-recurrent and sliding-window memory only a prompt that continues all the slot saved does (a restored
-state has no checkpoints inside it to go back to).
+for the same model and cache settings. The draft model's cache goes beside it, in FILENAME.draft (the
+same layout; llama-server neither writes nor reads it): without it a restored conversation's draft
+would lag the whole conversation behind, and `--draft auto` does not buy so long a catch-up for one
+answer (`drafting`), so the answer would go undrafted. A draft file that does not fit (another draft
+model, tokens that are not the target's) is passed over: the draft then catches up as after any new
+prompt; it changes what is drafted, never the answer. A restored slot's next request with the same
+prefix reuses it (its `timings.cache_n`, `prompt_n` show it); on recurrent and sliding-window memory
+only a prompt that continues all the slot saved does (a restored state has no checkpoints inside it to
+go back to).
 """
 from __future__ import annotations
 
@@ -18,8 +22,10 @@ import time
 
 import llama_cpp
 
+from ..native import Context
 from .errors import APIError
 
+DRAFT_SUFFIX = ".draft"  # the draft model's cache, beside the target's file
 TOKENS_MARKER, TOKENS_VERSION = -1, 1  # llama-server's server_tokens::serialize (LLAMA_TOKEN_NULL, version 1)
 ACTIONS = ("save", "restore", "erase")
 # codepoints fs_validate_filename refuses besides control characters: lookalikes of . / \, surrogates,
@@ -58,15 +64,33 @@ def slot_action(slots, index: int, action: str, folder: str, filename: str | Non
 def save(slots, index: int, path: str, filename: str) -> dict:
     with slots.hold(index) as slot:
         started = time.perf_counter()
-        ctx = slot.target
-        packed = pack(ctx.tokens)
-        written = llama_cpp.llama_state_seq_save_file(ctx.ctx, path.encode(), ctx.seq,
-                                                      (llama_cpp.llama_token * len(packed))(*packed), len(packed))
+        written = write_state(slot.target, path)
         if not written:
             raise APIError(500, f"Unable to save slot {index} to {filename} (the folder of --slot-save-path "
                                 f"cannot take it?)", "server_error")
-        return {"id_slot": index, "filename": filename, "n_saved": len(ctx.tokens), "n_written": written,
+        draft = own_draft(slot)
+        if draft is not None and draft.tokens:
+            write_state(draft, path + DRAFT_SUFFIX)  # not written: the draft catches up after a restore
+        elif os.path.exists(path + DRAFT_SUFFIX):
+            os.remove(path + DRAFT_SUFFIX)  # an earlier save's: not this conversation's draft
+        return {"id_slot": index, "filename": filename, "n_saved": len(slot.target.tokens), "n_written": written,
+                "n_saved_draft": len(draft.tokens) if draft is not None else 0,
                 "timings": {"save_ms": (time.perf_counter() - started) * 1000}}
+
+
+def write_state(ctx, path: str) -> int:
+    """The context's sequence to `path` (llama.cpp's sequence state file, the tokens in llama-server's
+    layout); the bytes written, 0 where it could not."""
+    packed = pack(ctx.tokens)
+    return llama_cpp.llama_state_seq_save_file(ctx.ctx, path.encode(), ctx.seq,
+                                               (llama_cpp.llama_token * len(packed))(*packed), len(packed))
+
+
+def own_draft(slot) -> Context | None:
+    """The slot's draft model context where its cache can be saved as the target's: a draft of the
+    target's vocabulary (a bridged draft's tokens are its own; an MTP head's cache follows the
+    target's states)."""
+    return slot.draft if type(slot.draft) is Context else None
 
 
 def restore(slots, index: int, path: str, filename: str) -> dict:
@@ -74,43 +98,67 @@ def restore(slots, index: int, path: str, filename: str) -> dict:
         raise APIError(400, f"Unable to restore slot: no file {filename} in --slot-save-path", param="filename")
     with slots.hold(index) as slot:
         started = time.perf_counter()
-        for ctx in slot.contexts():  # the draft's cache too: it catches up on the next prompt
+        for ctx in slot.contexts():
             ctx.keep(0)
         slot.last_stats = None  # what the slot caches is no longer what its last answer left
-        target = slot.target
         try:
-            tokens, read = load_state(target, path)
+            tokens, read = load_state(slot.target, path)
         except ValueError as exc:
-            llama_cpp.llama_memory_seq_rm(target.memory, target.seq, 0, -1)
             raise APIError(400, f"Unable to restore slot: {exc}") from None
-        target.tokens.extend(tokens)
-        # the last decode's size, which llama.cpp's recurrent rollback (n_rs_seq) relies on, is not this
-        # sequence's any more (native.py is at its size limit: set here)
-        target._last_batch = 0
+        n_draft = restore_draft(own_draft(slot), path + DRAFT_SUFFIX, tokens)
         return {"id_slot": index, "filename": filename, "n_restored": len(tokens), "n_read": read,
-                "timings": {"restore_ms": (time.perf_counter() - started) * 1000}}
+                "n_restored_draft": n_draft, "timings": {"restore_ms": (time.perf_counter() - started) * 1000}}
 
 
-def load_state(target, path: str) -> tuple[list[int], int]:
-    """The file's state into the (emptied) target sequence; its tokens and the bytes read. ValueError
-    where it cannot be: not a state file of this model and cache layout, too long, tokens out of range."""
+def restore_draft(draft: Context | None, path: str, target_tokens: list[int]) -> int:
+    """The draft's cache from its file, where there is one that fits: a state of this draft model
+    holding a prefix of the target's tokens. The tokens restored (0: it catches up on the next prompt)."""
+    if draft is None or not os.path.isfile(path):
+        return 0
+    try:
+        tokens, _ = load_state(draft, path)
+    except ValueError:
+        return 0
+    if tokens != target_tokens[:len(tokens)]:
+        draft.keep(0)
+        return 0
+    return len(tokens)
+
+
+def load_state(ctx, path: str) -> tuple[list[int], int]:
+    """The file's state into the context's (emptied) sequence; its tokens and the bytes read. ValueError
+    where it cannot be: not a state file of this model and cache layout, too long, tokens out of range
+    (the sequence is left empty then)."""
+    try:
+        tokens, read = _load_state(ctx, path)
+    except ValueError:
+        llama_cpp.llama_memory_seq_rm(ctx.memory, ctx.seq, 0, -1)
+        raise
+    ctx.tokens.extend(tokens)
+    # the last decode's size, which llama.cpp's recurrent rollback (n_rs_seq) relies on, is not this
+    # sequence's any more (native.py is at its size limit: set here)
+    ctx._last_batch = 0
+    return tokens, read
+
+
+def _load_state(ctx, path: str) -> tuple[list[int], int]:
     n_packed = ctypes.c_size_t(0)
-    seq, name = target.seq, path.encode()
-    if not llama_cpp.llama_state_seq_load_file(target.ctx, name, seq, None, 0, ctypes.byref(n_packed)):
+    seq, name = ctx.seq, path.encode()
+    if not llama_cpp.llama_state_seq_load_file(ctx.ctx, name, seq, None, 0, ctypes.byref(n_packed)):
         raise ValueError("not a sequence state file")
-    if n_packed.value > target.n_ctx + 4:
-        raise ValueError(f"it holds {n_packed.value} tokens, more than a slot's context ({target.n_ctx}, -c)")
+    if n_packed.value > ctx.n_ctx + 4:
+        raise ValueError(f"it holds {n_packed.value} tokens, more than a slot's context ({ctx.n_ctx}, -c)")
     buffer = (llama_cpp.llama_token * max(1, n_packed.value))()
-    read = llama_cpp.llama_state_seq_load_file(target.ctx, name, seq, buffer, len(buffer), ctypes.byref(n_packed))
+    read = llama_cpp.llama_state_seq_load_file(ctx.ctx, name, seq, buffer, len(buffer), ctypes.byref(n_packed))
     if not read:
         raise ValueError("No available space in KV cache or invalid slot save file (another model, or other "
                          "cache settings: -np, -ctk/-ctv, --swa-full?)")
     tokens = unpack(list(buffer[:n_packed.value]))
-    if len(tokens) > target.n_ctx:
-        raise ValueError(f"Restored prompt does not fit in the slot context ({len(tokens)} > {target.n_ctx})")
-    if any(not 0 <= token < target.n_vocab for token in tokens):
+    if len(tokens) > ctx.n_ctx:
+        raise ValueError(f"Restored prompt does not fit in the slot context ({len(tokens)} > {ctx.n_ctx})")
+    if any(not 0 <= token < ctx.n_vocab for token in tokens):
         raise ValueError("Invalid tokens in slot save file")
-    held = llama_cpp.llama_memory_seq_pos_max(target.memory, seq) + 1
+    held = llama_cpp.llama_memory_seq_pos_max(ctx.memory, seq) + 1
     if held != len(tokens):
         raise ValueError(f"the file's state holds {held} positions for its {len(tokens)} tokens")
     return tokens, read
