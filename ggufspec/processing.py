@@ -28,7 +28,7 @@ import numpy as np
 from .errors import GgufspecError
 from .grammar import Grammar, check_trigger_pattern
 from .sampling import Draws, SamplingParams, distribution, greedy_token
-from .thinking import ThinkingBlock, ThinkingTags
+from .thinking import ReasoningControl, ThinkingBlock, ThinkingTags
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -51,6 +51,7 @@ class Constraints:
     reasoning_budget_message: str = ""  # ...and this text before the forced </think>
     grammar_outside_thinking: bool = False  # the grammar shapes the answer after a <think> block, not the block
     thinking_opened: bool | None = None  # the answer starts inside a block (None: read from the prompt's tail)
+    reasoning_control: ReasoningControl | None = field(default=None, compare=False)  # the block ended from outside
 
     def __post_init__(self):
         self._check_types()
@@ -105,7 +106,8 @@ class Constraints:
 
     @property
     def tracks_thinking(self) -> bool:
-        return self.reasoning_budget >= 0 or (self.grammar_outside_thinking and self.grammar is not None)
+        return (self.reasoning_budget >= 0 or (self.grammar_outside_thinking and self.grammar is not None)
+                or self.reasoning_control is not None)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -153,6 +155,9 @@ class TargetProcessor:
         """The processed row. top_n > 0: only the top_n best tokens the grammar allows need their
         exact logits (greedy needs 1, top-k sampling k), the others may come back as -inf; 0: all."""
         out = self.biased(logits, history)
+        control = self.constraints.reasoning_control
+        if control is not None and self.thinking is not None and control.take_end_request():
+            self.thinking.end_now()  # from this position on, as the target alone would have it
         if self.thinking is not None and self.thinking.forced_token() is not None:
             self._check_grammar_allows(self.thinking.forced_token())
             self.thinking.restrict(out)  # the one token left: no mask needed

@@ -13,6 +13,7 @@ draft token other than it is rejected; see `processing`). The state moves only b
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +96,16 @@ class ThinkingBlock:
         row.fill(-np.inf)
         row[forced] = value
 
+    def end_now(self) -> bool:
+        """End the block from the next token on (llama-server's `reasoning_end` control): the budget
+        message and the end forced, as when a budget runs out, after the character under way. False
+        where no block is being thought (outside, done, or already ending)."""
+        if self.state not in ("thinking", "thinking_unlimited"):
+            return False
+        whole = not self._recent or self._whole_character(self._recent[-1])
+        self.state, self.n_forced = ("forcing" if whole else "finishing_character"), 0
+        return True
+
     def allows(self, token: int) -> bool:
         forced = self.forced_token()
         return forced is None or token == forced
@@ -126,3 +137,23 @@ def utf8_complete(data: bytes) -> bool:
             length = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
             return back >= length
     return True
+
+
+class ReasoningControl:
+    """A running generation's thinking ended from outside it (llama-server's `reasoning_control` and
+    POST /v1/chat/completions/control): another thread asks, the generation takes the request at its
+    next decided position, so the block ends between two tokens the target chose, never inside a
+    verification's bookkeeping."""
+
+    def __init__(self):
+        self._asked = threading.Event()
+
+    def request_end(self) -> None:
+        self._asked.set()
+
+    def take_end_request(self) -> bool:
+        """Whether an end was asked since the last call (the request is taken once)."""
+        if not self._asked.is_set():
+            return False
+        self._asked.clear()
+        return True
