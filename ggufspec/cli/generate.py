@@ -13,6 +13,7 @@ from ..errors import GgufspecError
 from ..sampling import SamplingParams
 from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
+from .log_flags import log_flags
 from .serve_flags import llamacpp_server_options, server_flags
 from .options import (RenamedOption, check_defaults, check_rpc, generation_options, load_flag_options, model_load_fields,
                       model_options,
@@ -33,6 +34,7 @@ from .options import (RenamedOption, check_defaults, check_rpc, generation_optio
 @click.option("--json", "as_json", is_flag=True, help="Print text and statistics as one JSON object on stdout.")
 @template_variable_options
 @rpc_timeout_option
+@log_flags
 @friendly_errors
 def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwargs, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
@@ -119,6 +121,7 @@ def write_stream(stream, *, color: bool, quiet: bool):
               help="Predict from this pair's trace [default: the one recorded now, else a known one for the pair].")
 @rpc_timeout_option
 @options(*load_flag_options())
+@log_flags
 @friendly_errors
 def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_p_min, n_predict, repeat,
           temperature, seed, n_ctx, n_threads, n_gpu_layers, n_gpu_layers_draft, flash_attn, rpc, limit, llamacpp,
@@ -331,6 +334,7 @@ def check_alias(alias: str | None) -> None:
               "seconds, drafts kept), under its names.")
 @llamacpp_server_options
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
+@log_flags
 @friendly_errors
 def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja,
           template_kwargs, reasoning_format, ssl_key_file, ssl_cert_file, metrics, serve_fd,
@@ -403,6 +407,7 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
 @click.option("--color", is_flag=True, help="Colour the accepted draft tokens.")
 @template_variable_options
 @rpc_timeout_option
+@log_flags
 @friendly_errors
 def chat(system, color, template_kwargs, **opts):
     """Chat in the terminal. Each turn evaluates only what is new (the KV cache holds the rest).
@@ -438,6 +443,7 @@ def eval_():
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(1), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
 @options(*load_flag_options())
+@log_flags
 @friendly_errors
 def humaneval(pair, model, model_draft, limit, n_draft, temperature, samples, n_predict, seed, n_ctx, n_threads,
               as_json, **load):

@@ -3,6 +3,7 @@ works and the real URL is printed), run by uvicorn, stopped by Ctrl-C or SIGTERM
 whatever a request is doing."""
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import uvicorn
 from sse_starlette.sse import AppStatus
 
+from .. import llamalog
 from ..errors import GgufspecError
 from ..netaddr import is_loopback
 from .guard import Exposure
@@ -21,6 +23,10 @@ from .guard import Exposure
 STOP_GRACE_S = 2.0  # after Ctrl-C or SIGTERM, how long open connections may take to finish
 STOP_DEADLINE_S = 4.0  # ... and how long the whole process may: then it exits without waiting
 STREAMS_CUT_S = 1.0  # after the stop signal, when sse-starlette cuts the streams still open
+# uvicorn's log level at llama.cpp's verbosity threshold (-lv N, -v): its startup lines are a server's info
+# (llama-server's own, shown at its default 3); each request is llama-server's "done request" line, trace (4)
+UVICORN_LEVELS = ((llamalog.LOG_LEVEL_DEBUG, "debug"), (llamalog.LOG_LEVEL_INFO, "info"),
+                  (llamalog.LOG_LEVEL_WARN, "warning"), (llamalog.LOG_LEVEL_ERROR, "error"))
 
 
 def listen(host: str, port: int, reuse_port: bool = False):
@@ -98,6 +104,23 @@ def exit_by_deadline(seconds: float = STOP_DEADLINE_S) -> None:
     threading.Thread(target=deadline, daemon=True, name="ggufspec-stop-deadline").start()
 
 
+def uvicorn_logging() -> dict:
+    """uvicorn.Config's log options as the log flags say (llamalog's settings): by default its warnings
+    alone, no access log; --log-disable: nothing; -lv N / -v: at the level N means, each request from 4 up.
+    Every line on stderr (uvicorn writes its access log on stdout, which ggufspec keeps for results),
+    coloured as --log-colors says."""
+    log = llamalog.log_settings()
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    options = {"log_config": config, "use_colors": log.colors}
+    if log.disabled:
+        return {**options, "log_level": "critical", "access_log": False}
+    if log.threshold is None:
+        return {**options, "log_level": "warning", "access_log": False}
+    level = next((name for least, name in UVICORN_LEVELS if log.threshold >= least), "critical")
+    return {**options, "log_level": level, "access_log": log.threshold >= llamalog.LOG_LEVEL_TRACE}
+
+
 def warnings(host: str, exposure: Exposure) -> list[str]:
     """What the start should say about who can reach the model."""
     said = []
@@ -141,6 +164,5 @@ def serve_forever(app, sock: socket.socket, *, name: str, host: str, exposure: E
                 cut.start()
             super().handle_exit(sig, frame)
     encrypted = tls.uvicorn_options() if tls and shown_port is None else {}  # behind a supervisor: it encrypts
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S,
-                            **encrypted)
+    config = uvicorn.Config(app, timeout_graceful_shutdown=STOP_GRACE_S, **uvicorn_logging(), **encrypted)
     Server(config).run(sockets=[sock])
