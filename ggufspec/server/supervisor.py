@@ -31,7 +31,7 @@ from ..errors import GgufspecError
 from ..rpc import Endpoint, RpcError, parse_endpoints, probe
 from .errors import error_body
 from .guard import Exposure, Guard
-from .listen import STOP_DEADLINE_S, STOP_GRACE_S, exit_by_deadline
+from .listen import STOP_DEADLINE_S, STOP_GRACE_S, exit_by_deadline, uvicorn_logging
 from .proxy import ChildGone, ask, get_scope, proxy_app
 
 # What happens after a worker is lost: the child's abort line says it too (`faults.set_abort_consequence`).
@@ -134,7 +134,7 @@ class Supervisor:
         # Host, origin, key and body cap are checked here, in front (the model process trusts this one), so
         # that a client without the key learns nothing, the model up or not, and a large body is never read
         app = Guard(proxy_app(self), self.exposure)
-        config = uvicorn.Config(self.front.wrap(app) if self.front else app, log_level="warning", access_log=False,
+        config = uvicorn.Config(self.front.wrap(app) if self.front else app, **uvicorn_logging(),
                                 lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
                                 **(self.tls.uvicorn_options() if self.tls else {}))
         supervisor = self
