@@ -20,6 +20,7 @@ from .costmodel import acceptance_from_tokens_per_step, speedup
 from .costs import Costs
 from .errors import GgufspecError
 from .load import chat_prompt, default_threads
+from .lora import adapters_of
 from .ngram import NgramPool
 from .stepcosts import DRAFT_SIZES, CostSampler, measure_costs  # noqa: F401  (bench.measure_costs)
 from .simulate import CostCurve, Policy, Trace, curve_from_times, predict, synthetic_trace
@@ -143,8 +144,9 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
     measurements after each prompt's configurations (outside every timed run)."""
     if flash_attn not in FLASH_ATTN_SETTINGS:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
-    native = NativeSettings(n_threads, flash_attn, n_gpu_layers,
-                            n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft, *llamacpp_args)
+    adapted = tuple(arg for a in adapters_of(decoder.target_llm) for arg in ("--lora-scaled", f"{a.path}:{a.scale}"))
+    native = NativeSettings(n_threads, flash_attn, n_gpu_layers, n_gpu_layers if n_gpu_layers_draft is None else
+                            n_gpu_layers_draft, llamacpp_args[0] + adapted, llamacpp_args[1])  # the adapted target too
     runs: list[Run] = []
     done, interrupted = 0, False  # done: the runs of the prompts finished
     try:

@@ -127,6 +127,9 @@ def _log_to_stderr_if_verbose(level, text, user_data):
         _write(settings, level, (text or b"").decode("utf-8", errors="replace"), continued)
 
 
+log_callback = _log_to_stderr_if_verbose  # for a callback of the moment (one that keeps the lines) to pass them on
+
+
 def _write(settings: LogSettings, level: int, message: str, continued: bool) -> None:
     stamp = _timestamp() if settings.timestamps else None  # one for the terminal's line and the file's
     try:  # an exception here would be printed by ctypes as a traceback, mid-load

@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 
 import llama_cpp
 
+from . import lora
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
 from .llamalog import allocation_failures, interrupt_after_native, quiet_llama_logs
 from .native import Context
@@ -63,6 +64,9 @@ class LoadParams:
     # False: a cache per sequence even without strict/exact (llama.cpp's kv_unified=false; measured
     # no faster on a CPU: docs/benchmarks.md, "Many at once")
     kv_unified: bool = True
+    # LoRA adapters, (path, scale) each (--lora, --lora-scaled), loaded with the model and set on its
+    # context (`lora`); given to the target only
+    lora: tuple = ()
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -226,10 +230,12 @@ def check_gguf_file(path: str | os.PathLike, role: str) -> Path:
 
 def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict: bool = False) -> llama_cpp.Llama:
     path = check_gguf_file(path, role)
+    adapters = lora.checked(params.lora)  # before the model loads
     check_cache_types(params.type_k, params.type_v, params.flash_attn, "-ctv" if role == "target" else "-ctvd")
     if params.exact:
         if params.flash_attn == "off":
             raise GgufspecError("--exact needs flash attention (-fa on or auto): without it attention is batched too")
+        lora.check_exact(adapters)
         exact_kernels(path, role)
     elif os.environ.get("GGML_CPU_TILED_MM") != "0":
         _opened_with_tiled_products.append(str(path))
@@ -242,10 +248,14 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
                 _model_params(params.load_mtp, repack=not params.exact), interrupt_after_native():
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 split = list(params.tensor_split) if params.tensor_split else None
-                return load_on_devices(path, params.devices, tensor_split=split, **options)
-            return llama_cpp.Llama(model_path=str(path), **options)
+                llm = load_on_devices(path, params.devices, tensor_split=split, **options)
+            else:
+                llm = llama_cpp.Llama(model_path=str(path), **options)
     except (ValueError, RuntimeError) as exc:
         raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {load_failure(exc, params)}") from None
+    if adapters:
+        lora.attach(llm, adapters)
+    return llm
 
 
 def micro_batch(params: LoadParams, strict: bool = False) -> int:

@@ -41,6 +41,7 @@ import numpy as np
 from .drafting import ModelDrafter
 from .errors import DecodeError, ModelFileError
 from .load import cache_type
+from .lora import adapters_of, set_on as set_lora
 from .native import _SEQ, Context
 
 # architectures whose llama.cpp graph has an MTP (DECODER_MTP) draft head; gemma4's assistant is a
@@ -188,6 +189,8 @@ class MtpContext(Context):
         ctx = llama_cpp.llama_init_from_model(target.llm._model.model, params)
         if not ctx:
             raise ModelFileError(f"llama.cpp could not open an MTP context over the {target.name} model")
+        # the target's LoRA adapters too: the head drafts from the adapted target's states, for it
+        set_lora(ctx, adapters_of(target.llm))
         # what Context.__init__ reads of a llama_cpp.Llama, which this context is not
         super().__init__(SimpleNamespace(_model=target.llm._model, _ctx=SimpleNamespace(ctx=ctx), context_params=params,
                                          tokenize=target.llm.tokenize), "mtp")

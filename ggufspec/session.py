@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import GgufspecError
+from .lora import checked as checked_lora
 from .ngram import DEFAULT_POOL_SIZE, NgramPool
 from .speculate import MTP, SpeculativeDecoder
 
@@ -67,6 +68,8 @@ class ModelOptions:
     # With auto it follows the plan: a draft left on the CPU is timed too dear to try (auto 1.03x;
     # on the GPU, probing it cost 8%).
     fixed_draft: bool = False
+    # --lora / --lora-scaled: LoRA adapters on the target, (path, scale) each (`ggufspec.lora`)
+    lora: tuple = ()
 
 
 @dataclass
@@ -96,6 +99,7 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
         install_abort_message(parse_endpoints(options.rpc))
     pool = NgramPool(options.lookup_pool)  # a bad size fails before anything loads
     flags = load_flags_by_role(options)     # bad load flags too
+    lora = checked_lora(options.lora)        # and a LoRA adapter that is missing or is no adapter
     if options.chat_template is not None:    # and a template that does not compile
         from .load import checked_chat_template
         template = checked_chat_template(options.chat_template, "--chat-template")
@@ -116,7 +120,7 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
                            n_gpu_layers_draft=ngld, strict=options.strict, exact=options.exact,
                            flash_attn=options.flash_attn, rpc=options.rpc, tensor_split=tensor_split,
                            swa_full=options.swa_full, n_parallel=n_parallel, rpc_timeout=options.rpc_timeout,
-                           load_flags=flags)
+                           load_flags=flags, lora=lora)
     decoder.ngram_pool = pool  # n-grams of every request, for the next ones (`ngram`)
     if options.chat_template is not None:
         from .load import use_chat_template

@@ -237,14 +237,15 @@ class SpeculativeDecoder:
 
     `target`/`draft` are GGUF paths or `llama_cpp.Llama` objects (left open by `close()` when given
     as objects). With no draft, generation is the target alone through the same code path. `draft="mtp"`:
-    the target's own MTP blocks draft (`ggufspec.mtp`; the target must be a path).
+    the target's own MTP blocks draft (`ggufspec.mtp`; the target must be a path). `lora`: LoRA adapters on
+    the target, paths or (path, scale) pairs (`ggufspec.lora`; the target must be a path).
     """
 
     def __init__(self, target, draft=None, *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, n_gpu_layers_draft: int | None = None, strict: bool = False,
                  check_vocab: bool = True, flash_attn: str = "auto", devices: Sequence | None = None,
                  tensor_split: Sequence[float] | None = None, costs_tag: str = "", swa_full: bool = False,
-                 exact: bool = False, n_parallel: int = 1, load_flags: dict | None = None):
+                 exact: bool = False, n_parallel: int = 1, load_flags: dict | None = None, lora: Sequence = ()):
         from .load import LoadParams, check_compatible, check_gguf_file, flags_tag, flash_attn_type, with_flags
         self._owned: list = []
         self._closed = False
@@ -264,7 +265,7 @@ class SpeculativeDecoder:
         self.n_gpu_layers_draft = n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft
         target_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, strict=strict,
                                    flash_attn=flash_attn, devices=devices, swa_full=swa_full, load_mtp=mtp, exact=exact,
-                                   tensor_split=tuple(tensor_split) if tensor_split else None, n_seq=n_parallel)
+                                   tensor_split=tuple(tensor_split) if tensor_split else None, n_seq=n_parallel, lora=lora)
         draft_params = LoadParams(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, n_seq=n_parallel,
                                   kv_unified=not (strict or exact),  # per slot, as the target (rollbacks never lack cells)
                                   n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft)
@@ -318,8 +319,8 @@ class SpeculativeDecoder:
             return llm
         if not isinstance(model, llama_cpp.Llama):
             raise GgufspecError(f"the {role} model must be a GGUF path or a llama_cpp.Llama, got {type(model).__name__}")
-        if strict or params.exact:  # how it computes (micro-batches, caches) is set as it loads
-            raise GgufspecError(f"strict and exact load the {role} model themselves: give its path, not a Llama")
+        if strict or params.exact or params.lora:  # how it computes (micro-batches, caches, adapters) is set as it loads
+            raise GgufspecError(f"strict, exact and lora load the {role} model themselves: give its path, not a Llama")
         return model
 
     def _check_open(self) -> None:

@@ -118,6 +118,35 @@ def make_pair(directory: Path, seed: int = 0, shape: Shape | None = None) -> tup
     return target, draft
 
 
+LORA_TARGETS = ("attn_q", "attn_v", "ffn_down")
+
+
+def write_lora(path: Path, shape: Shape, seed: int = 1, rank: int = 4, strength: float = 1.0,
+               task_name: str | None = None, arch: str = "llama", n_blocks: int | None = None) -> Path:
+    """A LoRA adapter GGUF for a llama-architecture model of `shape`, as convert_lora_to_gguf.py writes
+    one: general.type "adapter", adapter.type "lora", adapter.lora.alpha, and for each adapted matrix W
+    (out x in) `W.lora_a` (rank x in) and `W.lora_b` (out x rank), the update being B @ A * alpha / rank.
+    `strength` scales the update against W (1: about as large); `n_blocks` the blocks adapted (default:
+    shape.n_layer; one more reaches an MTP block after them)."""
+    rng = np.random.default_rng(seed)
+    kv = shape.n_embd // shape.n_head * shape.n_head_kv
+    sizes = {"attn_q": (shape.n_embd, shape.n_embd), "attn_v": (kv, shape.n_embd), "ffn_down": (shape.n_embd, shape.n_ff)}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank))  # alpha = rank: the update as written
+    if task_name is not None:
+        writer.add_string(gguf.Keys.Adapter.LORA_TASK_NAME, task_name)
+    tensors = {}
+    for i in range(shape.n_layer if n_blocks is None else n_blocks):
+        for name in LORA_TARGETS:
+            n_out, n_in = sizes[name]
+            scale = strength * shape.weight_scale / np.sqrt(n_in)
+            tensors[f"blk.{i}.{name}.weight.lora_a"] = (rng.standard_normal((rank, n_in)) / np.sqrt(rank)).astype(np.float32)
+            tensors[f"blk.{i}.{name}.weight.lora_b"] = (rng.standard_normal((n_out, rank)) * scale).astype(np.float32)
+    return _finish(writer, tensors, path)
+
+
 def write_header_only(path: Path, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int,
                       n_vocab: int, layer_type=None, embd_type=None, output_type=None, arch: str = "llama") -> Path:
     """A GGUF of a real model's shape with no weights: the header, then a sparse hole of the data's size."""

@@ -10,10 +10,11 @@ from ggufspec.sampling import distribution
 NEAR_TIE = 1e-3  # batched vs single-token F32 logits differ by ~1e-4; closer calls are not decidable
 
 
-def target_alone(path, prompt, n_predict, n_ctx, flash_attn="off"):
-    """Greedy continuation with the plain Llama API, one token per eval, and each step's top-2 margin."""
+def target_alone(path, prompt, n_predict, n_ctx, flash_attn="off", **llama_options):
+    """Greedy continuation with the plain Llama API, one token per eval, and each step's top-2 margin
+    (`llama_options`: more of Llama's keywords, e.g. lora_path)."""
     llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=1, logits_all=True, verbose=False,
-                flash_attn=flash_attn == "on")
+                flash_attn=flash_attn == "on", **llama_options)
     n_ctx = llm.n_ctx()
     llm.eval(prompt)
     out, margins = [], []
@@ -71,10 +72,10 @@ def same_as_target_alone(got, expected: list[int], margins: list[float], label: 
     return True
 
 
-def exact_first_and_second(path, prompt: list[int], params) -> tuple[np.ndarray, dict]:
+def exact_first_and_second(path, prompt: list[int], params, **llama_options) -> tuple[np.ndarray, dict]:
     """p(first token), and p(first, second) for every first token, from the plain Llama API. Each
     prefix is evaluated from an empty state: a recurrent state cannot be cut back."""
-    llm = Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False, **llama_options)
     llm.eval(prompt)
     p1 = distribution(np.array(llm.scores[llm.n_tokens - 1]), params)
     joint = {}
@@ -88,14 +89,14 @@ def exact_first_and_second(path, prompt: list[int], params) -> tuple[np.ndarray,
     return p1, joint
 
 
-def exact_first_and_next_two(path, prompt: list[int], params) -> tuple[np.ndarray, int, dict]:
+def exact_first_and_next_two(path, prompt: list[int], params, **llama_options) -> tuple[np.ndarray, int, dict]:
     """p(first token); the likeliest first token x; and p(second, third) after the prompt and x.
 
     The prompt's own batch decides the first token (speculate._prefill), so drafts first meet the
     target after it: a step's rows 0 and 1 are the second and third tokens, tested given x."""
-    p1, _ = exact_first_and_second(path, prompt, params)
+    p1, _ = exact_first_and_second(path, prompt, params, **llama_options)
     x = int(np.argmax(p1))
-    _, joint = exact_first_and_second(path, list(prompt) + [x], params)
+    _, joint = exact_first_and_second(path, list(prompt) + [x], params, **llama_options)
     return p1, x, joint
 
 

@@ -3,6 +3,7 @@ opened Session (`ggufspec.session`) and the decoder's stream() keywords."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import click
@@ -100,7 +101,45 @@ def load_flag_options():
                      help="llama.cpp's newer spelling of --mlock / --no-mmap: auto and mmap map the files; none "
                           "reads them; mlock reads and locks them; mmap+mlock maps and locks [default: auto]."),
         *cache_type_options(),
+        click.option("--lora", "lora", multiple=True, metavar="FNAME",
+                     help="A LoRA adapter on the target, scale 1 (repeatable, or comma-separated); the draft has none, "
+                          "the adapted target decides every token."),
+        click.option("--lora-scaled", "lora_scaled", multiple=True, metavar="FNAME:SCALE",
+                     help="A LoRA adapter on the target with its scale (repeatable, or FNAME:SCALE,...; 0: off)."),
     ]
+
+
+def lora_flags(load: dict) -> tuple[tuple[str, float], ...]:
+    """--lora and --lora-scaled (consumed from `load`) as (path, scale) pairs, in llama.cpp's syntax: each
+    value a comma-separated list (a name with a comma in double quotes), --lora-scaled's items FNAME:SCALE.
+    The --lora ones come first, then the --lora-scaled ones (their ids on serve's /lora-adapters)."""
+    adapters = [(name, 1.0) for value in load.pop("lora", ()) for name in _csv_items("--lora", value)]
+    for value in load.pop("lora_scaled", ()):
+        adapters += [_scaled_item(item) for item in _csv_items("--lora-scaled", value)]
+    return tuple(adapters)
+
+
+def _csv_items(flag: str, value: str) -> list[str]:
+    import csv
+    items = next(csv.reader([utf8_text(flag, value)]), [])
+    if not items or not all(items):
+        raise GgufspecError(f"{flag} {value!r}: an empty file name; give FNAME or a comma-separated list of them")
+    return items
+
+
+def _scaled_item(item: str) -> tuple[str, float]:
+    """FNAME:SCALE (the last colon splits, so a path may hold colons); llama.cpp has no other form."""
+    path, colon, scale = item.rpartition(":")
+    if not colon or not path:
+        raise GgufspecError(f"--lora-scaled takes FNAME:SCALE in one argument (e.g. --lora-scaled adapter.gguf:0.5), "
+                            f"got {item!r}")
+    try:
+        number = float(scale)
+    except ValueError:
+        raise GgufspecError(f"--lora-scaled {item}: the scale {scale!r} is not a number") from None
+    if not math.isfinite(number):
+        raise GgufspecError(f"--lora-scaled {item}: the scale must be a finite number")
+    return path, number
 
 
 def cache_type_options():
@@ -163,6 +202,7 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
                            needs_draft_model=not opts["lookup"],
                            fixed_draft=parse_draft(opts.get("n_draft", "auto")) not in ("auto", 0),
                            use_mmap=not opts.pop("no_mmap"), **{name: opts.pop(name) for name in LOAD_FLAGS},
+                           lora=lora_flags(opts),
                            chat_template=chat_template_given(opts.pop("chat_template"), opts.pop("chat_template_file")))
     if no_draft and not requests_choose_drafting:
         opts["n_draft"] = "0"
@@ -261,7 +301,8 @@ def model_load_fields(load: dict) -> dict:
     load = dict(load)
     flags = load_mode_flags(load)
     load.pop("no_mmap")
-    return {**load, "use_mmap": not flags["no_mmap"], "use_mlock": flags["use_mlock"]}
+    adapters = lora_flags(load)
+    return {**load, "lora": adapters, "use_mmap": not flags["no_mmap"], "use_mlock": flags["use_mlock"]}
 
 
 # model_options' llama.cpp load flags that are ModelOptions fields of the same name

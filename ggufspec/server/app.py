@@ -18,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from .. import load
 from .. import tools as toolkit
 from . import protocols
+from .adapters import add_adapter_routes
 from .errors import APIError, add_error_handlers
 from .front import Endpoints, Front
 from .guard import Exposure, Guard, OffLoopRoute
@@ -108,6 +109,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                                  headers={"Process-Start-Time-Unix": str(engine.metrics.started)})
 
     add_slot_routes(app, engine, endpoints)
+    add_adapter_routes(app, decoder)  # GET /lora-adapters; POST only to the scales set at start
     props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
              **chat_props(template, tool_format, session, decoder), "system_fingerprint": fingerprint,
              "endpoint_slots": endpoints.slots, "endpoint_props": endpoints.props, "endpoint_metrics": metrics,

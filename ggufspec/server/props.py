@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .. import __version__, load
 from ..backends import build_backends
+from ..lora import adapters_of
 from ..sampling import SamplingParams
 
 QUANT_IN_NAME = re.compile(r"(?i)(?:^|[-_.])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)$")
@@ -95,6 +96,9 @@ def system_fingerprint(decoder) -> str:
               "gpu_layers": [load.offloaded_layers(decoder.target_llm), decoder.n_gpu_layers_draft],
               "placement": decoder.placement, "verification": verification,
               "context": context_settings(decoder.target_llm)}
+    adapters = adapters_of(decoder.target_llm)
+    if adapters:  # they change the target's logits (left out where none: fingerprints without them stay)
+        config["lora"] = [(Path(a.path).name, file_size(a.path), a.scale) for a in adapters]
     return "fp_" + hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

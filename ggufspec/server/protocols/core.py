@@ -27,6 +27,7 @@ from ... import tools as toolkit
 from ...stats import Stats
 from ..choices import ChoiceState, with_calls
 from ..constraints import Shaping, shaping
+from ..adapters import check_scales
 from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
 from ..jobs import ClientGone, Engine, Job, chat_prompt
@@ -36,7 +37,7 @@ from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts,
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
                  "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
                  "ignore_eos", "chat_template_kwargs", "reasoning_budget_tokens", "thinking_budget_tokens",
-                 "reasoning_budget_message", *SAMPLERS_NOT_HAD)
+                 "reasoning_budget_message", "lora", *SAMPLERS_NOT_HAD)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Serving:
         API refuses such a request instead, as it always did).
         `prefill`: the answer's start, written after the template's assistant turn, which it continues."""
         def prepared() -> dict:  # off the event loop: thousands of messages take a while
+            if body.lora is not None:
+                check_scales(body.lora, self.decoder)
             if prompts is not None or prompt is not None:
                 source = {"prompts": prompts if prompts is not None else [prompt]}
             else:
