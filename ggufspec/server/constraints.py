@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .. import tools as toolkit
 from ..errors import GgufspecError
+from ..thinking import ReasoningControl
 from .errors import APIError
 from .schemas import ChatBody, CompletionBody, GenerationBody, NativeBody, template_variables
 
@@ -46,6 +47,8 @@ def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids
     if body.ignore_eos:
         bias.update(dict.fromkeys(end_ids(), -math.inf))
     constraints = {**penalties(body), **({"logit_bias": bias} if bias else {}), **reasoning_budget(body)}
+    if isinstance(body, ChatBody) and body.reasoning_control:
+        constraints["reasoning_control"] = ReasoningControl()  # the job's, armed by its completion id (`control`)
     if grammar is not None:
         constraints["grammar"] = grammar
         if lazy:

@@ -175,6 +175,8 @@ class ChatBody(GenerationBody):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] | None = None
     reasoning_effort: str | None = None  # OpenAI's; "none" turns thinking off, others go to the template
+    # llama-server's: the thinking may be ended while it runs (POST /v1/chat/completions/control, `control`)
+    reasoning_control: bool = Field(False, strict=True)
 
 
 def template_variables(body: ChatBody, defaults: dict | None = None) -> dict:

@@ -27,6 +27,7 @@ from ... import tools as toolkit
 from ...stats import Stats
 from ..choices import ChoiceState, with_calls
 from ..constraints import Shaping, shaping
+from ..control import Controls
 from ..adapters import check_scales
 from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
@@ -86,6 +87,7 @@ class Serving:
     fingerprint: str | None = None  # OpenAI's system_fingerprint (props.system_fingerprint)
     template_defaults: dict = field(default_factory=dict)  # --chat-template-kwargs: every request's variables
     reasoning_format: str = "auto"  # --reasoning-format: chat answers' thinking in reasoning_content, or not
+    controls: Controls = field(default_factory=Controls)  # running chat completions, for their control requests
 
     def check_model(self, requested: str | None) -> None:
         # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from ..errors import APIError
 from ..responses import Reply, stream_events, whole_answer
 from ..schemas import ChatBody, CompletionBody, GenerationBody, completion_prompts
+from .. import control
 from .core import Serving, answer_or_stream
 from .reasoning import reasoning_content_for
 
@@ -28,6 +29,8 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     async def chat_completions(request: Request, body: ChatBody):
         return await answer(serving, request, body, chat=True)
 
+    control.add_routes(app, serving.controls)  # POST /v1/chat/completions/control
+
     @app.post("/apply-template")
     async def apply_template(body: ChatBody):
         """llama-server's: the prompt the chat template makes of the messages (and tools), not run."""
@@ -42,6 +45,8 @@ async def answer(serving: Serving, request: Request, body: GenerationBody, chat:
     job = await serving.submit(body, prompts=prompts, n=body.n, fit_to_context=False)
     reasoning = reasoning_content_for(serving, body, job) if chat else None
     reply = Reply(serving.model_name, chat, job.shape, job.n_choices, serving.fingerprint, reasoning)
+    if chat:
+        serving.controls.add(reply.id, job, job.shape.constraints.get("reasoning_control"))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await answer_or_stream(job, request, body.stream, lambda n_prompt: whole_answer(job, reply, request),
                                   lambda n_prompt: stream_events(job, reply, include_usage))
