@@ -22,6 +22,7 @@ from ..errors import CacheFullError, ContextFullError, GgufspecError
 from ..checks import check_token_ids
 from ..stats import Stats
 from ..stops import LineLimits, StopFilter
+from ..thinking import CLOSE, OPEN
 from .choices import logprob_entry
 from .constraints import Shaping, engine_constraints
 from .errors import APIError
@@ -429,10 +430,10 @@ def chat_prompt(decoder, messages: list[dict], shape: Shaping) -> str:
 def opens_thinking(rendered: str, prefill: str) -> bool:
     """Whether the answer starts inside a <think> block: the template's assistant turn opened it
     (DeepSeek-R1's; Qwen3's never) and the prefill did not close it, or the prefill opened one."""
-    last_open, last_close = prefill.rfind("<think>"), prefill.rfind("</think>")
+    last_open, last_close = prefill.rfind(OPEN), prefill.rfind(CLOSE)
     if last_open > last_close:
         return True
-    return rendered.rstrip().endswith("<think>") and last_close < 0
+    return rendered.rstrip().endswith(OPEN) and last_close < 0
 
 
 def summed(results: dict[int, Stats], n: int) -> Stats:

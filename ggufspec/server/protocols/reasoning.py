@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 from ... import load
 from ...errors import GgufspecError
+from ...thinking import CLOSE, OPEN  # the engine's tags: the block it budgets is the one split off here
 from .core import Text
-
-OPEN, CLOSE = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
