@@ -273,3 +273,46 @@ def test_an_answer_cannot_stand_in_for_the_pages_own_controls(page, server):
     for kept_out in ("<textarea", "<form", "<button", "<style", "id=", "name=", "style="):
         assert kept_out not in found["html"], (kept_out, found["html"])
     assert found["footer"] != "none" and "hi" in found["html"] and 'type="checkbox"' in found["html"]
+
+
+# ---------------------------------------------------------------- a reasoning model's thinking, ended from the page
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """The slow target under a DeepSeek-R1-like template (its assistant turn opens <think>); the model
+    never closes the block itself."""
+    from test_server_reasoning import OPENS_THINKING
+    directory = tmp_path_factory.mktemp("thinking-page")
+    shape = Shape(n_layer=8, n_embd=256, n_ff=768)
+    weights = make_weights(shape, seed=2)
+    weights["output.weight"][2] = 0
+    target = write_model(directory / "target.gguf", shape, weights, OPENS_THINKING)
+    running = start_server(directory, "-m", str(target), "--lookup", "-c", str(MAX_CTX))
+    yield running
+    stop_server(running)
+
+
+def test_end_thinking_forces_the_blocks_end_and_the_answer_goes_on(browser, thinking_server):
+    props = httpx.get(thinking_server.url + "/props", timeout=10).json()
+    assert props["chat_template_thinking"] == {"block": True, "opened_by_template": True}
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    errors, controls = [], []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("response", lambda r: controls.append(r) if r.url.endswith("/control") else None)
+    page.goto(thinking_server.url + "/")
+    page.wait_for_selector("#pair .chip >> nth=1")
+    set_settings(page, max_tokens=1200)
+    send(page, "think about it")
+    page.locator("#end-thinking").wait_for(state="visible", timeout=20_000)
+    page.locator(".msg.assistant .text span").nth(5).wait_for(timeout=20_000)
+    page.click("#end-thinking")
+    assert wait_for_state(page, 0, "done|error|stopped", timeout=60_000) == "done"
+    assert controls and controls[0].json() == {"success": True}
+    assert "thinking ended on request" in answer(page, 0).locator(".state").inner_text()
+    said = page.evaluate("() => conversation[conversation.length - 1].content")
+    thinking, _, after = said.partition("</think>")
+    assert thinking and after.strip(), said  # the block ended where asked, and the answer went on
+    assert page.is_hidden("#end-thinking")
+    context.close()
+    assert not errors, errors

@@ -113,7 +113,9 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
              **chat_props(template, tool_format, session, decoder), "system_fingerprint": fingerprint,
              "endpoint_slots": endpoints.slots, "endpoint_props": endpoints.props, "endpoint_metrics": metrics,
-             "ui": endpoints.webui}
+             "ui": endpoints.webui,
+             # the template's <think> block: known, and opened by its assistant turn (the answer starts inside)
+             "chat_template_thinking": dict(zip(("block", "opened_by_template"), serving.thinking))}
 
     if endpoints.webui:  # --no-webui: no page (GET / is a 404, as llama-server's), the API the same
         @app.get("/", response_class=HTMLResponse)
