@@ -61,6 +61,8 @@ class Slots:
             self._share_prefixes()
         self._free = threading.Condition()
         self._counts: DecodeCounts | None = None  # one slot's target decodes, once asked for (`decode_counts`)
+        # llama-server's -sps: the share of a prompt a slot's cache must hold to be cut back to it (`_fit`)
+        self.prompt_similarity = SLOT_PROMPT_SIMILARITY
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -122,7 +124,8 @@ class Slots:
     def _take(self, tokens: Sequence[int]) -> Slot:
         with self._free:
             self._free.wait_for(lambda: any(not slot.busy for slot in self.slots))
-            slot = max((slot for slot in self.slots if not slot.busy), key=lambda s: _fit(s, tokens))
+            slot = max((slot for slot in self.slots if not slot.busy),
+                       key=lambda s: _fit(s, tokens, self.prompt_similarity))
             slot.busy = True
             return slot
 
@@ -233,11 +236,12 @@ class Slots:
 SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity
 
 
-def _fit(slot: Slot, tokens: Sequence[int]) -> tuple:
+def _fit(slot: Slot, tokens: Sequence[int], similarity: float = SLOT_PROMPT_SIMILARITY) -> tuple:
     """How well a free slot suits a prompt (the greatest is taken). First the slot whose conversation
     the prompt continues (it shares the slot's whole last prompt), then a slot worth cutting back
-    (llama-server's rule: the prefix shared is over a tenth of the prompt; and it saves at least as many
-    tokens as it drops), by the tokens shared; then an empty slot, then the one used least recently.
+    (llama-server's rule: the prefix shared is over `similarity` of the prompt, a tenth by default, none
+    where 0; and it saves at least as many tokens as it drops), by the tokens shared; then an empty slot,
+    then the one used least recently.
 
     Not llama-server's rule alone, which cuts any conversation back to a shared prefix: an agent's
     sub-agent with its 5,000-token system prompt would cut the agent's 20,000-token conversation to it,
@@ -248,7 +252,8 @@ def _fit(slot: Slot, tokens: Sequence[int]) -> tuple:
         return _fit_sharing(slot, shared)
     last = slot.last_stats
     continues = last is not None and shared >= max(2, last.n_prompt)
-    worth = shared >= 2 and shared > SLOT_PROMPT_SIMILARITY * len(tokens) and shared >= slot.target.n_past - shared
+    worth = (similarity > 0 and shared >= 2 and shared > similarity * len(tokens)
+             and shared >= slot.target.n_past - shared)
     return continues, worth, shared if continues or worth else 0, slot.target.n_past == 0, -slot.last_used
 
 

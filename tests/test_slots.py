@@ -73,6 +73,22 @@ def test_a_full_unified_cache_drops_idle_slots_conversations_first(tiny_pair):
         assert {s["id"]: s["n_cached"] for s in decoder.slots.describe()}[a.stats.id_slot] == 0
 
 
+@pytest.mark.parametrize("similarity, cut_back", [(0.1, True), (0.5, False), (0.0, False)])
+def test_a_slot_is_cut_back_for_a_prompt_holding_more_than_the_similarity(tiny_pair, similarity, cut_back):
+    """llama-server's -sps: a new prompt sharing 30 of its 70 tokens with a slot's 48 cached ones takes
+    that slot (cutting it back to the 30) where 30/70 is over the threshold, else the empty slot. Under
+    --strict, where no slot takes another's prefix."""
+    conversation = [1] + [259 + j % 22 for j in range(39)]
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1, strict=True, n_parallel=2) as decoder:
+        decoder.slots.prompt_similarity = similarity
+        first = decoder.generate_many([conversation], n_predict=8, n_draft=0,
+                                      constraints=Constraints(logit_bias={2: -100.0}))[0]
+        new = conversation[:30] + [260 + j % 7 for j in range(40)]
+        got = decoder.generate_many([new], n_predict=4, n_draft=0)[0]
+    assert (got.stats.id_slot == first.stats.id_slot) == cut_back
+    assert got.stats.n_prompt_cached == (30 if cut_back else 0)
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["shared-cells", "strict"])
 def test_two_conversations_with_one_system_prompt_keep_a_slot_each(tiny_pair, strict):
     """Turns alternate between two conversations that begin with one system prompt: each turn finds its

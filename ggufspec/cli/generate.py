@@ -376,6 +376,7 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
     else:
         sock = listen(host, port, llamacpp["reuse_port"])  # a port in use fails before the models load
     with open_session(opts, requests_choose_drafting=True) as session:
+        session.decoder.slots.prompt_similarity = llamacpp["prompt_similarity"]
         defaults = stream_options(opts)
         from ..server.speculation import time_costs_before_serving
         # not on the first request's clock (--no-warmup: on it)

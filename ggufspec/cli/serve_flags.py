@@ -37,6 +37,11 @@ def llamacpp_server_options(command):
                           "files) [default: Python's]; generations run in one thread per slot (-np)."),
         click.option("--reuse-port", "reuse_port", is_flag=True,
                      help="Let several servers listen on the same port (SO_REUSEPORT; the kernel spreads clients)."),
+        click.option("-sps", "--slot-prompt-similarity", "prompt_similarity", type=click.FloatRange(0, 1),
+                     default=0.1, metavar="F",
+                     help="A free slot's cached conversation is cut back to serve a new prompt only where it holds "
+                          "more than this share of it (0: only a conversation's own next turn goes back to its "
+                          "slot); where the slots share one cache (the default) a prompt takes its prefix from any."),
         click.option("--warmup/--no-warmup", "warmup", default=True,
                      help="Time the step costs for --draft auto before serving (--no-warmup: the first request "
                           "that needs them times them)."),
@@ -88,4 +93,5 @@ def server_flags(opts: dict) -> dict:
     endpoints = Endpoints(webui=opts.pop("webui"), slots=opts.pop("slots_endpoint"),
                           slot_save_path=check_slot_save_path(opts.pop("slot_save_path")),
                           props=opts.pop("props_endpoint"), threads_http=opts.pop("threads_http"))
-    return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup")}
+    return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup"),
+            "prompt_similarity": opts.pop("prompt_similarity")}
