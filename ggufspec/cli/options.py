@@ -15,6 +15,7 @@ from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import SamplingParams  # the sampling defaults, in one place
 from .app import not_utf8_file, utf8_text
 from .constraint_options import constraint_options, constraints_from
+from .spec_type import apply_spec_type, spec_type_options
 
 
 class RenamedOption(click.Option):
@@ -63,6 +64,7 @@ def model_options(command):
         click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
                      help="Put the target's layers on these `ggufspec worker`s; the draft stays local."),
         click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
+        *spec_type_options(),
         click.option("--strict", is_flag=True, help="Verify token by token: bit-identical to the target alone, slower."),
         click.option("--exact", is_flag=True,
                      help="On the CPU, compute verification batches with the single-token kernels: greedy text "
@@ -190,6 +192,7 @@ def open_session(opts: dict, *, requests_choose_drafting: bool = False):
     choose their own drafting: there it only leaves the draft model out (a request may ask for lookup).
     With -m alone and no draft model found, drafting is by n-gram (as --lookup)."""
     from ..session import ModelOptions, open_session as open_
+    apply_spec_type(opts)  # llama.cpp's --spec-type as --no-draft, -md mtp, --lookup or --hybrid
     no_draft = opts.pop("no_draft")
     opts.update(load_mode_flags(opts))
     options = ModelOptions(pair=opts.pop("pair"), model=opts.pop("model"), model_draft=opts.pop("model_draft"),
