@@ -371,3 +371,26 @@ def test_the_prefix_and_the_timeout_at_serve_rpcs_front(needs_rpc, chat_pair, tm
             stop_server(running)
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--embeddings"], "--embedding/--embeddings is not supported: ggufspec serves generation"),
+    (["--mmproj", "p.gguf"], "images and audio are not supported"),
+    (["-cram", "8192"], "-cram/--cache-ram 8192 is not supported: ggufspec keeps each conversation"),
+    (["--sleep-idle-seconds", "300"], "keeps the models loaded"),
+    (["--models-dir", "m"], "one target (and its draft) per server"),
+    (["--tools", "all"], "runs no tools itself"),
+    (["--path", "www"], "serves its own chat page"),
+    (["--lora-init-without-apply"], "--lora-scaled FNAME:0"),
+])
+def test_llama_servers_flags_for_what_ggufspec_does_not_do_say_why(flags, words):
+    result = CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", *flags])
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and words in line and "\n" not in line, result.stderr
+
+
+@pytest.mark.parametrize("flags", [["-cram", "0"], ["--no-mmproj"], ["--sleep-idle-seconds", "-1"], ["-no-ag"],
+                                   ["--no-cache-idle-slots"]])
+def test_their_values_that_ask_for_what_ggufspec_does_are_taken(flags):
+    result = CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", *flags])
+    assert "target model not found" in result.stderr, result.stderr  # past the flags, to the model

@@ -8,6 +8,7 @@ import click
 
 from ..errors import GgufspecError
 from .options import options
+from .unsupported_flags import refuse_unsupported, unsupported_options
 
 DEFAULT_TIMEOUT_S = 3600  # llama-server's (common.h); the same as server.front's
 
@@ -55,6 +56,7 @@ def llamacpp_server_options(command):
         click.option("-no-kvu", "--no-kv-unified", "no_kv_unified", **hidden_flag),
         click.option("--no-context-shift", "no_context_shift", **hidden_flag),
         click.option("--context-shift", "context_shift", **hidden_flag),
+        *unsupported_options(),  # llama-server's flags for what ggufspec does not do: refused, saying why
     )(command)
 
 
@@ -75,6 +77,7 @@ def server_flags(opts: dict) -> dict:
     """The llama-server flags (consumed from `opts`), checked: a refused one raises GgufspecError. The
     values the server needs, by name."""
     from ..server.front import Endpoints, Front, check_api_prefix, check_slot_save_path
+    refuse_unsupported(opts)
     for name, (flag, instead) in REFUSED.items():
         if opts.pop(name):
             raise GgufspecError(f"{flag} is not supported: {instead}")

@@ -1,0 +1,84 @@
+"""llama-server's flags for what ggufspec serve does not do, refused by name in one line that says why and
+what to do instead (click's own answer would be a bare "No such option"). A pasted llama-server command
+line thus fails at its first such flag, saying so, before anything loads. Where a flag's value or form
+is what ggufspec does anyway (`-cram 0`, `--no-mmproj`, `--no-tools`...) it is taken."""
+from __future__ import annotations
+
+import click
+
+from ..errors import GgufspecError
+
+NO_MEDIA = "ggufspec serves text models; images and audio are not supported (serve a multimodal model with llama-server)"
+NO_PROMPT_CACHE = ("ggufspec keeps each conversation in its slot's cache (its next turn goes back there) and shares "
+                   "prefixes between slots; a conversation goes to disk with --slot-save-path")
+NO_SERVER_TOOLS = "ggufspec runs no tools itself: a client's tools go in its request (tools, tool_choice)"
+ONE_MODEL = "ggufspec serves one target (and its draft) per server: start one server per model"
+
+# (flags, takes a value, what the flag's "it does nothing" value or negative form is, why not)
+REFUSED = [
+    (("--embedding", "--embeddings"), False, None,
+     "ggufspec serves generation with speculative decoding; for embeddings run llama-server --embeddings with an "
+     "embedding model"),
+    (("--rerank", "--reranking"), False, None, "ggufspec has no reranking endpoint; run llama-server --rerank"),
+    (("-mm", "--mmproj"), True, None, NO_MEDIA),
+    (("-mmu", "--mmproj-url"), True, None, NO_MEDIA),
+    (("--mmproj-auto",), False, None, NO_MEDIA),
+    (("--mmproj-offload",), False, None, NO_MEDIA),
+    (("--media-path",), True, None, NO_MEDIA),
+    (("--image-min-tokens",), True, None, NO_MEDIA),
+    (("--image-max-tokens",), True, None, NO_MEDIA),
+    (("-cram", "--cache-ram"), True, "0", NO_PROMPT_CACHE),
+    (("--cache-idle-slots",), False, None, NO_PROMPT_CACHE),
+    (("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), True, None,
+     "ggufspec checkpoints sliding-window and recurrent memory itself, where a rollback needs it; leave it out"),
+    (("--sleep-idle-seconds",), True, "-1", "ggufspec keeps the models loaded while it serves; stop it to free them"),
+    (("--models-dir",), True, None, ONE_MODEL),
+    (("--models-preset",), True, None, ONE_MODEL),
+    (("--models-max",), True, None, ONE_MODEL),
+    (("--models-autoload",), False, None, ONE_MODEL),
+    (("--tools",), True, None, NO_SERVER_TOOLS),
+    (("--tools-runtime",), True, None, NO_SERVER_TOOLS),
+    (("--mcp-servers-config",), True, None, NO_SERVER_TOOLS),
+    (("--mcp-servers-json",), True, None, NO_SERVER_TOOLS),
+    (("-ag", "--agent"), False, None, NO_SERVER_TOOLS),
+    (("--ui-mcp-proxy", "--webui-mcp-proxy"), False, None, NO_SERVER_TOOLS),
+    (("--ui-config", "--webui-config"), True, None, "ggufspec's chat page takes no configuration; leave it out"),
+    (("--ui-config-file", "--webui-config-file"), True, None,
+     "ggufspec's chat page takes no configuration; leave it out"),
+    (("--path",), True, None, "ggufspec serves its own chat page at / (--no-webui: none); serve other files elsewhere"),
+    (("--lora-init-without-apply",), False, None,
+     "ggufspec sets the adapters' scales at start: --lora-scaled FNAME:0 loads one switched off"),
+    (("--cors-methods",), True, None, "ggufspec's CORS answers GET, POST and OPTIONS for --cors-origins; leave it out"),
+    (("--cors-headers",), True, None, "ggufspec's CORS allows the headers its API reads; leave it out"),
+    (("--cors-credentials",), False, None, "ggufspec's CORS never allows credentials; leave it out"),
+]
+# negative forms that ask for what ggufspec does anyway
+TAKEN = ("--no-mmproj", "--no-mmproj-auto", "--no-mmproj-offload", "--no-cache-idle-slots", "--no-models-autoload",
+         "-no-ag", "--no-agent", "--no-ui-mcp-proxy", "--no-webui-mcp-proxy", "--no-cors-credentials")
+
+
+def _name(flags: tuple[str, ...]) -> str:
+    return "refused_" + max(flags, key=len).lstrip("-").replace("-", "_")
+
+
+def unsupported_options() -> list:
+    """Hidden options: each refused flag, and the negative forms taken."""
+    made = []
+    for flags, takes_value, _, _ in REFUSED:
+        if takes_value:
+            made.append(click.option(*flags, _name(flags), default=None, hidden=True))
+        else:
+            made.append(click.option(*flags, _name(flags), is_flag=True, default=False, hidden=True))
+    made.append(click.option(*TAKEN, "taken_negatives", is_flag=True, default=False, hidden=True))
+    return made
+
+
+def refuse_unsupported(opts: dict) -> None:
+    """The refused flags (consumed from `opts`): the first one given raises GgufspecError."""
+    opts.pop("taken_negatives")
+    for flags, takes_value, harmless, why in REFUSED:
+        value = opts.pop(_name(flags))
+        given = value is not None if takes_value else value
+        if given and not (takes_value and harmless is not None and str(value).strip() == harmless):
+            shown = "/".join(flags) + (f" {value}" if takes_value else "")
+            raise GgufspecError(f"{shown} is not supported: {why}")
