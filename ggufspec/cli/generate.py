@@ -13,6 +13,7 @@ from ..errors import GgufspecError
 from ..sampling import SamplingParams
 from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
+from .llamacli_flags import llamacli_flags
 from .log_flags import log_flags
 from .serve_flags import llamacpp_server_options, server_flags
 from .options import (RenamedOption, check_defaults, check_rpc, generation_options, load_flag_options, model_load_fields,
@@ -36,7 +37,8 @@ from .options import (RenamedOption, check_defaults, check_rpc, generation_optio
 @rpc_timeout_option
 @log_flags
 @friendly_errors
-def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwargs, **opts):
+@llamacli_flags("run")
+def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwargs, llamacli, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
     check_rpc(opts["rpc"], rpc_timeout_given())
     text = read_prompt(prompt, prompt_file, escape)
@@ -50,7 +52,7 @@ def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwar
         if variables:  # the template rendered here, with them
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             text, chat, system = decoder.render_chat(messages, **variables), False, None
-        stream = decoder.stream(text, chat=chat, system=system, **stream_options(opts))
+        stream = llamacli.stream(decoder, text, chat=chat, system=system, **stream_options(opts))
         interrupted, pieces = write_stream(stream, color=color, quiet=as_json)
         stats = decoder.last_stats
         if interrupted:
@@ -410,7 +412,8 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
 @rpc_timeout_option
 @log_flags
 @friendly_errors
-def chat(system, color, template_kwargs, **opts):
+@llamacli_flags("chat")
+def chat(system, color, template_kwargs, llamacli, **opts):
     """Chat in the terminal. Each turn evaluates only what is new (the KV cache holds the rest).
 
     /reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer.
@@ -422,7 +425,7 @@ def chat(system, color, template_kwargs, **opts):
     check_defaults(opts)
     variables = template_variables(template_kwargs, opts)
     with open_session(opts) as session:
-        chat_session(session.decoder, stream_options(opts), system, color, variables)
+        chat_session(session.decoder, stream_options(opts), system, color, variables, llamacli)
 
 
 @main.group(name="eval")
