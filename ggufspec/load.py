@@ -15,6 +15,7 @@ from . import lora
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
 from .llamalog import allocation_failures, interrupt_after_native, quiet_llama_logs
 from .native import Context
+from .placement import override_array, overrides_tag
 # the chat template (its own module): re-exported, readers call load.chat_template and load.render_chat
 from .chat_templates import (DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_prompt, chat_template,  # noqa: F401
                              check_messages, checked_chat_template, render_chat, system_in_first_user,
@@ -67,6 +68,9 @@ class LoadParams:
     # LoRA adapters, (path, scale) each (--lora, --lora-scaled), loaded with the model and set on its
     # context (`lora`); given to the target only
     lora: tuple = ()
+    # tensor buffer type overrides, (regex, buffer type name) each, first match wins (-ot, --cpu-moe,
+    # --n-cpu-moe; the draft's -otd...: `placement`): an MoE's experts kept on the CPU, the rest offloaded
+    tensor_overrides: tuple = ()
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -103,16 +107,16 @@ def with_flags(target: LoadParams, draft: LoadParams, flags: dict | None) -> tup
     return replace(target, **flags.get("target", {})), replace(draft, **flags.get("draft", {}))
 
 
-# load flags that change what a step costs (the micro-batch, the cache types, the batch threads): part of
-# the key under which --draft auto remembers a machine's step costs
-COST_FLAGS = ("n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads")
+# load flags that change what a step costs (the micro-batch, the cache types, the batch threads, where the
+# tensors live): part of the key under which --draft auto remembers a machine's step costs
+COST_FLAGS = ("n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads", "tensor_overrides")
 
 
 def flags_tag(flags: dict | None) -> str:
     """The load flags that change step costs, as a costs key's tag ("" for llama.cpp's defaults)."""
-    defaults = {"n_ubatch": 512, "type_k": "f16", "type_v": "f16"}
-    return "".join(f",{role[0]}{name}={value}" for role, fields in sorted((flags or {}).items())
-                   for name, value in sorted(fields.items())
+    defaults = {"n_ubatch": 512, "type_k": "f16", "type_v": "f16", "tensor_overrides": ()}
+    return "".join(f",{role[0]}{name}={overrides_tag(value) if name == 'tensor_overrides' else value}"
+                   for role, fields in sorted((flags or {}).items()) for name, value in sorted(fields.items())
                    if name in COST_FLAGS and value is not None and defaults.get(name) != value)
 
 
@@ -126,10 +130,10 @@ def flash_attn_type(setting: str | bool) -> int:
 
 
 @contextlib.contextmanager
-def _model_params(load_mtp: bool, repack: bool):
+def _model_params(load_mtp: bool, repack: bool, overrides=None):
     """Set llama_model_params fields Llama(...) has no argument for, for the next load only: load_mtp
-    (the MTP blocks) and use_extra_bufts (repacking). It builds the model through
-    `_internals.LlamaModel(params=...)`."""
+    (the MTP blocks), use_extra_bufts (repacking) and tensor_buft_overrides (`placement.override_array`,
+    kept alive by the caller). It builds the model through `_internals.LlamaModel(params=...)`."""
     from llama_cpp import _internals
     original = _internals.LlamaModel
 
@@ -138,6 +142,8 @@ def _model_params(load_mtp: bool, repack: bool):
             params.load_mtp = True
         if not repack:
             params.use_extra_bufts = False
+        if overrides is not None:
+            params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p).value
         return original(*args, params=params, **kwargs)
     _internals.LlamaModel = with_fields
     try:
@@ -240,12 +246,15 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     elif os.environ.get("GGML_CPU_TILED_MM") != "0":
         _opened_with_tiled_products.append(str(path))
     quiet_llama_logs()
+    # resolved by name now: RPC workers' buffer types exist once they are registered (an unknown one: one line)
+    overrides = override_array(params.tensor_overrides, "-ot" if role == "target" else "-otd") \
+        if params.tensor_overrides else None
     allocation_failures()  # an earlier load's are not this one's
     try:
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         options = _llama_options(params, strict, unified)
         with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
-                _model_params(params.load_mtp, repack=not params.exact), interrupt_after_native():
+                _model_params(params.load_mtp, not params.exact, overrides), interrupt_after_native():
             if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
                 split = list(params.tensor_split) if params.tensor_split else None
                 llm = load_on_devices(path, params.devices, tensor_split=split, **options)
@@ -253,6 +262,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
                 llm = llama_cpp.Llama(model_path=str(path), **options)
     except (ValueError, RuntimeError) as exc:
         raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {load_failure(exc, params)}") from None
+    llm._ggufspec_tensor_overrides = overrides  # llama.cpp reads the patterns while loading; kept with the model
     if adapters:
         lora.attach(llm, adapters)
     return llm
@@ -291,6 +301,9 @@ def load_failure(exc: Exception, params: LoadParams) -> str:
         hint = f" (-c {params.n_ctx}: a smaller context needs less memory)" if "context" in str(exc) else ""
         if "context" in str(exc) and params.type_v not in FLOAT_CACHE_TYPES + (params.type_k,):
             hint += f"; this model may need the same K and V cache types, not {params.type_k} and {params.type_v}"
+        if params.tensor_overrides and "model" in str(exc):  # llama.cpp compiles them as it loads
+            hint += ("; check the -ot/-otd patterns for Python-only regex syntax ((?P<name>...), (?<=...), \\A...): "
+                     "llama.cpp compiles them as ECMAScript regexes")
         return f"{exc}{hint}"
     buffer, size = failed[0]
     if worker := re.fullmatch(r"RPC\d*\[(.+)\]", buffer):

@@ -70,6 +70,14 @@ class ModelOptions:
     fixed_draft: bool = False
     # --lora / --lora-scaled: LoRA adapters on the target, (path, scale) each (`ggufspec.lora`)
     lora: tuple = ()
+    # tensors placed by name (`ggufspec.placement`): -ot's PATTERN=TYPE,... values (a string or several),
+    # --cpu-moe, --n-cpu-moe N; the draft's -otd, -cmoed, -ncmoed
+    override_tensor: tuple | str = ()
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+    override_tensor_draft: tuple | str = ()
+    cpu_moe_draft: bool = False
+    n_cpu_moe_draft: int = 0
 
 
 @dataclass
@@ -154,7 +162,22 @@ def load_flags_by_role(options: ModelOptions) -> dict[str, dict]:
     if options.n_threads_draft:  # batches keep the target's threads unless -tbd or -tb says (llama.cpp's)
         draft["n_threads"] = options.n_threads_draft
         draft["n_threads_batch"] = draft["n_threads_batch"] or options.n_threads or default_threads()
+    target["tensor_overrides"], draft["tensor_overrides"] = _tensor_overrides(options)
     return {"target": target, "draft": draft}
+
+
+def _tensor_overrides(options: ModelOptions) -> tuple[tuple, tuple]:
+    """The target's and the draft's tensor overrides, checked: their buffer types too, but for a run on
+    RPC workers, whose buffer types exist once they are registered (then checked as each model loads)."""
+    from . import placement
+    by_role = (placement.tensor_overrides(options.override_tensor, options.cpu_moe, options.n_cpu_moe, "target"),
+               placement.tensor_overrides(options.override_tensor_draft, options.cpu_moe_draft,
+                                          options.n_cpu_moe_draft, "draft"))
+    if options.rpc is None and any(by_role):
+        known = placement.buffer_types()
+        for overrides, flag in zip(by_role, ("-ot", "-otd")):
+            placement.check_buffer_types(overrides, flag, known)
+    return by_role
 
 
 def check_cache_widths(target: str, draft: str | None, flags: dict[str, dict]) -> None:
@@ -258,8 +281,8 @@ def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld, log: Log
     gpu, host = memory_devices()
     if gpu is None:  # nothing to plan: everything runs on the CPU
         return as_given
-    target = _as_loaded(P.read_shape(target_path), (flags or {}).get("target"))
-    draft = _as_loaded(P.read_shape(draft_path), (flags or {}).get("draft")) if draft_path else None
+    target = _as_loaded(target_path, (flags or {}).get("target"))
+    draft = _as_loaded(draft_path, (flags or {}).get("draft")) if draft_path else None
     result = P.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx, ctx_given=True, n_draft=n_draft)
     draft_placed = result.draft_if_used if fixed_draft else result.draft
     if draft is not None and (ngl is not None or ngld is not None):  # one given: the other fitted around it
@@ -271,12 +294,15 @@ def planned_offload(target_path, draft_path, n_ctx, n_draft, ngl, ngld, log: Log
     return result.target.n_gpu_layers, ngld if ngld is not None else draft_placed.n_gpu_layers if draft_placed else 0
 
 
-def _as_loaded(shape, flags: dict | None):
-    """The shape with the KV cache types and micro-batch it will load with (None: llama.cpp's defaults)."""
+def _as_loaded(path: str, flags: dict | None):
+    """The model's shape with the KV cache types and micro-batch it will load with (None: llama.cpp's
+    defaults), and the tensors its overrides keep on the CPU (--cpu-moe's experts) off the GPU's share."""
     from . import plan as P
+    shape = P.read_shape(path)
     if not flags:
         return shape
-    return P.loaded_as(shape, flags["type_k"], flags["type_v"], min(flags["n_ubatch"], flags["n_batch"]))
+    shape = P.loaded_as(shape, flags["type_k"], flags["type_v"], min(flags["n_ubatch"], flags["n_batch"]))
+    return P.kept_on_host(shape, path, flags.get("tensor_overrides", ()))
 
 
 def memory_devices(vram: str | None = None, ram: str | None = None):
@@ -344,8 +370,7 @@ def planned_rpc_split(target_path, rpc: str | None, given_ngl: int | None, ngl: 
         return given_ngl, None
     if ngl:
         return ngl, None
-    from .plan import read_shape
-    shares, ngl = rpc_split(_as_loaded(read_shape(target_path), flags), rpc, (), n_ctx)
+    shares, ngl = rpc_split(_as_loaded(target_path, flags), rpc, (), n_ctx)
     return ngl, [s.blocks for s in shares[1:]]
 
 

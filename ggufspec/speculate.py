@@ -319,8 +319,8 @@ class SpeculativeDecoder:
             return llm
         if not isinstance(model, llama_cpp.Llama):
             raise GgufspecError(f"the {role} model must be a GGUF path or a llama_cpp.Llama, got {type(model).__name__}")
-        if strict or params.exact or params.lora:  # how it computes (micro-batches, caches, adapters) is set as it loads
-            raise GgufspecError(f"strict, exact and lora load the {role} model themselves: give its path, not a Llama")
+        if strict or params.exact or params.lora or params.tensor_overrides:  # set as it loads (batches, adapters...)
+            raise GgufspecError(f"strict, exact, lora and -ot load the {role} model themselves: give its path, not a Llama")
         return model
 
     def _check_open(self) -> None:

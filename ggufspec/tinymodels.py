@@ -1,7 +1,8 @@
 """Tiny GGUF models written on the spot with the `gguf` package: to test and try ggufspec without downloads.
 
 The test suite, scripts/smoke-decode.py (can this llama-cpp-python build compute here?) and the
-benchmarks use them. Llama-architecture by default; Mamba, LFM2 and Gemma 2 writers below.
+benchmarks use them. Llama-architecture by default; Mamba, LFM2, Gemma 2 and MoE (llama with experts)
+writers below.
 
 An SPM vocabulary (<unk>, <s>, </s>, 256 byte tokens, a few words) and random F32 weights. A
 "draft" shares the vocabulary and is derived from the target: its first layers and the same
@@ -376,3 +377,36 @@ def make_lfm2_pair(directory: Path, seed: int = 0, n_embd: int = 64, l_cache: in
         return _finish(writer, {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(keep)}, path)
 
     return write(directory / "lfm2-target.gguf", kinds), write(directory / "lfm2-draft.gguf", kinds[:3])
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+def make_moe_pair(directory: Path, seed: int = 0, n_layer: int = 2, n_expert: int = 4, n_expert_used: int = 2,
+                  shape: Shape | None = None) -> tuple[Path, Path]:
+    """A Mixtral-style MoE (llama architecture with experts: src/models/llama.cpp) and, as its draft,
+    its first layer. Each layer's FFN is `n_expert` experts in 3D tensors (blk.N.ffn_{gate,up,down}_exps,
+    what --cpu-moe keeps on the CPU) and a router, blk.N.ffn_gate_inp."""
+    shape = shape or Shape(n_layer=n_layer)
+    rng = np.random.default_rng(seed + 1)
+    dense_ffn = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")  # the experts replace them
+    weights = {k: v for k, v in make_weights(shape, seed).items() if not k.endswith(dense_ffn)}
+    e, ff = shape.n_embd, shape.n_ff
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        weights[p + "ffn_gate_inp.weight"] = (rng.standard_normal((n_expert, e)) / np.sqrt(e)).astype(np.float32)
+        for name, dims in (("gate", (ff, e)), ("up", (ff, e)), ("down", (e, ff))):  # numpy order: expert first
+            weights[p + f"ffn_{name}_exps.weight"] = (rng.standard_normal((n_expert, *dims)) * shape.weight_scale
+                                                      / np.sqrt(dims[-1])).astype(np.float32)
+
+    def write(path: Path, layers: int) -> Path:
+        vocab, types = vocabulary(shape.extra_words)
+        writer = gguf.GGUFWriter(str(path), "llama")
+        _write_common(writer, vocab, types, CHAT_TEMPLATE)
+        _write_transformer_dims(writer, Shape(**{**shape.__dict__, "n_layer": layers}))
+        writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(n_expert_used)
+        keep = tuple(f"blk.{i}." for i in range(layers))
+        return _finish(writer, {k: v for k, v in weights.items() if not k.startswith("blk.") or k.startswith(keep)}, path)
+
+    return write(directory / "moe-target.gguf", shape.n_layer), write(directory / "moe-draft.gguf", 1)

@@ -257,16 +257,26 @@ def _stream_counts(streams: str | None) -> list[int]:
 
 
 # the load flags llama.cpp's tools take for bench --against-llamacpp: the target's (and shared), the draft's
-TOOL_FLAGS = {"n_batch": "-b", "n_ubatch": "-ub", "n_threads_batch": "-tb", "cache_type_k": "-ctk", "cache_type_v": "-ctv"}
+TOOL_FLAGS = {"n_batch": "-b", "n_ubatch": "-ub", "n_threads_batch": "-tb", "cache_type_k": "-ctk", "cache_type_v": "-ctv",
+              "override_tensor": "-ot", "n_cpu_moe": "-ncmoe", "cpu_moe": "-cmoe"}
 TOOL_DRAFT_FLAGS = {"n_threads_draft": "-td", "n_threads_batch_draft": "-tbd", "cache_type_k_draft": "-ctkd",
-                    "cache_type_v_draft": "-ctvd"}
+                    "cache_type_v_draft": "-ctvd", "override_tensor_draft": "-otd", "n_cpu_moe_draft": "-ncmoed",
+                    "cpu_moe_draft": "-cmoed"}
 
 
 def llamacpp_load_args(load: dict) -> tuple[tuple, tuple]:
-    """The load flags given, as llama.cpp's tools take them, so that both sides of a race run alike."""
+    """The load flags given, as llama.cpp's tools take them, so that both sides of a race run alike: a
+    switch alone, a repeated flag (-ot) once per value; the defaults (None, f16, off, 0) left out."""
     def given(flags: dict) -> tuple:
-        return tuple(arg for name, flag in flags.items() if load.get(name) not in (None, "f16")
-                     for arg in (flag, str(load[name])))
+        args = []
+        for name, flag in flags.items():
+            value = load.get(name)
+            for one in value if isinstance(value, tuple) else (value,):
+                if one is True:
+                    args.append(flag)
+                elif one not in (None, "f16", False, 0):
+                    args += [flag, str(one)]
+        return tuple(args)
     return given(TOOL_FLAGS), given(TOOL_DRAFT_FLAGS)
 
 

@@ -8,7 +8,7 @@ import click
 
 from ..errors import GgufspecError
 from .app import friendly_errors, main
-from .options import cache_type_options, options
+from .options import cache_type_options, options, tensor_placement_options
 
 
 def _model_entries(name: str):
@@ -223,35 +223,52 @@ def _remove_paths(name: str, paths: list[Path]) -> None:
     click.echo(f"{name}: removed {store.human_size(freed)}")
 
 
-def costs_flags_tag(n_ubatch, type_k, type_v, type_k_draft, type_v_draft) -> str:
-    """The costs key's tag for plan's load flags, as a decoder loaded with them names its costs (bench's)."""
+def costs_flags_tag(n_ubatch, type_k, type_v, type_k_draft, type_v_draft, **placement) -> str:
+    """The costs key's tag for plan's load flags, as a decoder loaded with them names its costs (bench's);
+    `placement`: the tensor override flags (ModelOptions' override_tensor, cpu_moe...)."""
     from ..load import flags_tag
     from ..session import ModelOptions, load_flags_by_role
     return flags_tag(load_flags_by_role(ModelOptions(n_ubatch=n_ubatch, cache_type_k=type_k, cache_type_v=type_v,
-                                                     cache_type_k_draft=type_k_draft, cache_type_v_draft=type_v_draft)))
+                                                     cache_type_k_draft=type_k_draft, cache_type_v_draft=type_v_draft,
+                                                     **placement)))
 
 
 def _shapes_for(pair, model, model_draft):
     """(target shape, draft shape or None, (target path, draft path) where both are on disk, else
-    (None, None)): from -m/-md (paths or hub references, as `run` takes them) or a registry pair.
-    What is not on disk is read from its header over HTTP (range requests), never downloaded."""
+    (None, None), and each one's path or None): from -m/-md (paths or hub references, as `run` takes
+    them) or a registry pair. What is not on disk is read from its header over HTTP (range requests),
+    never downloaded."""
     from ..plan import speculation as S
     if model is None:
         if model_draft is not None:  # as run and bench refuse it, not a silent plan of the default pair
             raise GgufspecError("-md needs -m (the target it drafts for); a PAIR name brings its own draft")
-        return (*_pair_shapes(pair), S.local_pair_paths(pair, None, None))
+        (target, target_path), (draft, draft_path) = _pair_shapes(pair)
+        return target, draft, S.local_pair_paths(pair, None, None), (target_path, draft_path)
     if pair is not None:
         raise GgufspecError("give a PAIR name or -m/-md files, not both")
     target, target_path = _given_shape(model)
     draft, draft_path = _given_shape(model_draft) if model_draft else (None, None)
-    return target, draft, (target_path, draft_path) if target_path and draft_path else (None, None)
+    both = (target_path, draft_path) if target_path and draft_path else (None, None)
+    return target, draft, both, (target_path, draft_path)
 
 
 def _pair_shapes(pair):
     from ..registry import load_registry
     registry = load_registry()
     p = registry.pair(pair)
-    return tuple(_entry_shape(registry.model(name), name)[0] for name in (p.target, p.draft))
+    return tuple(_entry_shape(registry.model(name), name) for name in (p.target, p.draft))
+
+
+def _kept_on_host(shape, path, overrides, flag: str):
+    """The shape with the tensors -ot/--cpu-moe/--n-cpu-moe (or the draft's) keep on the CPU out of the
+    GPU's share: their names are read from the file, which must be on disk."""
+    from .. import plan as planner
+    if not overrides or shape is None:
+        return shape
+    if path is None:
+        raise GgufspecError(f"{flag}: plan reads the tensor names from the model's file, and {shape.name} is not on "
+                            f"disk: fetch it first (ggufspec pull), or plan without it")
+    return planner.kept_on_host(shape, path, overrides)
 
 
 def _given_shape(arg: str):
@@ -296,11 +313,11 @@ def _entry_shape(entry, name: str):
               help="A worker's memory, to plan without contacting it (repeatable).")
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True,
               metavar="N", help="The micro-batch the pair will run with (it sizes the compute buffer).")
-@options(*cache_type_options())
+@options(*cache_type_options(), *tensor_placement_options())
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @friendly_errors
 def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads, trace_files, rpc, rpc_mem, n_ubatch,
-                 cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft, as_json):
+                 cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft, as_json, **placement):
     """Plan GPU offload (-ngl / -ngld) for a pair from its GGUF headers and this machine, and say
     whether the draft pays here: measured costs where bench or --draft auto remembered them,
     estimated otherwise; acceptance from the pair's traces, assumed otherwise."""
@@ -313,10 +330,14 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     check_rpc(rpc)  # an empty --rpc too: one line, not a plan that is silently local
     if rpc_mem and rpc is None:
         raise GgufspecError("--rpc-mem declares the memory of --rpc's workers: give --rpc too")
-    target, draft, local_paths = _shapes_for(pair, model, model_draft)
-    # as they will load: the cache types (-ctk q8_0 holds about half f16's bytes) and -ub size their buffers
-    target = planner.loaded_as(target, cache_type_k, cache_type_v, n_ubatch)
-    draft = draft and planner.loaded_as(draft, cache_type_k_draft, cache_type_v_draft, n_ubatch)
+    placed = _placement_flags(placement, rpc)  # bad ones fail before any header is read
+    target, draft, local_paths, each_path = _shapes_for(pair, model, model_draft)
+    # as they will load: the cache types (-ctk q8_0 holds about half f16's bytes) and -ub size their buffers,
+    # and what the tensor overrides keep on the CPU (--cpu-moe's experts) is not the GPU's
+    target = _kept_on_host(planner.loaded_as(target, cache_type_k, cache_type_v, n_ubatch), each_path[0],
+                           placed["target"], "-ot/--cpu-moe/--n-cpu-moe")
+    draft = _kept_on_host(draft and planner.loaded_as(draft, cache_type_k_draft, cache_type_v_draft, n_ubatch),
+                          each_path[1], placed["draft"], "-otd/--cpu-moe-draft/--n-cpu-moe-draft")
     if rpc is not None:
         return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
     gpu, host = memory_devices(vram, ram)
@@ -325,7 +346,7 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     warnings: list[str] = []
     measured = None
     if vram is None and ram is None:  # measured costs are this machine's as it is, not a declared one
-        tag = costs_flags_tag(n_ubatch, cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft)
+        tag = costs_flags_tag(n_ubatch, cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft, **placement)
         measured = lambda ngl, ngld: M.measured_curve(target_path, draft_path, n_threads, ngl, ngld,  # noqa: E731
                                                       warnings.append, tag)
     result = planner.make_plan(target, draft, gpu=gpu, ram=host, n_ctx=n_ctx or 4096, ctx_given=n_ctx is not None,
@@ -355,6 +376,13 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
         click.echo("note: this llama-cpp-python build cannot offload to a GPU; rerun scripts/install (CUDA when "
                    "nvcc and an NVIDIA GPU are found; GGUFSPEC_CUDA=1 forces it), or rebuild it with "
                    "CMAKE_ARGS=\"-DGGML_CUDA=on\" (see the README) to use this plan", err=True)
+
+
+def _placement_flags(placement: dict, rpc: str | None) -> dict[str, tuple]:
+    """The tensor overrides plan's flags give each model (`session.load_flags_by_role` checks them)."""
+    from ..session import ModelOptions, load_flags_by_role
+    flags = load_flags_by_role(ModelOptions(rpc=rpc, **placement))
+    return {role: flags[role]["tensor_overrides"] for role in ("target", "draft")}
 
 
 def _print_rpc_plan(target, rpc, rpc_mem, n_ctx, as_json):

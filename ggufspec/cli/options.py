@@ -108,6 +108,31 @@ def load_flag_options():
                           "the adapted target decides every token."),
         click.option("--lora-scaled", "lora_scaled", multiple=True, metavar="FNAME:SCALE",
                      help="A LoRA adapter on the target with its scale (repeatable, or FNAME:SCALE,...; 0: off)."),
+        *tensor_placement_options(),
+    ]
+
+
+def tensor_placement_options():
+    """llama.cpp's tensor buffer type overrides (`ggufspec.placement`): -ot, -cmoe, -ncmoe for the target,
+    -otd, -cmoed, -ncmoed for the draft (llama.cpp's --spec-draft-* names too)."""
+    pattern = dict(multiple=True, metavar="PATTERN=TYPE,...")
+    layers = dict(type=click.IntRange(min=0), default=0, metavar="N")
+    return [
+        click.option("-ot", "--override-tensor", "override_tensor", **pattern,
+                     help="Put the target's tensors whose names match the regex PATTERN in buffer type TYPE (CPU, "
+                          "CUDA0...; the first match wins, -ot's before --cpu-moe's), e.g. -ot "
+                          "'blk\\.[0-9]\\.ffn_.*_exps\\.=CPU' (repeatable)."),
+        click.option("-cmoe", "--cpu-moe", "cpu_moe", is_flag=True,
+                     help="Keep every Mixture-of-Experts weight (the experts) of the target on the CPU, the rest "
+                          "where -ngl puts it: an MoE larger than the GPU's memory, its dense part on the GPU."),
+        click.option("-ncmoe", "--n-cpu-moe", "n_cpu_moe", **layers,
+                     help="Keep the experts of the target's first N layers on the CPU."),
+        click.option("-otd", "--override-tensor-draft", "--spec-draft-override-tensor", "override_tensor_draft",
+                     **pattern, help="-ot for the draft model."),
+        click.option("-cmoed", "--cpu-moe-draft", "--spec-draft-cpu-moe", "cpu_moe_draft", is_flag=True,
+                     help="--cpu-moe for the draft model."),
+        click.option("-ncmoed", "--n-cpu-moe-draft", "--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "n_cpu_moe_draft",
+                     **layers, help="--n-cpu-moe for the draft model."),
     ]
 
 
@@ -310,7 +335,8 @@ def model_load_fields(load: dict) -> dict:
 
 # model_options' llama.cpp load flags that are ModelOptions fields of the same name
 LOAD_FLAGS = ("n_batch", "n_ubatch", "n_threads_batch", "n_threads_draft", "n_threads_batch_draft", "use_mlock",
-              "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft")
+              "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft", "override_tensor", "cpu_moe",
+              "n_cpu_moe", "override_tensor_draft", "cpu_moe_draft", "n_cpu_moe_draft")
 
 
 def rpc_timeout_option(command):

@@ -25,10 +25,11 @@ from .devices import (DEFAULT_GPU_BANDWIDTH_GBS, DEFAULT_RAM_BANDWIDTH_GBS, GPU_
                       parse_nvidia_smi, parse_rocm_smi)
 from .estimate import (CPU_LAYER_SECONDS, GPU_BANDWIDTH_EFFICIENCY, GPU_LAYER_SECONDS, GPU_OVERHEAD, MARGIN,
                        Placement, batch_seconds, max_layers, placement, token_seconds)
-from .gguf_header import SHAPES_KEPT, read_remote_shape, read_shape
+from .gguf_header import SHAPES_KEPT, kept_on_host, read_remote_shape, read_shape, read_tensor_sizes
 from .offload import DEFAULT_ACCEPTANCE, Plan, around_given, gpu_budget, make_plan, plan_table
 from .rpc_split import HostShare, parse_host_sizes, rpc_token_seconds, split_across_hosts
-from .shape import KV_BYTES, ModelShape, cache_bytes, loaded_as, shape_from_header, shape_from_reader
+from .shape import (KV_BYTES, ModelShape, cache_bytes, loaded_as, shape_from_header, shape_from_reader,
+                    with_host_tensors)
 from .units import GiB, MiB, PlanError, parse_size
 
 
@@ -37,7 +38,7 @@ __all__ = [
     "DeviceMemory", "GPU_BANDWIDTH_EFFICIENCY", "GPU_BANDWIDTH_GBS", "GPU_LAYER_SECONDS",
     "GPU_OVERHEAD", "GiB", "HostShare", "KV_BYTES", "MARGIN", "MiB", "ModelShape", "Placement", "Plan",
     "PlanError", "SHAPES_KEPT", "around_given", "bandwidth_for", "batch_seconds", "build_backends", "cache_bytes",
-    "detect_gpus", "detect_ram", "loaded_as",
+    "detect_gpus", "detect_ram", "kept_on_host", "loaded_as", "read_tensor_sizes", "with_host_tensors",
     "gpu_budget", "gpu_offload_supported", "llama_cpp_lib_dir", "make_plan", "max_layers",
     "measure_ram_bandwidth", "parse_apple_sysctl", "parse_host_sizes", "parse_nvidia_smi", "parse_rocm_smi",
     "parse_size", "placement", "plan_table", "read_remote_shape", "read_shape", "rpc_token_seconds",

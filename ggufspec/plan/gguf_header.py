@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..backends import find_lib
 from ..home import read_json, write_json
-from .shape import ModelShape, shape_from_header, shape_from_reader
+from .shape import ModelShape, shape_from_header, shape_from_reader, with_host_tensors
 from .units import MiB, PlanError
 
 # ---------------------------------------------------------------- ggml's reader, through ctypes
@@ -243,6 +243,30 @@ def read_shape(path: str | os.PathLike, name: str | None = None) -> ModelShape:
     # "shards": a split file's shape counts every shard since; one remembered before counted the first
     key = f"shards|{os.path.abspath(os.fspath(path))}|{stat.st_size}|{stat.st_mtime_ns}"
     return _cached_shape(key, name, lambda: _read_shape_uncached(os.fspath(path), name))
+
+
+def read_tensor_sizes(path: str | os.PathLike) -> list[tuple[str, int]]:
+    """(name, bytes) of a local GGUF's tensors, every shard's (not remembered: ggml reads them in milliseconds)."""
+    path, name = os.fspath(path), Path(path).name
+    lib = _ggml_base()
+    if lib is None:  # the gguf package's reader, slower
+        field = _gguf_reader(path, name).fields.get("split.count")
+        shards = [path, *_other_shards(path, field.contents() if field else 1, name)]
+        return [(t.name, int(t.n_bytes)) for shard in shards for t in _gguf_reader(shard, Path(shard).name).tensors]
+    header = _open_header(lib, path, None, name)
+    try:
+        return header.tensors() + _other_shards_tensors(lib, path, header.value("split.count", 1), name)
+    finally:
+        header.close()
+
+
+def kept_on_host(shape: ModelShape, path: str | os.PathLike, overrides) -> ModelShape:
+    """The shape with the tensors its overrides (`placement`: -ot ...=CPU, --cpu-moe, --n-cpu-moe) put on
+    the CPU counted in host memory, not in the layers -ngl offloads: the plan then offloads more layers."""
+    if not overrides:
+        return shape
+    from ..placement import host_tensor_bytes
+    return with_host_tensors(shape, host_tensor_bytes(read_tensor_sizes(path), overrides))
 
 
 # ---------------------------------------------------------------- a hub file's header

@@ -103,6 +103,17 @@ def loaded_as(shape: ModelShape, type_k: str = "f16", type_v: str = "f16", n_uba
     return replace(shape, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch)
 
 
+def with_host_tensors(shape: ModelShape, tensors: dict[str, int]) -> ModelShape:
+    """The shape with these tensors (name -> bytes) in host memory whatever -ngl (tensor overrides to the
+    CPU: --cpu-moe's experts): out of their layer's bytes, which -ngl offloads, into those that stay."""
+    layers, moved = list(shape.layer_bytes), 0
+    for name, size in tensors.items():
+        if (m := re.match(r"blk\.(\d+)\.", name)) and int(m[1]) < shape.n_layer:
+            layers[int(m[1])] -= size
+            moved += size
+    return replace(shape, layer_bytes=layers, other_bytes=shape.other_bytes + moved)
+
+
 def _is_count(value, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 

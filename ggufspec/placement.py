@@ -1,0 +1,140 @@
+"""Which buffer (CPU, a GPU, an RPC worker) a model's tensors go to, by name: llama.cpp's tensor buffer
+type overrides (common/arg.cpp: -ot/--override-tensor PATTERN=TYPE,..., -cmoe/--cpu-moe, -ncmoe/--n-cpu-moe N,
+and the draft's -otd, -cmoed, -ncmoed). The standard use: a Mixture-of-Experts model's expert tensors kept
+in host memory, everything else on the GPU.
+
+An override is a (pattern, buffer type name) pair. llama.cpp's loader tries them in order for every
+tensor and the first whose regex matches anywhere in the name (std::regex_search) decides; it logs each
+("tensor blk.0.ffn_up_exps.weight (0 MiB f32) buffer type overridden to CPU", at debug level: -v shows it).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import re
+from typing import Sequence
+
+import llama_cpp
+
+from .errors import GgufspecError
+
+# common/common.h's LLM_FFN_EXPS_REGEX: the experts' FFN tensors (ffn_up_exps, ffn_gate_up_exps, ffn_down_chexps...)
+EXPERTS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+CPU = "CPU"  # the CPU device's buffer type (ggml_backend_cpu_buffer_type)
+FLAGS = {"target": ("-ot", "--cpu-moe", "--n-cpu-moe"), "draft": ("-otd", "--cpu-moe-draft", "--n-cpu-moe-draft")}
+
+
+def expert_overrides(cpu_moe: bool = False, n_cpu_moe: int = 0) -> tuple[tuple[str, str], ...]:
+    """--n-cpu-moe N (the experts of layers 0..N-1: llm_add_n_cpu_ffn_overrides) and --cpu-moe (every
+    layer's: llm_ffn_exps_cpu_override), to the CPU."""
+    layers = tuple((f"blk\\.{i}{EXPERTS_REGEX}", CPU) for i in range(n_cpu_moe))
+    return layers + (((EXPERTS_REGEX, CPU),) if cpu_moe else ())
+
+
+def parse_override_tensor(value: str, flag: str = "-ot") -> tuple[tuple[str, str], ...]:
+    """-ot's value, PATTERN=TYPE,... split as llama.cpp splits it (on every comma, then at the first '='),
+    each pattern checked to compile (Python's re standing in for std::regex, which would fail the load)."""
+    if not isinstance(value, str):
+        raise GgufspecError(f"{flag} takes PATTERN=BUFFER_TYPE,... (e.g. {flag} 'blk\\.0\\.ffn_.*_exps\\.=CPU'), "
+                            f"got {value!r}")
+    overrides = []
+    for item in value.split(","):
+        pattern, equals, buffer_type = item.partition("=")
+        if not equals:
+            raise GgufspecError(f"{flag} {item!r}: give PATTERN=BUFFER_TYPE (e.g. {flag} "
+                                f"'blk\\.0\\.ffn_.*_exps\\.=CPU'), several comma-separated")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise GgufspecError(f"{flag} {item!r}: {pattern!r} is no regular expression ({exc})") from None
+        overrides.append((pattern, buffer_type))
+    return tuple(overrides)
+
+
+def tensor_overrides(override_tensor: Sequence[str] | str = (), cpu_moe: bool = False, n_cpu_moe: int = 0,
+                     role: str = "target") -> tuple[tuple[str, str], ...]:
+    """One model's overrides from its flags, checked. -ot's come first whatever the order they were given
+    in (llama.cpp keeps the command line's, where an -ot after --cpu-moe never matches an expert): an -ot
+    exception to --cpu-moe or --n-cpu-moe, e.g. one layer's experts on CUDA0, takes effect."""
+    ot_flag, _, ncmoe_flag = FLAGS[role]
+    if not isinstance(n_cpu_moe, int) or isinstance(n_cpu_moe, bool) or n_cpu_moe < 0:
+        raise GgufspecError(f"{ncmoe_flag} must be a whole number >= 0 (the layers whose experts stay on the CPU), "
+                            f"got {n_cpu_moe!r}")
+    given = (override_tensor,) if isinstance(override_tensor, str) else tuple(override_tensor)
+    return tuple(o for value in given for o in parse_override_tensor(value, ot_flag)) + expert_overrides(
+        bool(cpu_moe), n_cpu_moe)
+
+
+# ---------------------------------------------------------------- buffer types, as llama.cpp names them
+
+@functools.cache
+def _ggml():
+    """libllama's ggml backend functions, on a handle of our own (the same library llama_cpp loaded, so
+    the same devices; our argument types do not touch llama_cpp's)."""
+    lib = ctypes.CDLL(llama_cpp.llama_cpp._lib._name)
+    vp = ctypes.c_void_p
+    for name, restype, argtypes in (("ggml_backend_dev_count", ctypes.c_size_t, []),
+                                    ("ggml_backend_dev_get", vp, [ctypes.c_size_t]),
+                                    ("ggml_backend_dev_buffer_type", vp, [vp]),
+                                    ("ggml_backend_buft_name", ctypes.c_char_p, [vp])):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    return lib
+
+
+def buffer_types() -> dict[str, int]:
+    """Buffer type name -> ggml_backend_buffer_type_t: each device's own (parse_tensor_buffer_overrides'
+    map: "CPU", "CUDA0", "RPC0[host:port]" once the workers are registered...)."""
+    llama_cpp.llama_backend_init()  # loads the backends where the build loads them dynamically (idempotent)
+    lib = _ggml()
+    found = {}
+    for i in range(lib.ggml_backend_dev_count()):
+        buft = lib.ggml_backend_dev_buffer_type(lib.ggml_backend_dev_get(i))
+        if buft:
+            found[lib.ggml_backend_buft_name(buft).decode(errors="replace")] = buft
+    return found
+
+
+def check_buffer_types(overrides: Sequence[tuple[str, str]], flag: str = "-ot",
+                       known: dict[str, int] | None = None) -> None:
+    """A buffer type no device here has fails in one line naming the ones there are (llama.cpp prints them)."""
+    known = buffer_types() if known is None else known
+    for pattern, name in overrides:
+        if name not in known:
+            raise GgufspecError(f"{flag} {pattern}={name}: unknown buffer type {name!r} (the ones here: "
+                                f"{', '.join(known) or 'none'})")
+
+
+class _Override(ctypes.Structure):
+    """llama.h's struct llama_model_tensor_buft_override (llama-cpp-python declares none)."""
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def override_array(overrides: Sequence[tuple[str, str]], flag: str = "-ot"):
+    """llama_model_params.tensor_buft_overrides for `overrides`: llama_model_tensor_buft_override
+    structs ({const char * pattern; buft}) ended by a NULL pattern, as common.cpp terminates its list.
+    The array holds its pattern strings: keep it alive while the model loads."""
+    known = buffer_types()
+    check_buffer_types(overrides, flag, known)
+    patterns = [pattern.encode() for pattern, _ in overrides]
+    array = (_Override * (len(overrides) + 1))(*[_Override(p, known[b]) for p, (_, b) in zip(patterns, overrides)],
+                                               _Override(None, None))
+    array.patterns = patterns  # the bytes the structs point at, owned by the array
+    return array
+
+
+def overrides_tag(overrides: Sequence[tuple[str, str]]) -> str:
+    """A short stable name for a set of overrides (step costs are remembered per placement)."""
+    return hashlib.sha1(repr(tuple(map(tuple, overrides))).encode()).hexdigest()[:10]
+
+
+# ---------------------------------------------------------------- what the planner counts
+
+def host_tensor_bytes(tensors: Sequence[tuple[str, int]], overrides: Sequence[tuple[str, str]]) -> dict[str, int]:
+    """The tensors (name -> bytes) whose first matching override is the CPU's: in host memory whatever -ngl."""
+    kept = {}
+    for name, size in tensors:
+        first = next((buffer for pattern, buffer in overrides if re.search(pattern, name)), None)
+        if first == CPU:
+            kept[name] = size
+    return kept
