@@ -27,6 +27,7 @@ from .choices import logprob_entry
 from .constraints import Shaping, engine_constraints
 from .errors import APIError
 from .metrics import Metrics
+from .progress import PromptProgress
 from .speculation import StepTracker, prompt_info, time_estimate
 
 log = logging.getLogger("ggufspec.server")
@@ -41,14 +42,16 @@ class ClientGone(Exception):
 class Job:
     """One request's generation: `n` choices of each prompt (`prompts`, /v1/completions' list; else
     `prompt`, or `messages` through the chat template), choice `i * n + j` being prompt i's j-th. The
-    worker threads fill `events`; the request's task reads them: ("started", n_prompt), ("prompt", (index,
-    {cache_n...})) before a choice's first pieces, ("pieces", (index, [piece, ...])), ("choice", (index, stats,
+    worker threads fill `events`; the request's task reads them: ("started", n_prompt), ("progress", (index,
+    prompt_progress)) while a prompt is evaluated (return_progress), ("prompt", (index, {cache_n...})) before a
+    choice's first pieces, ("pieces", (index, [piece, ...])), ("choice", (index, stats,
     finish_reason, estimate)) as each choice ends, then ("done", (stats of them all, estimate)) or
     ("error", exc), once whichever part of it fails first."""
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                  prompts: list | None = None, options: dict, stops: list[str], shape: Shaping | None = None,
-                 n: int = 1, fit_to_context: bool = False, prefill: str = "", line_limits: dict | None = None):
+                 n: int = 1, fit_to_context: bool = False, prefill: str = "", line_limits: dict | None = None,
+                 timings_per_token: bool = False, return_progress: bool = False):
         self.prompts = prompts if prompts is not None else [prompt]
         self.messages, self.options, self.stops = messages, options, stops
         self.prefill = prefill  # the start of the assistant's answer, which it continues (Anthropic's prefill)
@@ -66,6 +69,8 @@ class Job:
         self.stop_sequences: dict[int, str] = {}  # ... and each choice's, by index
         self.started = False  # "started" sent (once: a prompt that found no room starts again)
         self.line_limits = line_limits  # stops.LineLimits' keywords (/infill's n_indent, t_max_predict_ms)
+        # llama-server's stream extras: pieces carry the statistics so far; "progress" events while the prompt is in
+        self.timings_per_token, self.return_progress = timings_per_token, return_progress
         self.opens_thinking = False  # the rendered prompt ends in <think>: the answer starts inside it
         self._lock = threading.Lock()  # the parts' shared state below
         self._tokens: list | Exception | None = None  # every prompt's tokens (or why they cannot run)
@@ -295,6 +300,8 @@ class Engine:
         contexts = [ctx for ctx in (decoder.target, decoder.draft) if ctx is not None]
         for ctx in contexts:  # a client gone stops a long prompt, or the draft's catch-up, between chunks
             ctx.should_stop = job.gone
+        if job.return_progress:  # asked between the prompt's chunks, it also says how far the prompt got
+            decoder.target.should_stop = PromptProgress(job, index, decoder.target, stats)
         try:
             ended_by = relay(stream, stats, job, index, pieces)
         finally:
@@ -404,6 +411,8 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> str | No
         if limits is not None:
             released = limits.apply(released)
         if released:
+            if job.timings_per_token:  # a copy: the worker goes on counting while the loop renders it
+                released[-1]["stats"] = dataclasses.replace(stats)
             job.emit("pieces", (index, released))
         if limits is not None and limits.stopped:
             return "limit"

@@ -13,6 +13,7 @@ from .choices import ChoiceState, shown_pieces, with_calls
 from .constraints import Shaping
 from .errors import engine_error
 from .jobs import Job
+from .progress import StreamExtras
 
 
 def timings(stats: Stats) -> dict:
@@ -137,6 +138,7 @@ async def stream_events(job: Job, reply: Reply, include_usage: bool):
     def event(obj):
         return {"data": json.dumps(obj, ensure_ascii=False)}
     prompts: dict[int, dict] = {}  # a choice's prompt figures, sent with its next pieces
+    extras = StreamExtras(job)  # llama-server's prompt_progress and per-token timings, where asked
     try:
         if reply.chat:
             for state in reply.choices:
@@ -144,23 +146,31 @@ async def stream_events(job: Job, reply: Reply, include_usage: bool):
                 yield event(reply.chunk(None, role=True, index=state.index))
         while True:
             kind, value = await job.events.get()
-            chunks = []
-            if kind == "prompt":
-                prompts[value[0]] = value[1]
-            elif kind == "pieces":
-                chunks = reply.pieces_chunks(*value, prompts.get(value[0]))
-                if chunks:
-                    prompts.pop(value[0], None)
-            elif kind == "choice":
-                chunks = reply.choice_end_chunks(*value)
-            elif kind == "done":
-                chunks = [reply.usage_chunk(value[0])] if include_usage else []
-            elif kind == "error":
-                chunks = [engine_error(value).body()]
-            for chunk in chunks:
+            for chunk in event_chunks(reply, extras, prompts, kind, value, include_usage):
                 yield event(chunk)
             if kind in ("done", "error"):
                 break
         yield {"data": "[DONE]"}
     finally:
         job.cancel()
+
+
+def event_chunks(reply: Reply, extras: StreamExtras, prompts: dict, kind: str, value, include_usage: bool) -> list:
+    """The chunks one of the job's events gives."""
+    progress = extras.progress_of(kind, value)
+    chunks = [reply.chunk(None, role=reply.chat, index=progress[0], prompt_progress=progress[1])] if progress else []
+    if kind == "prompt":
+        prompts[value[0]] = value[1]
+    elif kind == "pieces":
+        pieces_chunks = reply.pieces_chunks(*value, prompts.get(value[0]))
+        if pieces_chunks:
+            prompts.pop(value[0], None)
+        stats = extras.stats_of(*value)
+        chunks += [{**chunk, "timings": timings(stats)} for chunk in pieces_chunks] if stats else pieces_chunks
+    elif kind == "choice":
+        chunks += reply.choice_end_chunks(*value)
+    elif kind == "done":
+        chunks += [reply.usage_chunk(value[0])] if include_usage else []
+    elif kind == "error":
+        chunks += [engine_error(value).body()]
+    return chunks

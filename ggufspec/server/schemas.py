@@ -50,7 +50,7 @@ class StreamOptions(Strict):
 
 class GenerationBody(Strict):
     # numbers and flags strictly typed, as OpenAI's API checks them ("5" or true is not a max_tokens)
-    NULL_IS_DEFAULT = ("n", "stream", "ignore_eos", "echo", "logprobs")
+    NULL_IS_DEFAULT = ("n", "stream", "ignore_eos", "echo", "logprobs", "timings_per_token", "return_progress")
     model: str | None = None
     max_tokens: int | None = Field(None, strict=True)
     max_completion_tokens: int | None = Field(None, strict=True)  # OpenAI's newer name for max_tokens (chat)
@@ -85,6 +85,13 @@ class GenerationBody(Strict):
     reasoning_budget_tokens: int | None = Field(None, ge=-1, strict=True)
     thinking_budget_tokens: int | None = Field(None, ge=-1, strict=True)  # its other name (Anthropic's, passed on)
     reasoning_budget_message: str | None = None  # ...and the text forced before that </think>
+    # llama.cpp's sampler chain: its order (names or letters), and what acts only within it (`samplers`)
+    samplers: str | list[str] | None = None
+    min_keep: int | None = Field(None, ge=0, strict=True)
+    adaptive_target: float | None = Field(None, strict=True)
+    # llama-server's stream extras: each chunk's timings so far; the prompt's progress before the first token
+    timings_per_token: bool = Field(False, strict=True)
+    return_progress: bool = Field(False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -113,6 +120,7 @@ class CompletionBody(GenerationBody):
     echo: bool = Field(False, strict=True)
     suffix: str | None = None
     best_of: int | None = None
+    grammar_lazy: bool = Field(False, strict=True)  # llama-server's: the grammar waits for grammar_triggers
 
 
 class InfillFile(Strict):
@@ -135,6 +143,13 @@ class NativeBody(CompletionBody):
     n_indent: int = Field(0, ge=0)  # a line less indented than this ends the answer (stops.LineLimits)
     t_max_predict_ms: int | None = None  # past this, the answer ends at the next newline (<= 0: no limit)
     response_fields: list[str] | None = None  # the answer's fields to send ("timings/prompt_n": one inside)
+    n_cmpl: int | None = Field(None, ge=1, le=16, strict=True)  # llama-server's name for `n`, first where both are sent
+
+    @model_validator(mode="after")
+    def _n_cmpl_is_n(self):
+        if self.n_cmpl is not None:
+            self.n = self.n_cmpl
+        return self
 
 
 class ContentPart(Strict):
@@ -249,6 +264,9 @@ def completion_prompts(body: CompletionBody) -> list[str | list[int]]:
                        code="unsupported_parameter")
     if body.best_of is not None and body.best_of > 1:
         raise APIError(400, "best_of is not supported: n gives several choices", code="unsupported_parameter")
+    if body.grammar_lazy and (body.grammar or body.json_schema is not None):
+        raise APIError(400, "grammar_lazy is not supported (the grammar applies from the first token here): leave "
+                            "it out, or send tools to /v1/chat/completions", code="unsupported_parameter")
     prompt = body.prompt
     batch = isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
                                                       or all(isinstance(p, list) for p in prompt))

@@ -32,13 +32,14 @@ from ..adapters import check_scales
 from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
 from ..jobs import ClientGone, Engine, Job, chat_prompt
+from ..samplers import sampler_chain
 from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts, request_options, stop_strings
 
 # Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
                  "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
                  "ignore_eos", "chat_template_kwargs", "reasoning_budget_tokens", "thinking_budget_tokens",
-                 "reasoning_budget_message", "lora", *SAMPLERS_NOT_HAD)
+                 "reasoning_budget_message", "lora", "samplers", "min_keep", "adaptive_target", *SAMPLERS_NOT_HAD)
 
 
 @dataclass(frozen=True)
@@ -134,11 +135,13 @@ class Serving:
                 source = {"prompts": prompts if prompts is not None else [prompt]}
             else:
                 source = {"messages": message_dicts(body.messages)}
-            return {"options": request_options(body, self.defaults), "stops": stop_strings(body.stop),
-                    "shape": self.shape(body), **source}
+            options, shape = sampler_chain(body, request_options(body, self.defaults), self.shape(body),
+                                           self.defaults.get("constraints"))
+            return {"options": options, "stops": stop_strings(body.stop), "shape": shape, **source}
         try:
             job = Job(**await asyncio.to_thread(prepared), n=n, fit_to_context=fit_to_context, prefill=prefill,
-                      line_limits=line_limits)
+                      line_limits=line_limits, timings_per_token=body.stream and body.timings_per_token,
+                      return_progress=body.stream and body.return_progress)
         except APIError as exc:
             raise renamed(exc, names) from None
         self.engine.submit(job)

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from ...stats import Stats
 from ..errors import APIError, engine_error
 from ..jobs import Job
+from ..progress import StreamExtras
 from ..responses import timings
 from ..schemas import NativeBody, completion_prompts, single_prompt
 from .core import Serving, answer_or_stream
@@ -77,7 +78,7 @@ async def answer(serving: Serving, request: Request, body: NativeBody, prompts: 
     serving.check_model(body.model)
     limits = {"n_indent": body.n_indent,
               "time_limit_s": body.t_max_predict_ms / 1000 if body.t_max_predict_ms and body.t_max_predict_ms > 0 else None}
-    job = await serving.submit(body, prompts=prompts, fit_to_context=True,
+    job = await serving.submit(body, prompts=prompts, n=body.n, fit_to_context=True,
                                line_limits=limits if body.n_indent or limits["time_limit_s"] else None)
     replies = NativeReplies(serving, job, body, prompts)
     return await answer_or_stream(job, request, body.stream, lambda n_prompt: replies.whole(request, n_prompt),
@@ -92,12 +93,19 @@ class NativeReply:
         self.pieces: list[dict] = []
         self.n_prompt, self.id_slot = 0, -1
 
-    def chunk(self, pieces: list[dict]) -> dict:
-        """One step's pieces, streamed (their token ids whatever return_tokens says, as llama-server)."""
+    def chunk(self, pieces: list[dict], stats: Stats | None = None) -> dict:
+        """One step's pieces, streamed (their token ids whatever return_tokens says, as llama-server);
+        with `stats`, the timings so far (timings_per_token)."""
         self.pieces += pieces
         return {"index": self.index, "content": "".join(p["text"] for p in pieces),
                 "tokens": [p["token"] for p in pieces], "stop": False, "id_slot": self.id_slot,
-                "tokens_predicted": len(self.pieces), "tokens_evaluated": self.n_prompt, **self.probabilities(pieces)}
+                "tokens_predicted": len(self.pieces), "tokens_evaluated": self.n_prompt, **self.probabilities(pieces),
+                **({"timings": timings(stats)} if stats is not None else {})}
+
+    def progress_chunk(self, block: dict) -> dict:
+        """llama-server's prompt processing progress (return_progress), before the first token."""
+        return {"index": self.index, "content": "", "tokens": [], "stop": False, "id_slot": self.id_slot,
+                "tokens_predicted": 0, "tokens_evaluated": block["total"], "prompt_progress": block}
 
     def final(self, stats: Stats, streamed: bool) -> dict:
         """The whole answer (streamed: its content and tokens went out already)."""
@@ -139,11 +147,12 @@ class NativeReply:
 
 
 class NativeReplies:
-    """A job's events as llama-server's objects, one NativeReply per prompt."""
+    """A job's events as llama-server's objects, one NativeReply per choice: `n` (n_cmpl) of each
+    prompt, index i * n + j for prompt i's j-th, as llama-server numbers a prompt's completions."""
 
     def __init__(self, serving: Serving, job: Job, body: NativeBody, prompts: list):
         self.job, self.body = job, body
-        self.replies = [NativeReply(serving, job, body, prompt, i) for i, prompt in enumerate(prompts)]
+        self.replies = [NativeReply(serving, job, body, prompts[i // job.n], i) for i in range(job.n_choices)]
         self.ended: dict[int, Stats] = {}
 
     async def whole(self, request: Request, n_prompt: int):
@@ -166,14 +175,18 @@ class NativeReplies:
         """SSE events; a client that goes away cancels the generation (`finally`)."""
         for reply in self.replies:
             reply.n_prompt = n_prompt
+        extras = StreamExtras(self.job)  # prompt_progress and per-token timings, where asked
         try:
             while True:
                 kind, value = await self.job.events.get()
+                progress = extras.progress_of(kind, value)
                 if kind == "prompt":
                     reply = self.replies[value[0]]
                     reply.id_slot, reply.n_prompt = value[1]["id_slot"], value[1]["n_prompt"]
-                elif kind == "pieces":
-                    yield data(self.replies[value[0]].chunk(value[1]))
+                if progress is not None:
+                    yield data(self.replies[progress[0]].progress_chunk(progress[1]))
+                if kind == "pieces":
+                    yield data(self.replies[value[0]].chunk(value[1], extras.stats_of(*value)))
                 elif kind == "choice":
                     yield data(picked(self.replies[value[0]].final(value[1], streamed=True), self.body.response_fields))
                 elif kind in ("done", "error"):

@@ -1,0 +1,118 @@
+"""llama.cpp's sampler chain as a request sets it: `samplers` (the chain's order, llama-server's names
+or letters), and the settings that act only within that chain (`min_keep`, `adaptive_target`).
+
+ggufspec's chain is fixed: logit_bias, penalties and the grammar over the logits, then top_k, top_p
+and min_p on the untempered distribution, then temperature over what is left (`sampling.distribution`,
+`processing`). A request's chain is done as llama.cpp does it where it maps onto that: a sampler
+ggufspec has that the list leaves out is not applied (its setting made neutral; temperature left out
+samples the untempered distribution, as llama.cpp's final `dist` does), an order that gives the same
+distribution as ggufspec's passes, and what would give another one is a 400 saying what to do instead."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..processing import Constraints
+from ..sampling import SamplingParams
+from .errors import APIError
+
+# common/sampling.cpp: common_sampler_type_to_chr and the canonical names of common_sampler_types_from_names
+SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                   "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+# ...and their other spellings: kebab-case, without the underscore, and three of their own
+SAMPLER_NAMES = {**{name: name for name in SAMPLER_LETTERS.values()},
+                 **{name.replace("_", "-"): name for name in SAMPLER_LETTERS.values() if "_" in name},
+                 **{name.replace("_", ""): name for name in SAMPLER_LETTERS.values() if "_" in name},
+                 "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+HAD = ("penalties", "top_k", "top_p", "min_p", "temperature")  # ggufspec's samplers, in the order it applies them
+NEUTRAL = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "temperature": 1.0}  # a sampler that changes nothing
+NEUTRAL_PENALTIES = {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+PENALTY_FIELDS = ("repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n")
+
+
+def sampler_kinds(samplers: str | list[str]) -> list[str]:
+    """The chain a request names, as canonical names: a string of letters ("edkypmxt", the llama.cpp
+    web UI's) or a list of names in any of their spellings (llama.cpp skips one it does not know;
+    here it is a 400, as a typo would otherwise leave a sampler out unseen)."""
+    if isinstance(samplers, str):
+        unknown = [letter for letter in samplers if letter not in SAMPLER_LETTERS]
+        if unknown:
+            raise APIError(400, f"samplers: unknown sampler letter {unknown[0]!r} (llama.cpp's: "
+                                f"{''.join(SAMPLER_LETTERS)})", code="invalid_value", param="samplers")
+        return [SAMPLER_LETTERS[letter] for letter in samplers]
+    unknown = [name for name in samplers if name.lower() not in SAMPLER_NAMES]
+    if unknown:
+        raise APIError(400, f"samplers: unknown sampler {unknown[0]!r} (llama.cpp's: "
+                            f"{', '.join(SAMPLER_LETTERS.values())})", code="invalid_value", param="samplers")
+    return [SAMPLER_NAMES[name.lower()] for name in samplers]
+
+
+def sampler_chain(body, options: dict, shape, default_constraints: Constraints | None = None):
+    """The decoder's options and the request's Shaping with the request's chain applied (`samplers`,
+    `min_keep`, `adaptive_target`); `default_constraints`: the server's (its penalties)."""
+    kinds = sampler_kinds(body.samplers) if body.samplers is not None else list(HAD)
+    options = {**options, **{name: value for name, value in NEUTRAL.items() if name not in kinds}}
+    if "penalties" not in kinds:  # the server's penalties off too: theirs is the same sampler
+        shape = dataclasses.replace(shape, constraints={**shape.constraints, **NEUTRAL_PENALTIES})
+    settings = {name: options.get(name, getattr(SamplingParams, name)) for name in NEUTRAL}
+    active = [kind for kind in kinds if kind in HAD and is_active(kind, settings, shape, default_constraints)]
+    check_order(active, settings["temperature"])
+    check_settings_of_the_chain(body, kinds, active, settings["temperature"])
+    return options, shape
+
+
+def is_active(kind: str, settings: dict, shape, default_constraints: Constraints | None) -> bool:
+    """Whether a sampler ggufspec has changes the distribution with these settings (temperature 1 does
+    not; 0 and below, greedy, does)."""
+    if kind == "penalties":
+        base = default_constraints or Constraints()
+        return Constraints(**{name: shape.constraints.get(name, getattr(base, name))
+                              for name in PENALTY_FIELDS}).penalises
+    return settings[kind] != NEUTRAL[kind]
+
+
+def commute(first: str, then: str, temperature: float) -> bool:
+    """Whether two of ggufspec's samplers give the same distribution in either order. The penalties
+    change the logits all the others read; greedy picks the best token, which every filter keeps, in
+    any order. Else top_k and min_p both cut at a logit below the best one's, whatever was cut before,
+    and temperature keeps the ranking (top_k's); top_p renormalises over what is left, so it differs
+    after top_k and before min_p, and it and min_p read the tempered probabilities after temperature."""
+    pair = {first, then}
+    if "penalties" in pair:
+        return False
+    return temperature <= 0 or pair in ({"top_k", "min_p"}, {"top_k", "temperature"})
+
+
+def check_order(active: list[str], temperature: float) -> None:
+    """A 400 where the active samplers' order (or one listed twice) gives another distribution than
+    ggufspec's fixed order does."""
+    for i, first in enumerate(active):
+        for then in active[i + 1:]:
+            if first == then and first != "penalties" and (first in ("top_k", "min_p") or temperature <= 0):
+                continue  # the same cut again, or any filter twice before a greedy choice: nothing changes
+            if first == then:
+                raise APIError(400, f"samplers lists {first} twice, which applies it twice: ggufspec applies each "
+                                    "once, so list it once", code="unsupported_parameter", param="samplers")
+            if HAD.index(first) > HAD.index(then) and not commute(first, then, temperature):
+                raise APIError(400, f"samplers puts {first} before {then}, which gives another distribution than "
+                                    f"ggufspec's fixed order ({', '.join(HAD)}): put {then} first, or leave one "
+                                    "of them out", code="unsupported_parameter", param="samplers")
+
+
+def check_settings_of_the_chain(body, kinds: list[str], active: list[str], temperature: float) -> None:
+    """llama.cpp's samplers ggufspec lacks pass in the list where they are off (their own fields are
+    refused when on: schemas.SAMPLERS_NOT_HAD), but for infill, which has no off; adaptive_target acts
+    only where adaptive_p is in the chain, and min_keep only on top_p and min_p (every filter keeps one
+    token at least already, so 0 and 1 change nothing), and neither changes a greedy choice."""
+    if "infill" in kinds:
+        raise APIError(400, "samplers: infill is not supported (llama.cpp's infill sampler, always on where "
+                            "listed): leave it out", code="unsupported_parameter", param="samplers")
+    if temperature <= 0:
+        return
+    if "adaptive_p" in kinds and body.adaptive_target is not None and body.adaptive_target >= 0:
+        raise APIError(400, "adaptive_target is not supported (llama.cpp's adaptive-p sampler, on with adaptive_p "
+                            "in samplers): leave it out, or send a negative one", code="unsupported_parameter",
+                       param="adaptive_target")
+    if (body.min_keep or 0) > 1 and ("top_p" in active or "min_p" in active):
+        raise APIError(400, f"min_keep {body.min_keep} is not supported (top_p and min_p keep what they keep, one "
+                            "token at least): leave it out, or send 0 or 1", code="unsupported_parameter",
+                       param="min_keep")
