@@ -15,6 +15,7 @@ from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
 from .llamacli_flags import llamacli_flags
 from .log_flags import log_flags
+from .sampler_flags import sampler_flags
 from .serve_flags import llamacpp_server_options, server_flags
 from .options import (RenamedOption, check_defaults, check_rpc, generation_options, load_flag_options, model_load_fields,
                       model_options,
@@ -38,6 +39,7 @@ from .options import (RenamedOption, check_defaults, check_rpc, generation_optio
 @log_flags
 @friendly_errors
 @llamacli_flags("run")
+@sampler_flags
 def run(prompt, prompt_file, escape, color, chat, system, as_json, template_kwargs, llamacli, **opts):
     """Generate with a target/draft pair (PAIR from models.toml, or -m/-md files)."""
     check_rpc(opts["rpc"], rpc_timeout_given())
@@ -348,6 +350,7 @@ def check_alias(alias: str | None) -> None:
 @click.option("--serve-fd", type=int, default=None, hidden=True)  # the model process under `serve --rpc`
 @log_flags
 @friendly_errors
+@sampler_flags
 def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_body, max_queue, rpc_timeout, alias, jinja,
           template_kwargs, reasoning_format, ssl_key_file, ssl_cert_file, metrics, serve_fd,
           **opts):
@@ -423,6 +426,7 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
 @log_flags
 @friendly_errors
 @llamacli_flags("chat")
+@sampler_flags
 def chat(system, color, template_kwargs, llamacli, **opts):
     """Chat in the terminal. Each turn evaluates only what is new (the KV cache holds the rest).
 

@@ -1,0 +1,90 @@
+"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --mirostat, --typical,
+--top-nsigma, --xtc-*, --dry-*, --dynatemp-*, --adaptive-*, --min-keep) and its chain's order (--samplers,
+--sampling-seq), on run, chat and serve. Their "off" values are what ggufspec does and are taken (a
+pasted command line often spells them out); a value that would turn one on is refused in one line, as
+the answer would come from another distribution than the one asked for. A setting that acts only inside
+a sampler (--mirostat-lr, --dry-base, --xtc-threshold...) is taken: with its sampler off it changes
+nothing, in llama.cpp too."""
+from __future__ import annotations
+
+import functools
+
+import click
+
+from ..errors import GgufspecError
+from .options import options
+
+HAD = "ggufspec's samplers are the penalties, top-k, top-p, min-p and temperature"
+# (flags, the param, whether a value leaves the sampler off, what it is)
+SWITCHES = [
+    (("--mirostat",), "mirostat", lambda v: v == 0, "Mirostat"),
+    (("--typical", "--typical-p"), "typical_p", lambda v: v >= 1, "locally typical sampling"),
+    (("--top-nsigma", "--top-n-sigma"), "top_n_sigma", lambda v: v <= 0, "top-n-sigma"),
+    (("--xtc-probability",), "xtc_probability", lambda v: v <= 0, "XTC"),
+    (("--dry-multiplier",), "dry_multiplier", lambda v: v <= 0, "DRY"),
+    (("--dynatemp-range",), "dynatemp_range", lambda v: v <= 0, "dynamic temperature"),
+    (("--adaptive-target",), "adaptive_target", lambda v: v < 0, "adaptive-p"),
+    (("--min-keep",), "min_keep", lambda v: v <= 1, "min-keep above 1"),
+]
+INNER = [("--mirostat-lr",), ("--mirostat-ent",), ("--xtc-threshold",), ("--dry-base",), ("--dry-allowed-length",),
+         ("--dry-penalty-last-n",), ("--dry-sequence-breaker",), ("--dynatemp-exp",), ("--adaptive-decay",)]
+# llama.cpp's default chain (common.h), by --samplers' names and --sampling-seq's letters
+DEFAULT_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+           "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill", "a": "adaptive_p"}
+SPELLINGS = {"top-k": "top_k", "topk": "top_k", "top-p": "top_p", "topp": "top_p", "nucleus": "top_p",
+             "min-p": "min_p", "minp": "min_p", "temp": "temperature", "typ-p": "typ_p", "typ": "typ_p",
+             "typp": "typ_p", "top-n-sigma": "top_n_sigma", "topnsigma": "top_n_sigma"}
+FIXED = ("penalties", "top_k", "top_p", "min_p", "temperature")
+
+
+def _param(flags: tuple[str, ...]) -> str:
+    return "sampler_" + max(flags, key=len).lstrip("-").replace("-", "_")
+
+
+def sampler_flags(command):
+    """The flags on `command` (hidden: refused or taken), checked before it runs. Put it below
+    @friendly_errors, so that a refusal is its one line."""
+    @functools.wraps(command)
+    def checked(*args, **kwargs):
+        check_sampler_flags(kwargs)
+        return command(*args, **kwargs)
+    made = [click.option(*flags, _param(flags), type=float, default=None, hidden=True) for flags, *_ in SWITCHES]
+    made += [click.option(*flags, _param(flags), default=None, hidden=True, multiple=flags == ("--dry-sequence-breaker",))
+             for flags in INNER]
+    made += [click.option("--samplers", "sampler_names", default=None, hidden=True),
+             click.option("--sampler-seq", "--sampling-seq", "sampler_letters", default=None, hidden=True)]
+    return options(*made)(checked)
+
+
+def check_sampler_flags(opts: dict) -> None:
+    """The flags (consumed from `opts`): one that would turn on a sampler ggufspec lacks, or a chain in
+    another order than its own, raises GgufspecError."""
+    for flags, _, is_off, what in SWITCHES:
+        value = opts.pop(_param(flags))
+        if value is not None and not is_off(value):
+            raise GgufspecError(f"{flags[0]} {value:g} is not supported: ggufspec has no {what} ({HAD}); leave it "
+                                f"out or give its off value")
+    for flags in INNER:
+        opts.pop(_param(flags))  # a setting of a sampler that is off: nothing to do, here as there
+    names, letters = opts.pop("sampler_names"), opts.pop("sampler_letters")
+    if names is not None:
+        _check_chain("--samplers", [SPELLINGS.get(n.strip().lower(), n.strip().lower()) for n in names.split(";")
+                                    if n.strip()])
+    if letters is not None:
+        _check_chain("--sampling-seq", [LETTERS.get(letter, letter) for letter in letters])
+
+
+def _check_chain(flag: str, chain: list[str]) -> None:
+    """A chain is taken where it applies ggufspec's samplers all, in ggufspec's order (llama.cpp's default
+    is one); the others it lists are off unless their own flags turned them on (refused above)."""
+    unknown = [kind for kind in chain if kind not in DEFAULT_NAMES and kind not in ("infill", "adaptive_p")]
+    if unknown:
+        raise GgufspecError(f"{flag}: unknown sampler {unknown[0]!r} (llama.cpp's: {';'.join(DEFAULT_NAMES)})")
+    if "infill" in chain:
+        raise GgufspecError(f"{flag}: the infill sampler is not supported ({HAD}); leave it out")
+    ours = [kind for kind in chain if kind in FIXED]
+    if ours != list(FIXED):
+        raise GgufspecError(f"{flag} {'; '.join(chain)}: ggufspec applies {', '.join(FIXED)}, all and in that order "
+                            f"(top-k 0, top-p 1, min-p 0 or --temp 1 turn one off); leave {flag} out "
+                            f"(serve: a request's `samplers` is followed as far as it maps)")

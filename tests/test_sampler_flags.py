@@ -1,0 +1,53 @@
+"""llama.cpp's sampler flags for samplers ggufspec lacks, and its chain's order, on run, chat and serve:
+their off values taken (the command goes on to the model), a value that turns one on, or a chain in
+another order than ggufspec's, refused in one line before anything loads."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from ggufspec.cli import main
+
+DEFAULT_CHAIN = "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature"
+
+
+def invoke(command: str, *flags: str):
+    extra = ["-p", "hi"] if command == "run" else []
+    result = CliRunner().invoke(main, [command, "-m", "/nonexistent.gguf", *extra, *flags], input="")
+    return result.exit_code, result.stderr.strip()
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "serve"])
+@pytest.mark.parametrize("flags", [
+    ["--mirostat", "0", "--mirostat-lr", "0.2", "--mirostat-ent", "4"],
+    ["--typical", "1", "--top-nsigma", "-1", "--xtc-probability", "0", "--xtc-threshold", "0.2"],
+    ["--dry-multiplier", "0", "--dry-base", "1.75", "--dry-allowed-length", "2", "--dry-sequence-breaker", "none"],
+    ["--dynatemp-range", "0", "--dynatemp-exp", "1", "--adaptive-target", "-1", "--adaptive-decay", "0.9"],
+    ["--min-keep", "1"],
+    ["--samplers", DEFAULT_CHAIN],
+    ["--samplers", "penalties;top-k;nucleus;min-p;temp"],
+    ["--sampling-seq", "edkypmxt"],
+])
+def test_off_values_and_the_default_chain_are_taken(command, flags):
+    code, said = invoke(command, *flags)
+    assert "target model not found" in said, said  # past the flags, to the model
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--mirostat", "2"], "--mirostat 2 is not supported: ggufspec has no Mirostat"),
+    (["--typical", "0.9"], "no locally typical sampling"),
+    (["--top-nsigma", "1.5"], "no top-n-sigma"),
+    (["--xtc-probability", "0.5"], "no XTC"),
+    (["--dry-multiplier", "0.8"], "no DRY"),
+    (["--dynatemp-range", "0.5"], "no dynamic temperature"),
+    (["--adaptive-target", "0.3"], "no adaptive-p"),
+    (["--min-keep", "5"], "no min-keep above 1"),
+    (["--sampling-seq", "kt"], "all and in that order"),
+    (["--samplers", "top_p;top_k;min_p;temperature;penalties"], "all and in that order"),
+    (["--samplers", "penalties;fancy"], "unknown sampler 'fancy'"),
+    (["--sampling-seq", "ekpmti"], "the infill sampler is not supported"),
+])
+def test_a_sampler_turned_on_or_another_order_is_one_line(flags, words):
+    for command in ("run", "serve"):
+        code, said = invoke(command, *flags)
+        assert code == 2 and words in said and "\n" not in said, said
