@@ -394,3 +394,22 @@ def test_llama_servers_flags_for_what_ggufspec_does_not_do_say_why(flags, words)
 def test_their_values_that_ask_for_what_ggufspec_does_are_taken(flags):
     result = CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", *flags])
     assert "target model not found" in result.stderr, result.stderr  # past the flags, to the model
+
+
+def test_a_streams_keep_alive_pings_follow_the_interval(chat_pair, tmp_path):
+    """--sse-ping-interval 1 (llama-server's; default 30): a stream running for seconds carries SSE comment
+    pings; a request's sse_ping_interval 0 has none."""
+    target, draft = chat_pair
+    with serving(tmp_path, "-m", str(target), "-md", str(draft), "-c", "4096", "-np", "1",
+                 "--sse-ping-interval", "1") as running:
+        def stream_lines(**fields) -> list[str]:
+            body = {"prompt": PROMPT, "n_predict": 1200, "ignore_eos": True, "stream": True, "draft": 0, **fields}
+            with httpx.stream("POST", running.url + "/completion", json=body, timeout=120) as response:
+                started = time.monotonic()
+                lines = list(response.iter_lines())
+            return lines, time.monotonic() - started
+        lines, seconds = stream_lines()
+        pings = [line for line in lines if line.startswith(":")]
+        assert pings or seconds < 1.5, (seconds, lines[:3])  # (here: about 5 s, 4 or 5 pings)
+        lines, _ = stream_lines(sse_ping_interval=0)
+        assert not [line for line in lines if line.startswith(":")]

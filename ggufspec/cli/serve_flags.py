@@ -36,6 +36,9 @@ def llamacpp_server_options(command):
         click.option("--threads-http", "threads_http", type=click.IntRange(min=1), default=None, metavar="N",
                      help="Threads for the HTTP side's work off its event loop (tokenizing, parsing bodies, slot "
                           "files) [default: Python's]; generations run in one thread per slot (-np)."),
+        click.option("--sse-ping-interval", "sse_ping_interval", type=int, default=30, metavar="N",
+                     help="Seconds between a stream's keep-alive pings (-1: none), as llama-server's; a request's "
+                          "sse_ping_interval over it."),
         click.option("--reuse-port", "reuse_port", is_flag=True,
                      help="Let several servers listen on the same port (SO_REUSEPORT; the kernel spreads clients)."),
         click.option("-sps", "--slot-prompt-similarity", "prompt_similarity", type=click.FloatRange(0, 1),
@@ -95,6 +98,7 @@ def server_flags(opts: dict) -> dict:
     front = Front(api_prefix=check_api_prefix(opts.pop("api_prefix")), timeout=opts.pop("timeout"))
     endpoints = Endpoints(webui=opts.pop("webui"), slots=opts.pop("slots_endpoint"),
                           slot_save_path=check_slot_save_path(opts.pop("slot_save_path")),
-                          props=opts.pop("props_endpoint"), threads_http=opts.pop("threads_http"))
+                          props=opts.pop("props_endpoint"), threads_http=opts.pop("threads_http"),
+                          sse_ping_interval=opts.pop("sse_ping_interval"))
     return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup"),
             "prompt_similarity": opts.pop("prompt_similarity")}

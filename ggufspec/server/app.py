@@ -87,7 +87,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     fingerprint = system_fingerprint(decoder)
     serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models,
                                 fingerprint=fingerprint, template_defaults=dict(template_defaults or {}),
-                                reasoning_format=reasoning_format)
+                                reasoning_format=reasoning_format, sse_ping_interval=endpoints.sse_ping_interval)
     protocols.add_routes(app, serving)
 
     @app.get("/health")

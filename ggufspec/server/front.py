@@ -53,12 +53,14 @@ class Endpoints:
     """Which of llama-server's optional endpoints answer: the chat page at / (--no-webui: 404, as
     llama-server's), GET /slots (--no-slots: 501), POST /slots/{id} (with --slot-save-path: save,
     restore, erase), POST /props (--props). `threads_http`: threads for the work done off the event
-    loop (None: asyncio's default)."""
+    loop (None: asyncio's default); `sse_ping_interval`: seconds between a stream's keep-alive comments
+    (--sse-ping-interval; 0 or less: none), a request's own `sse_ping_interval` over it."""
     webui: bool = True
     slots: bool = True
     slot_save_path: str | None = None
     props: bool = False
     threads_http: int | None = None
+    sse_ping_interval: int = 30  # llama-server's default
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,7 @@ class Job:
         # llama-server's stream extras: pieces carry the statistics so far; "progress" events while the prompt is in
         self.timings_per_token, self.return_progress = timings_per_token, return_progress
         self.opens_thinking = False  # the rendered prompt ends in <think>: the answer starts inside it
+        self.sse_ping_interval = 30  # seconds between its stream's keep-alive pings (0 or less: none)
         self._lock = threading.Lock()  # the parts' shared state below
         self._tokens: list | Exception | None = None  # every prompt's tokens (or why they cannot run)
         self._results: dict[int, Stats] = {}  # each ended choice's statistics, by index

@@ -85,6 +85,7 @@ class GenerationBody(Strict):
     reasoning_budget_tokens: int | None = Field(None, ge=-1, strict=True)
     thinking_budget_tokens: int | None = Field(None, ge=-1, strict=True)  # its other name (Anthropic's, passed on)
     reasoning_budget_message: str | None = None  # ...and the text forced before that </think>
+    sse_ping_interval: int | None = Field(None, strict=True)  # llama-server's: this stream's pings (<= 0: none)
     # llama.cpp's sampler chain: its order (names or letters), and what acts only within it (`samplers`)
     samplers: str | list[str] | None = None
     min_keep: int | None = Field(None, ge=0, strict=True)

@@ -39,7 +39,7 @@ from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts,
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
                  "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
                  "ignore_eos", "chat_template_kwargs", "reasoning_budget_tokens", "thinking_budget_tokens",
-                 "reasoning_budget_message", "lora", "samplers", "min_keep", "adaptive_target", *SAMPLERS_NOT_HAD)
+                 "reasoning_budget_message", "lora", "sse_ping_interval", "samplers", "min_keep", "adaptive_target", *SAMPLERS_NOT_HAD)
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class Serving:
     template_defaults: dict = field(default_factory=dict)  # --chat-template-kwargs: every request's variables
     reasoning_format: str = "auto"  # --reasoning-format: chat answers' thinking in reasoning_content, or not
     controls: Controls = field(default_factory=Controls)  # running chat completions, for their control requests
+    sse_ping_interval: int = 30  # --sse-ping-interval: a stream's keep-alive pings (0 or less: none)
 
     def check_model(self, requested: str | None) -> None:
         # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
@@ -144,6 +145,7 @@ class Serving:
                       return_progress=body.stream and body.return_progress)
         except APIError as exc:
             raise renamed(exc, names) from None
+        job.sse_ping_interval = self.sse_ping_interval if body.sse_ping_interval is None else body.sse_ping_interval
         self.engine.submit(job)
         return job
 
@@ -302,7 +304,8 @@ async def answer_or_stream(job: Job, request: Request, stream: bool, whole, even
         n_prompt = await started(job, request)
         if not stream:
             return JSONResponse(await whole(n_prompt))
-        response = EventSourceResponse(events(n_prompt), sep="\n")
+        # keep-alive comments while nothing else goes out (a long prompt, a queue): proxies keep the stream open
+        response = EventSourceResponse(events(n_prompt), sep="\n", ping=max(job.sse_ping_interval, 0))
         streaming = True
         return response
     except ClientGone:
