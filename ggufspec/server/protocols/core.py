@@ -304,7 +304,7 @@ async def answer_or_stream(job: Job, request: Request, stream: bool, whole, even
         n_prompt = await started(job, request)
         if not stream:
             return JSONResponse(await whole(n_prompt))
-        # keep-alive comments while nothing else goes out (a long prompt, a queue): proxies keep the stream open
+        # a keep-alive comment every N seconds: a proxy keeps the stream open through a long prompt
         response = EventSourceResponse(events(n_prompt), sep="\n", ping=max(job.sse_ping_interval, 0))
         streaming = True
         return response
