@@ -107,6 +107,10 @@ def log_settings() -> LogSettings:
 # from file": the log is the one place that says where the memory ran out (`allocation_failures`).
 ALLOCATION_FAILED = re.compile(rb"failed to allocate (\S+) buffer of size (\d+)")
 _allocation_failures: list[tuple[str, int]] = []
+# the loader's warning for an --override-kv of another type than its key is read as: the file's value is then
+# used, the override silently dropped (`ignored_overrides`)
+OVERRIDE_IGNORED = re.compile(rb"Bad metadata override type for key '([^']*)', expected (\w+) but got (\w+)")
+_ignored_overrides: list[tuple[str, str, str]] = []
 
 
 @llama_cpp.llama_log_callback
@@ -115,6 +119,8 @@ def _log_to_stderr_if_verbose(level, text, user_data):
     global _last_level
     if found := ALLOCATION_FAILED.search(text or b""):
         _allocation_failures.append((found[1].decode("utf-8", errors="replace"), int(found[2])))
+    if found := OVERRIDE_IGNORED.search(text or b""):
+        _ignored_overrides.append(tuple(part.decode("utf-8", errors="replace") for part in found.groups()))
     continued = level == GGML_LOG_LEVEL_CONT
     # a continuation (the load's "." progress dots) is shown or not with the line it continues: llama.cpp
     # gives every one verbosity 4: the same for those dots, but at -lv 2 or 3 it would cut a warning short
@@ -171,6 +177,13 @@ def allocation_failures() -> list[tuple[str, int]]:
     failed = list(_allocation_failures)
     _allocation_failures.clear()
     return failed
+
+
+def ignored_overrides() -> list[tuple[str, str, str]]:
+    """The (key, type it is read as, type given) of the --override-kv's llama.cpp dropped since the last call."""
+    ignored = list(_ignored_overrides)
+    _ignored_overrides.clear()
+    return ignored
 
 
 def quiet_llama_logs() -> None:

@@ -13,9 +13,9 @@ import llama_cpp
 
 from . import lora
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
-from .llamalog import allocation_failures, interrupt_after_native, quiet_llama_logs
+from .llamalog import allocation_failures, ignored_overrides, interrupt_after_native, quiet_llama_logs
 from .native import Context
-from .placement import override_array, overrides_tag
+from .placement import SPLIT_MODES, devices_named, override_array, overrides_tag
 # the chat template (its own module): re-exported, readers call load.chat_template and load.render_chat
 from .chat_templates import (DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_prompt, chat_template,  # noqa: F401
                              check_messages, checked_chat_template, render_chat, system_in_first_user,
@@ -71,6 +71,22 @@ class LoadParams:
     # tensor buffer type overrides, (regex, buffer type name) each, first match wins (-ot, --cpu-moe,
     # --n-cpu-moe; the draft's -otd...: `placement`): an MoE's experts kept on the CPU, the rest offloaded
     tensor_overrides: tuple = ()
+    # RoPE/YaRN context extension (--rope-scaling, --rope-freq-base...: `modelflags.rope_keywords`), as
+    # (llama_context_params field, value) pairs, which are llama_cpp.Llama's keywords too
+    rope: tuple = ()
+    # --override-kv: (GGUF key, value) pairs, the value's Python type the override's (bool, int, float, str)
+    kv_overrides: tuple = ()
+    split_mode: str = "layer"          # -sm: how several GPUs share the model (placement.SPLIT_MODES)
+    main_gpu: int = 0                  # -mg: the GPU of -sm none, or of -sm row's intermediate results
+    device_names: tuple | None = None  # -dev: the devices offloaded to, by name (() none: the CPU only)
+
+
+# the RoPE/YaRN fields of llama_context_params (and Llama's keywords) that `rope` may set
+ROPE_FIELDS = ("rope_scaling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor",
+               "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx")
+# llama.cpp's tools leave these at -1, "the model's own" (llama_context_default_params); llama_cpp.Llama's
+# defaults (1, 32, 1) would override a GGUF's own YaRN parameters
+YARN_FROM_MODEL = {"yarn_attn_factor": -1.0, "yarn_beta_fast": -1.0, "yarn_beta_slow": -1.0}
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -109,15 +125,24 @@ def with_flags(target: LoadParams, draft: LoadParams, flags: dict | None) -> tup
 
 # load flags that change what a step costs (the micro-batch, the cache types, the batch threads, where the
 # tensors live): part of the key under which --draft auto remembers a machine's step costs
-COST_FLAGS = ("n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads", "tensor_overrides")
+COST_FLAGS = ("n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads", "tensor_overrides", "kv_overrides",
+              "split_mode", "main_gpu", "tensor_split", "device_names")
 
 
 def flags_tag(flags: dict | None) -> str:
     """The load flags that change step costs, as a costs key's tag ("" for llama.cpp's defaults)."""
-    defaults = {"n_ubatch": 512, "type_k": "f16", "type_v": "f16", "tensor_overrides": ()}
-    return "".join(f",{role[0]}{name}={overrides_tag(value) if name == 'tensor_overrides' else value}"
+    defaults = {"n_ubatch": 512, "type_k": "f16", "type_v": "f16", "tensor_overrides": (), "kv_overrides": (),
+                "split_mode": "layer", "main_gpu": 0}
+    return "".join(f",{role[0]}{name}={_tag_value(name, value)}"
                    for role, fields in sorted((flags or {}).items()) for name, value in sorted(fields.items())
                    if name in COST_FLAGS and value is not None and defaults.get(name) != value)
+
+
+def _tag_value(name: str, value) -> str:
+    """A flag's value in a costs key: lists of pairs (the overrides) by a short hash, other lists joined."""
+    if name in ("tensor_overrides", "kv_overrides"):
+        return overrides_tag(value)
+    return "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def flash_attn_type(setting: str | bool) -> int:
@@ -249,20 +274,24 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     # resolved by name now: RPC workers' buffer types exist once they are registered (an unknown one: one line)
     overrides = override_array(params.tensor_overrides, "-ot" if role == "target" else "-otd") \
         if params.tensor_overrides else None
+    # RPC workers, or -dev's devices (resolved by name: handles are this process's)
+    devices = params.devices if params.devices is not None or params.device_names is None \
+        else devices_named(params.device_names)
     allocation_failures()  # an earlier load's are not this one's
+    ignored_overrides()
     try:
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         options = _llama_options(params, strict, unified)
         with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
                 _model_params(params.load_mtp, not params.exact, overrides), interrupt_after_native():
-            if params.devices is not None:  # placed on RPC workers: a loading concern, same Llama
-                split = list(params.tensor_split) if params.tensor_split else None
-                llm = load_on_devices(path, params.devices, tensor_split=split, **options)
+            if devices is not None:  # placed on chosen devices: a loading concern, same Llama
+                llm = load_on_devices(path, devices, **options)
             else:
                 llm = llama_cpp.Llama(model_path=str(path), **options)
     except (ValueError, RuntimeError) as exc:
         raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {load_failure(exc, params)}") from None
     llm._ggufspec_tensor_overrides = overrides  # llama.cpp reads the patterns while loading; kept with the model
+    _check_overrides_taken(llm, role)
     if adapters:
         lora.attach(llm, adapters)
     return llm
@@ -290,7 +319,21 @@ def _llama_options(params: LoadParams, strict: bool, unified: bool) -> dict:
     return dict(n_ctx=n_ctx, n_batch=params.n_batch, n_ubatch=n_ubatch, n_threads=threads,
                 n_threads_batch=params.n_threads_batch or threads, n_gpu_layers=params.n_gpu_layers,
                 use_mmap=params.use_mmap, use_mlock=params.use_mlock, type_k=cache_type(params.type_k),
-                type_v=cache_type(params.type_v), logits_all=False, verbose=False, swa_full=swa_full)
+                type_v=cache_type(params.type_v), logits_all=False, verbose=False, swa_full=swa_full,
+                split_mode=SPLIT_MODES[params.split_mode], main_gpu=params.main_gpu,
+                tensor_split=list(params.tensor_split) if params.tensor_split else None,
+                kv_overrides=dict(params.kv_overrides) or None, **{**YARN_FROM_MODEL, **dict(params.rope)})
+
+
+def _check_overrides_taken(llm: llama_cpp.Llama, role: str) -> None:
+    """An --override-kv of another type than llama.cpp reads its key as is dropped with a warning in its
+    log (the file's value used): one line instead, the model closed."""
+    ignored = ignored_overrides()
+    if ignored:
+        key, expected, given = ignored[0]
+        llm.close()
+        raise GgufspecError(f"--override-kv {key}={given}:...: llama.cpp reads the {role}'s {key} as {expected}, "
+                            f"so it would ignore the override: give {key}={expected}:VALUE")
 
 
 def load_failure(exc: Exception, params: LoadParams) -> str:

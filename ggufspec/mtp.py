@@ -40,7 +40,7 @@ import numpy as np
 
 from .drafting import ModelDrafter
 from .errors import DecodeError, ModelFileError
-from .load import cache_type
+from .load import ROPE_FIELDS, cache_type
 from .lora import adapters_of, set_on as set_lora
 from .native import _SEQ, Context
 
@@ -184,6 +184,8 @@ class MtpContext(Context):
         params.n_threads = llama_cpp.llama_n_threads(target.ctx)
         params.n_threads_batch = llama_cpp.llama_n_threads_batch(target.ctx)
         params.swa_full = True  # a cut never needs a checkpoint
+        for name in ROPE_FIELDS:  # the target's RoPE/YaRN flags: llama.cpp makes the MTP context from its params
+            setattr(params, name, getattr(target.llm.context_params, name))
         if hasattr(params, "n_rs_seq"):
             params.n_rs_seq = 0
         ctx = llama_cpp.llama_init_from_model(target.llm._model.model, params)

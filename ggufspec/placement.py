@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import re
+from dataclasses import dataclass
 from typing import Sequence
 
 import llama_cpp
@@ -77,7 +78,12 @@ def _ggml():
     for name, restype, argtypes in (("ggml_backend_dev_count", ctypes.c_size_t, []),
                                     ("ggml_backend_dev_get", vp, [ctypes.c_size_t]),
                                     ("ggml_backend_dev_buffer_type", vp, [vp]),
-                                    ("ggml_backend_buft_name", ctypes.c_char_p, [vp])):
+                                    ("ggml_backend_buft_name", ctypes.c_char_p, [vp]),
+                                    ("ggml_backend_dev_type", ctypes.c_int, [vp]),
+                                    ("ggml_backend_dev_name", ctypes.c_char_p, [vp]),
+                                    ("ggml_backend_dev_description", ctypes.c_char_p, [vp]),
+                                    ("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(ctypes.c_size_t),
+                                                                       ctypes.POINTER(ctypes.c_size_t)])):
         getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
 
@@ -126,6 +132,78 @@ def override_array(overrides: Sequence[tuple[str, str]], flag: str = "-ot"):
 def overrides_tag(overrides: Sequence[tuple[str, str]]) -> str:
     """A short stable name for a set of overrides (step costs are remembered per placement)."""
     return hashlib.sha1(repr(tuple(map(tuple, overrides))).encode()).hexdigest()[:10]
+
+
+# ---------------------------------------------------------------- devices, as -dev and --list-devices name them
+
+# llama.h's enum llama_split_mode, by -sm's names (tensor: llama.cpp's experimental tensor parallelism)
+SPLIT_MODES = {"none": llama_cpp.LLAMA_SPLIT_MODE_NONE, "layer": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+               "row": llama_cpp.LLAMA_SPLIT_MODE_ROW, "tensor": llama_cpp.LLAMA_SPLIT_MODE_TENSOR}
+# ggml-backend.h's enum ggml_backend_dev_type (ACCEL: BLAS, AMX..., which work beside the CPU)
+DEVICE_CPU, DEVICE_GPU, DEVICE_IGPU, DEVICE_ACCEL = range(4)
+
+
+@dataclass(frozen=True)
+class Device:
+    """A ggml device layers can be offloaded to (`load.load_on_devices` takes its handle)."""
+    handle: int
+    name: str          # "CUDA0", "Vulkan1"...: what -dev takes
+    description: str
+    free: int          # bytes
+    total: int
+    kind: int          # DEVICE_GPU, DEVICE_IGPU or DEVICE_ACCEL
+
+
+def offload_devices() -> list[Device]:
+    """Every device but the CPU, in ggml's order: those -dev may name and --list-devices prints (llama.cpp's
+    common_print_available_devices). --rpc's workers are not among them: ggufspec registers them for --rpc only."""
+    llama_cpp.llama_backend_init()  # loads the backends where the build loads them dynamically (idempotent)
+    lib = _ggml()
+    found = []
+    for i in range(lib.ggml_backend_dev_count()):
+        handle = lib.ggml_backend_dev_get(i)
+        kind = lib.ggml_backend_dev_type(handle)
+        if kind == DEVICE_CPU:
+            continue
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        lib.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+        found.append(Device(handle, lib.ggml_backend_dev_name(handle).decode(errors="replace"),
+                            (lib.ggml_backend_dev_description(handle) or b"").decode(errors="replace"),
+                            free.value, total.value, kind))
+    return found
+
+
+def default_devices() -> list[Device]:
+    """The devices llama.cpp offloads to when -dev names none (llama_model_load's default selection, --rpc's
+    workers aside): the GPUs, else the integrated ones."""
+    devices = offload_devices()
+    return [d for d in devices if d.kind == DEVICE_GPU] or [d for d in devices if d.kind == DEVICE_IGPU]
+
+
+def device_list() -> str:
+    """--list-devices' text, as llama.cpp prints it."""
+    devices = [f"  {d.name}: {d.description} ({d.total >> 20} MiB, {d.free >> 20} MiB free)" for d in offload_devices()]
+    return "\n".join(["Available devices:", *(devices or ["  (none)"])])
+
+
+def parse_devices(value: str | Sequence[str], flag: str = "-dev") -> tuple[str, ...]:
+    """-dev's value (llama.cpp's parse_device_list): "none" is () (nothing offloaded), else comma-separated
+    names of devices here, the CPU not one of them (it always takes what is not offloaded)."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    if names == ["none"]:
+        return ()
+    known = {device.name for device in offload_devices()}
+    for name in names:
+        if name not in known:
+            raise GgufspecError(f"{flag} {','.join(names)}: no device {name!r} here (the ones there are: "
+                                f"{', '.join(sorted(known)) or 'none'}; --list-devices shows them; none: the CPU only)")
+    return tuple(names)
+
+
+def devices_named(names: Sequence[str]) -> list[Device]:
+    """The devices of `parse_devices`' names, in their order."""
+    known = {device.name: device for device in offload_devices()}
+    return [known[name] for name in names]
 
 
 # ---------------------------------------------------------------- what the planner counts

@@ -17,6 +17,7 @@ from typing import Callable
 
 from .errors import GgufspecError
 from .lora import checked as checked_lora
+from .modelflags import fields_by_role, offload_given
 from .ngram import DEFAULT_POOL_SIZE, NgramPool
 from .speculate import MTP, SpeculativeDecoder
 
@@ -78,6 +79,25 @@ class ModelOptions:
     override_tensor_draft: tuple | str = ()
     cpu_moe_draft: bool = False
     n_cpu_moe_draft: int = 0
+    # RoPE/YaRN context extension, None: the model's own (`ggufspec.modelflags`); both models get them, as
+    # llama.cpp's draft context is made from the target's params
+    rope_scaling: str | None = None     # --rope-scaling none | linear | yarn
+    rope_scale: float | None = None     # --rope-scale N: --rope-freq-scale 1/N
+    rope_freq_base: float | None = None
+    rope_freq_scale: float | None = None
+    yarn_orig_ctx: int | None = None
+    yarn_ext_factor: float | None = None
+    yarn_attn_factor: float | None = None
+    yarn_beta_slow: float | None = None
+    yarn_beta_fast: float | None = None
+    override_kv: tuple | str = ()       # --override-kv KEY=TYPE:VALUE,... (repeatable): both models' metadata
+    # several GPUs: -sm none | layer | row | tensor, -mg INDEX, -ts N0,N1,... (the draft's too, but on --rpc),
+    # -dev NAME,... | none (the draft follows it unless -devd)
+    split_mode: str | None = None
+    main_gpu: int | None = None
+    tensor_split: str | tuple | None = None
+    device: str | tuple | None = None
+    device_draft: str | tuple | None = None
 
 
 @dataclass
@@ -117,9 +137,10 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
         pair = load_registry().default  # named, so that serve can call its model by the pair's name
     target, draft, draft_k, choice = resolve_models(pair, options, log)
     check_cache_widths(target, None if draft == MTP else draft, flags)
-    ngl, ngld = planned_offload(target, None if draft == MTP else draft, options.n_ctx, draft_k or 3, options.n_gpu_layers,
-                                options.n_gpu_layers_draft, log, fixed_draft=options.fixed_draft, flags=flags)
-    ngl, tensor_split = planned_rpc_split(target, options.rpc, options.n_gpu_layers, ngl, options.n_ctx, flags["target"])
+    ngl_given, ngld_given = offload_given(options)  # -dev none: 0
+    ngl, ngld = planned_offload(target, None if draft == MTP else draft, options.n_ctx, draft_k or 3, ngl_given,
+                                ngld_given, log, fixed_draft=options.fixed_draft, flags=flags)
+    ngl, tensor_split = planned_rpc_split(target, options.rpc, ngl_given, ngl, options.n_ctx, flags["target"])
     n_parallel = options.n_parallel
     if draft == MTP and n_parallel > 1:
         log(f"ggufspec: MTP drafting runs one sequence at a time: 1 slot instead of --parallel {n_parallel}")
@@ -163,7 +184,8 @@ def load_flags_by_role(options: ModelOptions) -> dict[str, dict]:
         draft["n_threads"] = options.n_threads_draft
         draft["n_threads_batch"] = draft["n_threads_batch"] or options.n_threads or default_threads()
     target["tensor_overrides"], draft["tensor_overrides"] = _tensor_overrides(options)
-    return {"target": target, "draft": draft}
+    rope_kv_gpus = fields_by_role(options)  # RoPE/YaRN, --override-kv, -sm, -mg, -ts, -dev, -devd
+    return {"target": {**target, **rope_kv_gpus[0]}, "draft": {**draft, **rope_kv_gpus[1]}}
 
 
 def _tensor_overrides(options: ModelOptions) -> tuple[tuple, tuple]:
@@ -363,9 +385,12 @@ def _declared_memory(sizes: dict[str, int], endpoints) -> dict:
 def planned_rpc_split(target_path, rpc: str | None, given_ngl: int | None, ngl: int, n_ctx: int,
                       flags: dict | None = None):
     """(-ngl, tensor_split) for a target on RPC workers: as given with -ngl (0: every layer here), else
-    the planner's split by the workers' free memory. Without --rpc, or planned onto a GPU here: (ngl, None)."""
+    the planner's split by the workers' free memory; -ts (in `flags`) as given. Without --rpc, or planned onto
+    a GPU here: (ngl, None)."""
     if rpc is None:
         return ngl, None
+    if (flags or {}).get("tensor_split"):  # -ts: its shares; every layer offloaded unless -ngl says
+        return (-1 if given_ngl is None else given_ngl), list(flags["tensor_split"])
     if given_ngl is not None:
         return given_ngl, None
     if ngl:
@@ -391,7 +416,7 @@ def open_decoder(target, draft=None, *, rpc: str | None = None, n_gpu_layers: in
     # one share per device (the workers' in --rpc's order, then this machine's GPUs); fewer leave the rest
     # none, as in llama.cpp (the planner gives one per worker, whose GPUs may be several devices)
     if tensor_split is not None and (len(tensor_split) > len(devices) or not all(x >= 0 for x in tensor_split)):
-        raise GgufspecError(f"tensor_split: give at most {len(devices)} shares of 0 or more, one per device (the "
+        raise GgufspecError(f"-ts/tensor_split: give at most {len(devices)} shares of 0 or more, one per device (the "
                             f"workers' in --rpc's order, then this machine's GPUs), got {list(tensor_split)}")
     if n_gpu_layers is None:  # with workers, the target's layers go to them unless -ngl says otherwise
         n_gpu_layers = -1

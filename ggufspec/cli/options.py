@@ -15,6 +15,7 @@ from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import SamplingParams  # the sampling defaults, in one place
 from .app import not_utf8_file, utf8_text
 from .constraint_options import constraint_options, constraints_from
+from .load_extras import EXTRA_LOAD_FLAGS, extra_load_options
 from .spec_type import apply_spec_type, spec_type_options
 
 
@@ -109,6 +110,7 @@ def load_flag_options():
         click.option("--lora-scaled", "lora_scaled", multiple=True, metavar="FNAME:SCALE",
                      help="A LoRA adapter on the target with its scale (repeatable, or FNAME:SCALE,...; 0: off)."),
         *tensor_placement_options(),
+        *extra_load_options(),  # RoPE/YaRN, --override-kv, -sm, -mg, -ts, -dev, -devd, --list-devices
     ]
 
 
@@ -336,7 +338,7 @@ def model_load_fields(load: dict) -> dict:
 # model_options' llama.cpp load flags that are ModelOptions fields of the same name
 LOAD_FLAGS = ("n_batch", "n_ubatch", "n_threads_batch", "n_threads_draft", "n_threads_batch_draft", "use_mlock",
               "cache_type_k", "cache_type_v", "cache_type_k_draft", "cache_type_v_draft", "override_tensor", "cpu_moe",
-              "n_cpu_moe", "override_tensor_draft", "cpu_moe_draft", "n_cpu_moe_draft")
+              "n_cpu_moe", "override_tensor_draft", "cpu_moe_draft", "n_cpu_moe_draft") + EXTRA_LOAD_FLAGS
 
 
 def rpc_timeout_option(command):
