@@ -22,7 +22,7 @@ _RPC_CMD_HELLO = 14
 _CONN_CAPS_SIZE = 24
 _HELLO_RSP_SIZE = 4 + _CONN_CAPS_SIZE
 # enum ggml_backend_dev_type
-_DEV_CPU, _DEV_GPU, _DEV_ACCEL, _DEV_IGPU = 0, 1, 2, 3
+_DEV_CPU, _DEV_GPU, _DEV_IGPU, _DEV_ACCEL = 0, 1, 2, 3  # ggml-backend.h's order
 ABORT_EXIT_CODE = 1
 
 
