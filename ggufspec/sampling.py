@@ -16,6 +16,17 @@ GREEDY_TEMPERATURES = (0.0, -1.0)  # llama.cpp's convention: 0 (and -1) mean gre
 INTEGERS = (int, np.integer)
 REALS = (int, float, np.integer, np.floating)
 
+# llama.cpp's sampler chain by name (common/sampling.cpp: common_sampler_type_to_chr, and the canonical
+# names of common_sampler_types_from_names), for the requests and flags that set its order
+SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                   "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+# ...and their other spellings: kebab-case, without the underscore, and three of their own
+SAMPLER_NAMES = {**{name: name for name in SAMPLER_LETTERS.values()},
+                 **{name.replace("_", "-"): name for name in SAMPLER_LETTERS.values() if "_" in name},
+                 **{name.replace("_", ""): name for name in SAMPLER_LETTERS.values() if "_" in name},
+                 "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")  # ggufspec's samplers, in the order it applies them
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -12,6 +12,7 @@ import functools
 import click
 
 from ..errors import GgufspecError
+from ..sampling import CHAIN, SAMPLER_LETTERS, SAMPLER_NAMES
 from .options import options
 
 HAD = "ggufspec's samplers are the penalties, top-k, top-p, min-p and temperature"
@@ -28,14 +29,9 @@ SWITCHES = [
 ]
 INNER = [("--mirostat-lr",), ("--mirostat-ent",), ("--xtc-threshold",), ("--dry-base",), ("--dry-allowed-length",),
          ("--dry-penalty-last-n",), ("--dry-sequence-breaker",), ("--dynatemp-exp",), ("--adaptive-decay",)]
-# llama.cpp's default chain (common.h), by --samplers' names and --sampling-seq's letters
+# llama.cpp's default chain (common.h), by --samplers' names
 DEFAULT_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
-           "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill", "a": "adaptive_p"}
-SPELLINGS = {"top-k": "top_k", "topk": "top_k", "top-p": "top_p", "topp": "top_p", "nucleus": "top_p",
-             "min-p": "min_p", "minp": "min_p", "temp": "temperature", "typ-p": "typ_p", "typ": "typ_p",
-             "typp": "typ_p", "top-n-sigma": "top_n_sigma", "topnsigma": "top_n_sigma"}
-FIXED = ("penalties", "top_k", "top_p", "min_p", "temperature")
+FIXED = CHAIN
 
 
 def _param(flags: tuple[str, ...]) -> str:
@@ -69,10 +65,10 @@ def check_sampler_flags(opts: dict) -> None:
         opts.pop(_param(flags))  # a setting of a sampler that is off: nothing to do, here as there
     names, letters = opts.pop("sampler_names"), opts.pop("sampler_letters")
     if names is not None:
-        _check_chain("--samplers", [SPELLINGS.get(n.strip().lower(), n.strip().lower()) for n in names.split(";")
+        _check_chain("--samplers", [SAMPLER_NAMES.get(n.strip().lower(), n.strip().lower()) for n in names.split(";")
                                     if n.strip()])
     if letters is not None:
-        _check_chain("--sampling-seq", [LETTERS.get(letter, letter) for letter in letters])
+        _check_chain("--sampling-seq", [SAMPLER_LETTERS.get(letter, letter) for letter in letters])
 
 
 def _check_chain(flag: str, chain: list[str]) -> None:

@@ -12,18 +12,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..processing import Constraints
-from ..sampling import SamplingParams
+from ..sampling import CHAIN, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
 from .errors import APIError
 
-# common/sampling.cpp: common_sampler_type_to_chr and the canonical names of common_sampler_types_from_names
-SAMPLER_LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
-                   "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
-# ...and their other spellings: kebab-case, without the underscore, and three of their own
-SAMPLER_NAMES = {**{name: name for name in SAMPLER_LETTERS.values()},
-                 **{name.replace("_", "-"): name for name in SAMPLER_LETTERS.values() if "_" in name},
-                 **{name.replace("_", ""): name for name in SAMPLER_LETTERS.values() if "_" in name},
-                 "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
-HAD = ("penalties", "top_k", "top_p", "min_p", "temperature")  # ggufspec's samplers, in the order it applies them
+HAD = CHAIN  # ggufspec's samplers, in the order it applies them
 NEUTRAL = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "temperature": 1.0}  # a sampler that changes nothing
 NEUTRAL_PENALTIES = {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 PENALTY_FIELDS = ("repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n")
