@@ -235,6 +235,7 @@ class FakeJob:
 
     def __init__(self, shape: Shaping, text: str, finish: str, chunk: int = 1):
         self.shape, self.stop_sequence, self.n_choices = shape, None, 1
+        self.return_progress = self.timings_per_token = False  # llama-server's stream extras: not asked
         self.events = asyncio.Queue()
         stats = Stats(n_prompt=5, n_predict=len(text), stop_reason={"length": "n_predict", "stop": "eos"}[finish])
         self.events.put_nowait(("prompt", (0, {"n_prompt": 5, "cache_n": 0})))
