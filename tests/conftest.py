@@ -29,6 +29,15 @@ def tiny_pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("tiny"), seed=0, shape=Shape(eos_bias=4.0))
 
 
+@pytest.fixture(scope="module")
+def plain_target(tiny_pair):
+    """The tiny target in plain llama-cpp-python, every position's logits kept: the references' model."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(tiny_pair[0]), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    yield llm
+    llm.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_decoder(tiny_pair):
     from ggufspec import SpeculativeDecoder

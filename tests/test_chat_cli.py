@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.tinymodels import CHAT_TEMPLATE

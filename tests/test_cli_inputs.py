@@ -9,21 +9,13 @@ from click.testing import CliRunner
 
 from ggufspec.cli import main
 from ggufspec.speculate import SpeculativeDecoder
+from clierrors import one_line_error
 
 
 def run(tiny_pair, *flags):
     target, draft = tiny_pair
     return CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-n", "4", "-c", "128", "-t", "1",
                                      *flags])
-
-
-def one_line_error(result, *words):
-    assert result.exit_code == 2, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    line = result.stderr.strip()
-    assert line.startswith("ggufspec: error:") and "\n" not in line, result.stderr
-    for word in words:
-        assert word in line, line
 
 
 def test_a_prompt_file_that_is_not_utf8(tiny_pair, tmp_path):

@@ -9,13 +9,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from llama_cpp import Llama
 
 from ggufspec import SamplingParams
 from ggufspec.errors import GgufspecError
 from ggufspec.processing import Constraints, Grammar, TargetJudge, log_softmax
 from ggufspec.sampling import distribution
-from reference import NEAR_TIE, chi_square_pvalue, differs_at_near_tie, first_difference, prompts
+from reference import chi_square_pvalue, differs_at_near_tie, first_difference, prompts
 
 # stateful on purpose: a determiner, then a noun, again and again (a grammar that forgot what it
 # accepted would allow determiners only)
@@ -57,13 +56,6 @@ def reference_greedy(llm, prompt, n_predict, c: Constraints):
             grammar.accept(token)
         llm.eval([token])
     return out, margins, logprobs
-
-
-@pytest.fixture(scope="module")
-def plain_target(tiny_pair):
-    llm = Llama(model_path=str(tiny_pair[0]), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
-    yield llm
-    llm.close()
 
 
 CASES = {

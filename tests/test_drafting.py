@@ -10,7 +10,7 @@ from ggufspec.cli import main
 from ggufspec.costs import Costs
 from ggufspec.drafting import AdaptiveK, LookupDrafter
 from ggufspec.sampling import SamplingParams
-from reference import chi_square_pvalue, prompts, target_alone
+from reference import prompts, target_alone
 from ggufspec.tinymodels import Shape, make_weights, write_model
 
 COPY_PROMPT = [1] + [260, 261, 262, 263, 264, 265, 266, 267, 268, 269] * 3
@@ -114,7 +114,7 @@ def test_controller_picks_zero_for_an_unrelated_draft(tiny_pair, tmp_path, monke
     from ggufspec.drafting import ModelDrafter
     shape = Shape()
     unrelated = write_model(tmp_path / "unrelated.gguf", shape, make_weights(shape, seed=99))
-    asked, accepted = [], []  # sequence lengths at which the draft model proposed
+    asked = []  # sequence lengths at which the draft model proposed
     real = ModelDrafter.propose
 
     def spy(self, tokens, *args):
@@ -122,7 +122,7 @@ def test_controller_picks_zero_for_an_unrelated_draft(tiny_pair, tmp_path, monke
         return real(self, tokens, *args)
     monkeypatch.setattr(ModelDrafter, "propose", spy)
     with SpeculativeDecoder(tiny_pair[0], unrelated, n_ctx=512, n_threads=1) as decoder:
-        out = decoder.generate([1, 260, 261], n_predict=200, n_draft="auto")
+        decoder.generate([1, 260, 261], n_predict=200, n_draft="auto")
     late = [n for n in asked if n > 3 + 100]
     assert len(late) <= 20, asked  # the model drafted on at most a fifth of the later positions
 

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from ggufspec import SpeculativeDecoder
 from ggufspec.cli import main
 from ggufspec.stops import cut_at_stop
+from clierrors import one_line_error
 
 PROMPT = "the cat sat"
 BIAS_BOS = ["-l", "1+100"]  # <s>, a control token that is no end of generation: printed as nothing without -sp
@@ -39,15 +40,6 @@ def decoder(tiny_pair):
     target, draft = tiny_pair
     with SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1) as fresh:
         yield fresh
-
-
-def one_line_error(result, *words):
-    assert result.exit_code == 2, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    line = result.stderr.strip()
-    assert line.startswith("ggufspec: error:") and "\n" not in line, result.stderr
-    for word in words:
-        assert word in line, line
 
 
 def stats_lines(stderr: str) -> list[str]:

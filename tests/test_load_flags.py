@@ -13,6 +13,7 @@ from ggufspec.cli import main
 from ggufspec.load import LoadParams, micro_batch
 from ggufspec.session import ModelOptions, open_session
 from ggufspec.tinymodels import Shape, make_pair
+from clierrors import one_line_error
 from reference import NEAR_TIE, first_difference, prompts
 
 TYPE_ID = {"f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8}  # ggml's type ids
@@ -55,14 +56,6 @@ def run(pair, *flags, command="run"):
 def tokens_of(result) -> list[int]:
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)["tokens"]
-
-
-def one_line_error(result, *words):
-    assert result.exit_code == 2, result.output
-    line = result.stderr.strip()
-    assert line.startswith("ggufspec: error:") and "\n" not in line, result.stderr
-    for word in words:
-        assert word in line, line
 
 
 # ---------------------------------------------------------------- the flags reach llama.cpp

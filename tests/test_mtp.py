@@ -14,7 +14,7 @@ from ggufspec.errors import ModelFileError
 from ggufspec.load import LoadParams, open_model
 from ggufspec.mtp import MtpDrafter, gguf_has_mtp, has_mtp, open_mtp
 from ggufspec.sampling import SamplingParams
-from ggufspec.tinymodels import Shape, make_pair
+from ggufspec.tinymodels import Shape
 from ggufspec.tinymodels_mtp import make_mtp_model, make_qwen35_model, make_trunk_only
 from reference import (NEAR_TIE, draw_samples, exact_first_and_next_two, prompts, sampling_pvalues,
                        same_as_target_alone, target_alone)

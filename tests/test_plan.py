@@ -335,7 +335,6 @@ def test_plan_output_says_speeds_are_estimates(tiny_pair, monkeypatch):
 
 @pytest.mark.slow
 def test_cpu_speed_estimate_is_within_2x_of_the_demo_target_alone():
-    import statistics
     import time
 
     from conftest import demo_pair_paths

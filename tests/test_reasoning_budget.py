@@ -95,13 +95,6 @@ def test_bad_budgets_are_one_line(kwargs, says):
 
 # ---------------------------------------------------------------- greedy: the target alone's answer
 
-@pytest.fixture(scope="module")
-def plain_target(tiny_pair):
-    llm = Llama(model_path=str(tiny_pair[0]), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
-    yield llm
-    llm.close()
-
-
 def tag_ids(llm, text):
     return llm.tokenize(text.encode(), add_bos=False, special=True)
 

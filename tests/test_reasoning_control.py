@@ -11,7 +11,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from llama_cpp import Llama
 
 from ggufspec.processing import Constraints
 from ggufspec.sampling import SamplingParams, distribution
@@ -51,13 +50,6 @@ def test_a_request_is_taken_once():
     assert not control.take_end_request()
     control.request_end()
     assert control.take_end_request() and not control.take_end_request()
-
-
-@pytest.fixture(scope="module")
-def plain_target(tiny_pair):
-    llm = Llama(model_path=str(tiny_pair[0]), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
-    yield llm
-    llm.close()
 
 
 def opened(llm, prompt):

@@ -23,6 +23,7 @@ from ggufspec.load import LoadParams, flags_tag, open_model
 from ggufspec.modelflags import check_split, kv_overrides, rope_keywords
 from ggufspec.session import ModelOptions, load_flags_by_role, open_session, planned_rpc_split
 from ggufspec.tinymodels import Shape, make_pair
+from clierrors import one_line_error
 from reference import differs_at_near_tie, first_difference, prompts, target_alone
 
 N_CTX = 256
@@ -74,14 +75,6 @@ def run(pair, *flags, n_predict=8):
     return CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the cat sat", "-n",
                                      str(n_predict), "-c", str(N_CTX), "-t", "1", "--temp", "0", "--json", *flags],
                               input="")
-
-
-def one_line_error(result, *words):
-    assert result.exit_code == 2, result.output
-    line = result.stderr.strip()
-    assert line.startswith("ggufspec: error:") and "\n" not in line and "Traceback" not in result.output, result.output
-    for word in words:
-        assert word in line, line
 
 
 @pytest.fixture

@@ -318,7 +318,6 @@ def test_text_format_json_schema_is_structured_output(server):
 # ---------------------------------------------------------------- a reasoning model's <think> block
 
 def test_thinking_is_told_apart_from_the_answer_however_the_text_is_cut():
-    from ggufspec.server.protocols.core import Text
     from ggufspec.server.protocols.reasoning import Thinking, ThinkingSplitter
 
     def split(chunks, opened=False):

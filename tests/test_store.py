@@ -109,7 +109,7 @@ def test_a_cached_file_cut_short_on_disk_is_pulled_again(hub, ggufspec_home):
 def test_killed_pull_leaves_nothing_complete(hub, ggufspec_home):
     """A pull killed mid-transfer (SIGKILL) leaves no file that run/list take for complete."""
     hub.state.cut_at["model-Q4_K_M.gguf"] = 1_500_000  # the transfer stalls there: kill it meanwhile
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         from ggufspec import store
         from ggufspec.registry import ModelEntry
         store.pull(ModelEntry("m", "org/model-GGUF", ("model-Q4_K_M.gguf",)), progress=False)

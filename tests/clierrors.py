@@ -1,0 +1,14 @@
+"""How a command's bad input must fail: exit code 2 (click's usage errors and ggufspec's), no traceback, and
+on stderr one line "ggufspec: error: ..." naming what was wrong."""
+
+
+def one_line_error(result, *words, code: int = 2) -> str:
+    """`result` of click's CliRunner; each of `words` must be in the line, which is returned."""
+    assert result.exit_code == code, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    line = result.stderr.strip()
+    assert line.startswith("ggufspec: error:") and "\n" not in line, result.stderr
+    assert "Traceback" not in result.output, result.output
+    for word in words:
+        assert word in line, line
+    return line
