@@ -24,6 +24,7 @@ from .front import Endpoints, Front
 from .guard import Exposure, Guard, OffLoopRoute
 from .jobs import Engine
 from .props import chat_props, pair_props, system_fingerprint
+from .resumable import add_stream_routes
 from .tokens import DetokenizeBody, TokenizeBody, detokenize_tokens, tokenize_text
 
 
@@ -72,6 +73,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
             asyncio.get_running_loop().set_default_executor(
                 ThreadPoolExecutor(endpoints.threads_http, thread_name_prefix="ggufspec-http"))
         yield
+        app.state.streams.cancel_all()  # resumable streams nobody may read any more
         await asyncio.to_thread(engine.close)  # stops the running generation within a step
 
     app = FastAPI(title="ggufspec", lifespan=lifespan)
@@ -89,6 +91,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                                 fingerprint=fingerprint, template_defaults=dict(template_defaults or {}),
                                 reasoning_format=reasoning_format, sse_ping_interval=endpoints.sse_ping_interval)
     protocols.add_routes(app, serving)
+    add_stream_routes(app)  # GET/DELETE /v1/stream, POST /v1/streams/lookup: X-Conversation-Id's streams
 
     @app.get("/health")
     async def health():

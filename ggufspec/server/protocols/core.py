@@ -32,6 +32,7 @@ from ..adapters import check_scales
 from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
 from ..jobs import ClientGone, Engine, Job, chat_prompt
+from .. import resumable
 from ..samplers import sampler_chain
 from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts, request_options, stop_strings
 
@@ -298,14 +299,18 @@ async def answer_or_stream(job: Job, request: Request, stream: bool, whole, even
     """Every protocol's answer: `whole(n_prompt)` (a coroutine: the answer's JSON object) or
     `events(n_prompt)` (an async generator of SSE events that cancels the job when it ends), once
     the job has started, so that its errors until then are HTTP statuses. A client gone before the
-    answer cancels it."""
+    answer cancels it; a stream naming its conversation (X-Conversation-Id) is `resumable`."""
     streaming = False
+    conversation = resumable.conversation_id(request) if stream else None
+    if conversation:  # as llama-server: the conversation's new stream replaces its old one at once
+        resumable.stop_previous(request, conversation)
     try:
         n_prompt = await started(job, request)
         if not stream:
             return JSONResponse(await whole(n_prompt))
-        # a keep-alive comment every N seconds: a proxy keeps the stream open through a long prompt
-        response = EventSourceResponse(events(n_prompt), sep="\n", ping=max(job.sse_ping_interval, 0))
+        ping = max(job.sse_ping_interval, 0)  # a keep-alive comment every N seconds through a long prompt
+        response = resumable.resumable_response(request, conversation, events(n_prompt), ping) if conversation \
+            else EventSourceResponse(events(n_prompt), sep="\n", ping=ping)
         streaming = True
         return response
     except ClientGone:

@@ -1,0 +1,168 @@
+"""llama-server's resumable streams: a streamed request with `X-Conversation-Id` goes on when its client
+leaves, and GET /v1/stream?conv_id=ID&from=N gives the bytes from N on; POST /v1/streams/lookup says
+which of the ids asked are live; DELETE /v1/stream stops one. Real servers on loopback, raw HTTP and the
+official clients."""
+from __future__ import annotations
+
+import json
+import time
+
+import anthropic
+import httpx
+import pytest
+
+from serverproc import serving
+
+KEY = "k-resume"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(chat_pair, tmp_path_factory):
+    target, draft = chat_pair
+    with serving(tmp_path_factory.mktemp("resumable"), "-m", str(target), "-md", str(draft), "--api-key", KEY,
+                 "--temp", "0", "-np", "2") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def slow_server(slow_target, tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("resumable-slow"), "-m", str(slow_target), "--no-draft",
+                 "--api-key", KEY, "--temp", "0", "-np", "1") as running:
+        yield running
+
+
+def chat_body(n: int, text: str = "one two three") -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": n, "stream": True, "temperature": 0}
+
+
+def streamed_bytes(server, body: dict, conversation: str | None, path: str = "/v1/chat/completions") -> bytes:
+    headers = {**AUTH, **({"X-Conversation-Id": conversation} if conversation else {})}
+    with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        return b"".join(response.iter_raw())
+
+
+def replay(server, conversation: str, offset: int = 0) -> httpx.Response:
+    return httpx.get(server.url + "/v1/stream", params={"conv_id": conversation, "from": offset}, headers=AUTH,
+                     timeout=60)
+
+
+def lookup(server, *ids) -> list[dict]:
+    response = httpx.post(server.url + "/v1/streams/lookup", json={"conversation_ids": list(ids)}, headers=AUTH,
+                          timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def answer_text(raw: bytes) -> str:
+    """The chat stream's content deltas, joined (pings and [DONE] passed over)."""
+    text = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            text.append(choices[0].get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+def test_the_stream_is_read_again_from_any_offset(server):
+    whole = streamed_bytes(server, chat_body(24), "conv-a")
+    assert answer_text(whole) == answer_text(streamed_bytes(server, chat_body(24), None))  # the same answer
+    again = replay(server, "conv-a")
+    assert again.status_code == 200 and again.headers["content-type"].startswith("text/event-stream")
+    assert again.content == whole
+    assert replay(server, "conv-a", 40).content == whole[40:]
+    [described] = lookup(server, "conv-a", "conv-unknown")
+    assert described["conversation_id"] == "conv-a" and described["is_done"] is True
+    assert described["total_bytes"] == len(whole) and described["completed_at"] >= described["started_at"] > 0
+
+
+def test_a_client_gone_leaves_the_answer_running_for_the_next_reader(slow_server):
+    body = {**chat_body(48), "messages": [{"role": "user", "content": "a b"}]}
+    with httpx.stream("POST", slow_server.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={**AUTH, "X-Conversation-Id": "conv-gone"}) as response:
+        read = b""
+        for chunk in response.iter_raw():
+            read += chunk
+            if read.count(b"data: ") >= 4:
+                break  # the client leaves a few tokens in
+    rest = replay(slow_server, "conv-gone", len(read))
+    assert rest.status_code == 200
+    resumed = read + rest.content
+    assert resumed.rstrip().endswith(b"data: [DONE]")
+    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in resumed.decode().splitlines()
+              if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert finish[-1] == "length"  # the answer ran to its max_tokens, nobody reading
+    plain = streamed_bytes(slow_server, body, None)
+    assert answer_text(resumed) == answer_text(plain)
+
+
+def test_delete_stops_the_answer_and_drops_the_stream(slow_server):
+    with httpx.stream("POST", slow_server.url + "/v1/chat/completions", json=chat_body(4000), timeout=60,
+                      headers={**AUTH, "X-Conversation-Id": "conv-stop"}) as response:
+        for chunk in response.iter_raw():
+            if b"data: " in chunk:
+                break
+    assert lookup(slow_server, "conv-stop")[0]["is_done"] is False  # still answering, nobody reading
+    stopped = httpx.delete(slow_server.url + "/v1/stream", params={"conv_id": "conv-stop"}, headers=AUTH)
+    assert stopped.status_code == 204
+    assert replay(slow_server, "conv-stop").status_code == 404 and lookup(slow_server, "conv-stop") == []
+    deadline = time.monotonic() + 10
+    while slow_server.health(headers=AUTH)["busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not slow_server.health(headers=AUTH)["busy"]  # the generation was cancelled, not left running
+    assert httpx.delete(slow_server.url + "/v1/stream", params={"conv_id": "conv-stop"}, headers=AUTH).status_code == 204
+
+
+def test_a_new_stream_of_the_conversation_replaces_the_old(slow_server):
+    with httpx.stream("POST", slow_server.url + "/v1/chat/completions", json=chat_body(4000), timeout=60,
+                      headers={**AUTH, "X-Conversation-Id": "conv-twice"}) as response:
+        for chunk in response.iter_raw():
+            if b"data: " in chunk:
+                break
+    second = streamed_bytes(slow_server, chat_body(6), "conv-twice")  # waits for the slot the first held
+    assert replay(slow_server, "conv-twice").content == second
+
+
+def test_the_messages_stream_resumes_too(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    with client.messages.stream(model="m", max_tokens=16, messages=[{"role": "user", "content": "one two"}],
+                                extra_headers={"X-Conversation-Id": "conv-messages"}) as stream:
+        text = "".join(stream.text_stream)
+    raw = replay(server, "conv-messages").content.decode()
+    deltas = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    assert deltas[0]["type"] == "message_start" and deltas[-1]["type"] == "message_stop"
+    assert "".join(d["delta"].get("text", "") for d in deltas if d["type"] == "content_block_delta") == text
+
+
+@pytest.mark.parametrize("method, path, params, body, status, words", [
+    ("GET", "/v1/stream", {}, None, 400, "Missing conversation id"),
+    ("GET", "/v1/stream", {"conv_id": "nobody"}, None, 404, "Stream not found or expired"),
+    ("DELETE", "/v1/stream", {}, None, 400, "Missing conversation id"),
+    ("POST", "/v1/streams/lookup", {}, b"{not json", 400, "invalid body"),
+])
+def test_bad_requests_are_openai_errors(server, method, path, params, body, status, words):
+    response = httpx.request(method, server.url + path, params=params, content=body, headers=AUTH, timeout=10)
+    assert response.status_code == status and words in response.json()["error"]["message"], response.text
+
+
+def test_a_lost_offset_and_a_bad_one(server):
+    streamed_bytes(server, chat_body(4), "conv-offsets")
+    assert replay(server, "conv-offsets", 10**9).content == b""  # past the end of a finished stream: nothing
+    bad = httpx.get(server.url + "/v1/stream", params={"conv_id": "conv-offsets", "from": "-1"}, headers=AUTH)
+    assert bad.status_code == 400 and "Invalid 'from' offset" in bad.json()["error"]["message"]
+
+
+def test_a_refused_request_leaves_no_stream_and_lookup_lists_only_what_is_asked(server):
+    refused = httpx.post(server.url + "/v1/chat/completions", json={"messages": [], "stream": True},
+                         headers={**AUTH, "X-Conversation-Id": "conv-refused"}, timeout=10)
+    assert refused.status_code == 400
+    assert lookup(server, "conv-refused") == [] and lookup(server) == []
+    assert httpx.post(server.url + "/v1/streams/lookup", json={"conversation_ids": "conv-a"}, headers=AUTH).json() == []
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/stream"), ("DELETE", "/v1/stream"),
+                                          ("POST", "/v1/streams/lookup")])
+def test_the_routes_need_the_key(server, method, path):
+    response = httpx.request(method, server.url + path, params={"conv_id": "conv-a"}, json={}, timeout=10)
+    assert response.status_code == 401
