@@ -94,6 +94,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     add_stream_routes(app)  # GET/DELETE /v1/stream, POST /v1/streams/lookup: X-Conversation-Id's streams
 
     @app.get("/health")
+    @app.get("/v1/health")
     async def health():
         last = engine.last and {"n_predict": engine.last.n_predict, "stop_reason": engine.last.stop_reason}
         n_busy = engine.slots.n_busy
@@ -147,6 +148,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                 **protocols.anthropic_model(model_name, created)}
 
     @app.get("/v1/models")
+    @app.get("/models")
     async def models():
         return {"object": "list", "data": [model_entry()], "has_more": False, "first_id": model_name,
                 "last_id": model_name}

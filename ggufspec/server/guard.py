@@ -40,7 +40,7 @@ from .errors import error_body
 MIB = 1 << 20
 # A context of 128k tokens as JSON (its text escaped, or its ids) fits with room to spare.
 DEFAULT_MAX_BODY = 4 * MIB
-OPEN_PATHS = ("/", "/health")  # and the chat page's scripts under /static/: all else needs the key
+OPEN_PATHS = ("/", "/health", "/v1/health")  # and the chat page's scripts under /static/: all else needs the key
 WITH_BODY = ("POST", "PUT", "PATCH", "DELETE")  # methods that change things (and may carry a body)
 # http(s)://localhost, *.localhost, 127.0.0.0/8 and [::1], any port: pages served from this machine
 LOOPBACK_ORIGIN = r"https?://(localhost|[a-z0-9.-]+\.localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?"

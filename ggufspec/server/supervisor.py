@@ -126,7 +126,7 @@ class Supervisor:
         protocol's shape."""
         message, code = self.problem
         body = error_body(path, 503, message, "server_error", code)
-        return 503, ({"status": self.state, **body} if path == "/health" else body)
+        return 503, ({"status": self.state, **body} if path in ("/health", "/v1/health") else body)
 
     # -- the loop ---------------------------------------------------------------------------------
 

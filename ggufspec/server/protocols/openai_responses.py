@@ -304,9 +304,19 @@ class ResponseState:
 
 def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/responses")
+    @app.post("/responses")  # as llama-server, for a client whose base URL lacks /v1
     async def responses(request: Request, body: ResponsesBody):
         serving.check_model(body.model)
         chat = await asyncio.to_thread(chat_request, body, serving)  # thousands of items take a while
         job = await serving.submit(chat, names=NAMES)
         return await respond(job, request, body.stream, lambda n_prompt: ResponseState(serving, body),
                              lambda: splitter_for(serving, job))
+
+    @app.post("/v1/responses/input_tokens")
+    @app.post("/responses/input_tokens")
+    async def input_tokens(body: ResponsesBody):
+        """OpenAI's (`client.responses.input_tokens.count`): the input's length in tokens as the request
+        would be rendered, its instructions and tools included."""
+        serving.check_model(body.model)
+        chat = await asyncio.to_thread(chat_request, body, serving)
+        return {"object": "response.input_tokens", "input_tokens": await serving.count_tokens(chat, names=NAMES)}
