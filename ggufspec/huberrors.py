@@ -1,6 +1,7 @@
 """The hub's failures as one-line StoreErrors that say how to fix them, whichever HTTP stack
 huggingface_hub uses: an unreachable hub, a gated or missing repository, a transfer cut midway
-(which the next pull resumes). And where the hub is: HF_ENDPOINT, read per call."""
+(which the next pull resumes). And where the hub is: HF_ENDPOINT, read per call; whether it may be
+asked at all: huggingface_hub's offline mode (HF_HUB_OFFLINE, or the CLI's --offline)."""
 from __future__ import annotations
 
 import contextlib
@@ -22,16 +23,29 @@ def endpoint() -> str:
     return _endpoint_env() or constants.ENDPOINT or "https://huggingface.co"
 
 
+def offline_mode() -> bool:
+    """huggingface_hub's offline mode: its requests fail at once (OfflineModeIsEnabled), nothing is fetched."""
+    from huggingface_hub import constants
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def go_offline() -> None:
+    """Offline mode for this process (huggingface_hub reads its constant per request) and those it starts."""
+    from huggingface_hub import constants
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+
+
 class HubUnreachable(StoreError):
     """No connection to the hub could be made (refused, DNS, offline mode): nothing was transferred."""
 
 
-def hub_errors(label: str, *, transfer: bool = False, where: str | None = None):
+def hub_errors(label: str, *, transfer: bool = False, where: str | None = None, hub: bool = True):
     """huggingface_hub's exceptions as one-line StoreErrors that say how to fix the problem.
 
     Outside a transfer (HEAD requests, listings) every transport error means the hub was not
     reached; during one, only a failure to connect does: anything else cut a transfer that had
-    started, which the next pull resumes."""
+    started, which the next pull resumes. `hub`: False for a plain URL's server (no HF_ENDPOINT to check)."""
     from huggingface_hub import errors as hf_errors
 
     @contextlib.contextmanager
@@ -80,7 +94,7 @@ def hub_errors(label: str, *, transfer: bool = False, where: str | None = None):
         if not _is_transport_error(exc):
             return
         if not transfer or _is_connect_error(exc):
-            raise HubUnreachable(_unreachable_message(where or endpoint(), exc)) from None
+            raise HubUnreachable(_unreachable_message(where or endpoint(), exc, hub)) from None
         raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: {_reason(exc)}); "
                          f"run pull again to resume") from None
     return mapping()
@@ -94,7 +108,9 @@ def _is_transport_error(exc: Exception) -> bool:
             or module.startswith(("httpx", "httpcore", "requests", "urllib3", "h11")))
 
 
-def _unreachable_message(where: str, exc: Exception) -> str:
+def _unreachable_message(where: str, exc: Exception, hub: bool = True) -> str:
+    if not hub:
+        return f"cannot reach {where} ({_reason(exc)}): check the URL and the network"
     hint = (f"check HF_ENDPOINT (set to {_endpoint_env()}) and the network" if _endpoint_env()
             else "check the network (HF_ENDPOINT points ggufspec at another hub or a mirror)")
     return f"cannot reach the hub at {where} ({_reason(exc)}): {hint}"
@@ -108,9 +124,14 @@ def download_headers(url: str) -> dict:
     the hub redirected to another host (a CDN's signed URL needs none), as `hf_hub_download` does."""
     from huggingface_hub.utils import build_hf_headers
     headers = build_hf_headers()
-    if origin(url) not in (origin(endpoint()), *HUB_HOSTS):
+    if not at_hub(url):
         headers.pop("authorization", None)
     return headers
+
+
+def at_hub(url: str) -> bool:
+    """Whether `url` is the hub's (HF_ENDPOINT's or huggingface.co's): the only place the token goes."""
+    return origin(url) in (origin(endpoint()), *HUB_HOSTS)
 
 
 def origin(url: str) -> str:

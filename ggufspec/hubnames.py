@@ -6,12 +6,18 @@ A hub's listing (or a mirror's: `HF_ENDPOINT` may point anywhere), an `hf://OWNE
 backslash or a drive letter, so refusing those loses nothing legitimate, and a subfolder the hub
 really uses (`Q4_K_M/model-Q4_K_M-00001-of-00002.gguf`) passes. `contained` checks the joined path
 as well: what the names allow must still land inside the store's folder.
+
+Where those folders are: a hub file at models/OWNER__REPO/FILE once verified, its partial download
+under downloads/OWNER__REPO/ (`stored_names` reads a repository's back, for the store to choose among
+them when the hub cannot be asked).
 """
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
+
+from .home import home
 
 DRIVE = re.compile(r"^[A-Za-z]:")
 MAX_SEGMENT = 255 - len(".0123456789abcdef.incomplete")  # a partial download's name must fit too
@@ -65,3 +71,40 @@ def contained(root: Path, *parts: str) -> Path | None:
     base = os.path.normpath(os.path.abspath(root))
     joined = os.path.normpath(os.path.join(base, *parts))
     return Path(joined) if joined.startswith(base + os.sep) else None
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def downloads_dir() -> Path:
+    return home() / "downloads"
+
+
+def repo_folder(repo: str) -> str:
+    return repo.replace("/", "__")
+
+
+# downloads/OWNER__REPO/FILE.KEY.incomplete, KEY the start of the remote's sha256: a partial download
+# of an older upload is never resumed with the new upload's bytes (huggingface_hub keys its
+# .incomplete files by ETag). Where the hub gives no sha256, KEY hashes its ETag and size instead.
+PARTIAL = re.compile(r"(?:\.[0-9a-f]{16})?\.incomplete$")
+
+
+def partial_of(name: str) -> str | None:
+    """The file name a partial download's name is for; None when it is not one."""
+    m = PARTIAL.search(name)
+    return name[:m.start()] if m and m.start() else None
+
+
+def stored_names(repo: str) -> list[str]:
+    """The file names of a repository that the store holds, complete or partly downloaded."""
+    names = set()
+    for root, partial in ((models_dir(), False), (downloads_dir(), True)):
+        folder = contained(root, repo_folder(repo))
+        for path in (folder.rglob("*") if folder is not None and folder.is_dir() else ()):
+            name = path.relative_to(folder).as_posix()
+            name = partial_of(name) if partial else name
+            if name and not name.endswith(".part") and path.is_file() and not unsafe_file_reason(name):
+                names.add(name)
+    return sorted(names)

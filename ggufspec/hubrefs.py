@@ -1,24 +1,30 @@
-"""Hub references outside the registry: `hf://OWNER/REPO/FILE.gguf` and llama.cpp's `OWNER/REPO:QUANT`.
+"""Hub references outside the registry: `hf://OWNER/REPO/FILE.gguf`, llama.cpp's `OWNER/REPO:QUANT`,
+and `hf://OWNER/REPO` (llama.cpp's -hf OWNER/REPO without a tag: its Q4_K_M, else its Q8_0, else its
+first model).
 
 How a reference is parsed, how a split GGUF's shards are named, and which file of a listing a quant
-tag names. The store (store.entry_from_reference) decides which listing to use: the hub's, or the
-files it holds when the hub cannot be asked.
+tag (or none) names: in the hub's listing, or in the files the store holds when the hub cannot be
+asked (offline mode, unreachable), as huggingface_hub and llama.cpp's -hf fall back to their caches.
 """
 from __future__ import annotations
 
 import re
 
 from .errors import BadReferenceError, StoreError, UnsafeNameError
-from .huberrors import endpoint, hub_errors
-from .hubnames import MAX_LISTING, unsafe_file_reason, unsafe_repo_reason
+from .huberrors import HubUnreachable, endpoint, hub_errors
+from .hubnames import MAX_LISTING, stored_names, unsafe_file_reason, unsafe_repo_reason
 
 HF_URL = re.compile(r"^hf://(?P<repo>[^/\s]+/[^/\s]+)/(?P<file>\S+\.gguf)$")
+HF_REPO = re.compile(r"^hf://(?P<repo>[^/\s:]+/[^/\s:]+)$")  # the repository's default model
 HF_SHORTHAND = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>[\w.-]+)$")
 LOOKS_LIKE_SHORTHAND = re.compile(r"^[^/\s:]+/[^/\s:]+:")  # OWNER/REPO:... whatever follows
 SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 # a word of a file name that looks like a quantization: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, F16, BF16, F32, MXFP4
 QUANT_WORD = re.compile(r"(?i)(?:I?Q|TQ)\d(?:_[0-9A-Z]+)*|B?F16|F32|MXFP4(?:_MOE)?")
 MAX_NAMED = 12  # candidates or quants named in one error line
+DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")  # llama.cpp's -hf without a tag (common/download.cpp's find_best_model)
+# GGUF files of a repository that are no model to run: llama.cpp's gguf_filename_is_model leaves them out
+NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 
 
 class NoSuchQuant(StoreError):
@@ -81,8 +87,10 @@ def with_shards(repo: str, file: str) -> tuple[str, ...]:
 
 
 def _models_in(repo: str, names: list[str]) -> list[str]:
-    """The GGUF models of a listing, each by its first file (a split model once), projectors left out."""
-    return sorted({first_shard(n) for n in names if n.endswith(".gguf") and "mmproj" not in n.lower()})
+    """The GGUF models of a listing, each by its first file (a split model once), projectors, importance
+    matrices and draft heads left out."""
+    return sorted({first_shard(n) for n in names
+                   if n.endswith(".gguf") and not any(word in n.lower() for word in NOT_MODELS)})
 
 
 def _tagged(quant: str) -> re.Pattern:
@@ -115,3 +123,33 @@ def quant_files(repo: str, quant: str, names: list[str], where: str) -> tuple[st
     listed = ", ".join(have[:MAX_NAMED]) + (", ..." if len(have) > MAX_NAMED else "")
     raise NoSuchQuant(f"{repo}: no .gguf file in {where} is quantized {quant!r}"
                      + (f"; it has {listed}" if have else "; it holds no .gguf file"))
+
+
+def default_files(repo: str, names: list[str], where: str) -> tuple[str, ...]:
+    """The model llama.cpp's -hf OWNER/REPO takes without a tag: its Q4_K_M, else its Q8_0 (each as a
+    tag names one), else its first model by name."""
+    for quant in DEFAULT_QUANTS:
+        try:
+            return quant_files(repo, quant, names, where)
+        except NoSuchQuant:
+            continue
+    models = _models_in(repo, names)
+    if not models:
+        raise NoSuchQuant(f"{repo}: {where} holds no .gguf model file")
+    return with_shards(repo, models[0])
+
+
+def model_files(repo: str, quant: str | None) -> tuple[str, ...]:
+    """The files a quant tag (None: the default) names: in the hub's listing, or, when the hub cannot be
+    asked, among the files of the repository in the store. Only with no match there is the hub's
+    failure raised."""
+    def choose(names: list[str], where: str) -> tuple[str, ...]:
+        return quant_files(repo, quant, names, where) if quant else default_files(repo, names, where)
+    try:
+        names = repo_files(repo)
+    except HubUnreachable as unreachable:
+        try:
+            return choose(stored_names(repo), "the store (the hub cannot be asked)")
+        except NoSuchQuant:
+            raise unreachable from None
+    return choose(names, "the repository")

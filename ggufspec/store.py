@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BadReferenceError, StoreError, UnsafeNameError
-from .huberrors import HubUnreachable, download_headers, endpoint, hub_errors, origin  # noqa: F401  (HubUnreachable: store.HubUnreachable)
+from .huberrors import HubUnreachable, download_headers, endpoint, hub_errors, offline_mode, origin
 from .home import home, one_at_a_time
 from .hubnames import MAX_FILE_BYTES, contained, unsafe_file_reason, unsafe_repo_reason
-from .hubrefs import HF_SHORTHAND, HF_URL, LOOKS_LIKE_SHORTHAND, NoSuchQuant, quant_files
+from .hubnames import PARTIAL, downloads_dir, models_dir, partial_of as _partial_of, repo_folder as _slug  # noqa: F401
+from .hubrefs import HF_REPO, HF_SHORTHAND, HF_URL, LOOKS_LIKE_SHORTHAND, model_files
 from .hubrefs import SPLIT_SHARD, checked_listing as _checked_listing  # noqa: F401  (hubdraft's store._checked_listing)
-from .hubrefs import check_reference as _check_reference, repo_files as _repo_files, with_shards as _with_shards
+from .hubrefs import check_reference as _check_reference, with_shards as _with_shards
 from .registry import ModelEntry, Registry, load_registry
+from .urlmodels import entry_from_url, is_url, is_url_entry, label_of, url_metadata
 from .verified import record_verified, verified_files, verified_path  # noqa: F401  (store.verified_path)
 
 CHUNK = 8 << 20
@@ -35,22 +37,12 @@ class DemoPairMissing(StoreError):
     pass
 
 
-def models_dir() -> Path:
-    return home() / "models"
-
-
-def downloads_dir() -> Path:
-    return home() / "downloads"
-
-
-def _slug(repo: str) -> str:
-    return repo.replace("/", "__")
-
-
 def _inside(root: Path, entry: ModelEntry, file: str, suffix: str = "") -> Path:
-    """root/OWNER__REPO/file, refused unless both names are safe and the path stays inside root."""
-    reason = unsafe_repo_reason(entry.repo) or unsafe_file_reason(file)
-    path = contained(root, _slug(entry.repo), file + suffix) if reason is None else None
+    """root/OWNER__REPO/file (a URL's file: root/web-HOST/file), refused unless both names are safe and
+    the path stays inside root."""
+    web = is_url_entry(entry)
+    reason = (None if web else unsafe_repo_reason(entry.repo)) or unsafe_file_reason(file)
+    path = contained(root, entry.repo if web else _slug(entry.repo), file + suffix) if reason is None else None
     if path is None:
         raise UnsafeNameError(f"refusing {entry.repo}/{file!r}: {reason or 'it would land outside ' + str(root)}; "
                               f"nothing was written")
@@ -230,6 +222,9 @@ def remote_files(entry: ModelEntry) -> list[RemoteFile]:
     found = []
     for file in entry.files:
         final_path(entry, file)  # a name that cannot be stored is refused before the hub is asked
+        if is_url_entry(entry):  # a plain URL's file (urlmodels): its server's HEAD answers
+            found.append(RemoteFile(file, *url_metadata(entry, file)))
+            continue
         url = hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=endpoint())
         with hub_errors(f"{entry.repo}/{file}"):
             meta = get_hf_file_metadata(url)
@@ -248,22 +243,10 @@ def _check_disk_room(needed: int, where: Path) -> None:
         raise StoreError(f"not enough disk space in {where}: need {human_size(needed)}, {human_size(free)} free")
 
 
-# downloads/OWNER__REPO/FILE.KEY.incomplete, KEY the start of the remote's sha256: a partial download
-# of an older upload is never resumed with the new upload's bytes (huggingface_hub keys its
-# .incomplete files by ETag). Where the hub gives no sha256, KEY hashes its ETag and size instead.
-PARTIAL = re.compile(r"(?:\.[0-9a-f]{16})?\.incomplete$")
-
-
 def _partial_path(entry: ModelEntry, remote: RemoteFile) -> Path:
     upload = remote.lfs_sha256 or hashlib.sha256(f"{remote.etag}:{remote.size}".encode()).hexdigest()
     key = f".{upload[:16]}" if remote.lfs_sha256 or remote.etag or remote.size is not None else ""
     return _inside(downloads_dir(), entry, remote.file, key + ".incomplete")
-
-
-def _partial_of(name: str) -> str | None:
-    """The file name a partial download's name is for; None when it is not one."""
-    m = PARTIAL.search(name)
-    return name[:m.start()] if m and m.start() else None
 
 
 def _partials(entry: ModelEntry, file: str) -> list[Path]:
@@ -337,7 +320,8 @@ def _download(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     survives Ctrl-C, a kill or a dropped connection is kept here, where the next pull finds it.
     """
     from huggingface_hub.file_download import http_get
-    label = f"{entry.repo}/{remote.file}"
+    label, web = label_of(entry, remote.file), is_url_entry(entry)
+    source = origin(remote.url) if web else f"the hub at {endpoint()}"
     partial = _partial_path(entry, remote)
     partial.parent.mkdir(parents=True, exist_ok=True)
     for other in _partials(entry, remote.file):
@@ -345,7 +329,7 @@ def _download(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
             other.unlink()  # bytes of another upload of the file: of no use to this one
     if remote.size is not None and _staged_bytes(entry, remote) > remote.size:
         partial.unlink()  # not a prefix of this file: start again
-    with partial.open("ab") as out, hub_errors(label, transfer=True, where=origin(remote.url)), \
+    with partial.open("ab") as out, hub_errors(label, transfer=True, where=origin(remote.url), hub=not web), \
             _progress_bars(progress):
         resume = out.tell()
         if remote.size is None or resume < remote.size:
@@ -355,22 +339,22 @@ def _download(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     if remote.size is not None and received != remote.size:
         # a complete answer of another length than the hub announced: not a cut transfer to resume
         partial.unlink()
-        raise StoreError(f"{label}: the hub at {endpoint()} announced {remote.size} bytes but sent {received}; "
+        raise StoreError(f"{label}: {source} announced {remote.size} bytes but sent {received}; "
                          f"the download was deleted")
     expected = entry.sha256.get(remote.file) or remote.lfs_sha256
     if expected is None:  # nothing to check its bytes against: at least that they are a GGUF file's
-        _check_gguf_magic(partial, label)
+        _check_gguf_magic(partial, label, source)
     with _progress(partial.stat().st_size, f"verifying {remote.file}", progress) as bar:
         actual = sha256_of(partial, bar)
     return _install_verified(partial, entry, remote.file, expected, actual)
 
 
-def _check_gguf_magic(staged: Path, label: str) -> None:
+def _check_gguf_magic(staged: Path, label: str, source: str) -> None:
     with staged.open("rb") as f:
         start = f.read(16)
     if not start.startswith(b"GGUF"):
         staged.unlink()
-        raise StoreError(f"{label}: the hub at {endpoint()} sent no GGUF file (it begins {start!r}: an error "
+        raise StoreError(f"{label}: {source} sent no GGUF file (it begins {start!r}: an error "
                          f"or login page?), and no sha256 to check it by; the download was deleted")
 
 
@@ -441,60 +425,45 @@ def human_size(n: int | None) -> str:
         n /= 1024
 
 
-# ---------------------------------------------------------------- hub references outside the registry
-# Parsing and quant matching live in hubrefs; here the store picks the listing to match against.
+# ---------------------------------------------------------------- hub references and URLs outside the registry
+# Parsing and quant matching (in the hub's listing or the store's) live in hubrefs, URLs in urlmodels.
 
 def entry_from_reference(ref: str) -> ModelEntry | None:
-    """`hf://OWNER/REPO/FILE.gguf` or llama.cpp's `OWNER/REPO:QUANT` as an ad-hoc model entry.
+    """`hf://OWNER/REPO/FILE.gguf`, llama.cpp's `OWNER/REPO:QUANT`, `hf://OWNER/REPO` (its default
+    model) or an http(s) URL (`urlmodels`) as an ad-hoc model entry.
 
-    None when `ref` is neither; BadReferenceError when it is meant as one but is malformed."""
+    None when `ref` is none of them; BadReferenceError when it is meant as one but is malformed."""
+    if is_url(ref):
+        return entry_from_url(ref)
+    if m := HF_REPO.match(ref):
+        _check_reference(ref, m["repo"])
+        return ModelEntry(ref, m["repo"], model_files(m["repo"], None))
     if ref.startswith("hf://"):
         m = HF_URL.match(ref)
         if not m:
-            raise BadReferenceError(f"{ref!r} is not a hub file reference: use hf://OWNER/REPO/FILE.gguf")
+            raise BadReferenceError(f"{ref!r} is not a hub file reference: use hf://OWNER/REPO/FILE.gguf (or "
+                                    f"hf://OWNER/REPO: its Q4_K_M, else Q8_0, else first model)")
         _check_reference(ref, m["repo"], m["file"])
         return ModelEntry(ref, m["repo"], _with_shards(m["repo"], m["file"]))
     if m := HF_SHORTHAND.match(ref):
         _check_reference(ref, m["repo"])
-        return ModelEntry(ref, m["repo"], _quant_files(m["repo"], m["quant"]))
+        return ModelEntry(ref, m["repo"], model_files(m["repo"], m["quant"]))
     if LOOKS_LIKE_SHORTHAND.match(ref):
         raise BadReferenceError(f"{ref!r} is not a hub reference: use OWNER/REPO:QUANT (e.g. "
                                 f"bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M)")
     return None
 
 
-def _quant_files(repo: str, quant: str) -> tuple[str, ...]:
-    """The files a quant tag names: in the hub's listing, or, when the hub cannot be asked (offline
-    mode, unreachable), among the files of the repository in the store, as huggingface_hub and
-    llama.cpp's -hf fall back to their caches. Only with no match there is the hub's failure raised."""
-    try:
-        names = _repo_files(repo)
-    except HubUnreachable as unreachable:
-        try:
-            return quant_files(repo, quant, _stored_names(repo), "the store (the hub cannot be asked)")
-        except NoSuchQuant:
-            raise unreachable from None
-    return quant_files(repo, quant, names, "the repository")
-
-
-def _stored_names(repo: str) -> list[str]:
-    """The file names of a repository that the store holds, complete or partly downloaded."""
-    names = set()
-    for root, partial in ((models_dir(), False), (downloads_dir(), True)):
-        folder = contained(root, _slug(repo))
-        for path in (folder.rglob("*") if folder is not None and folder.is_dir() else ()):
-            name = path.relative_to(folder).as_posix()
-            name = _partial_of(name) if partial else name
-            if name and not name.endswith(".part") and path.is_file() and not unsafe_file_reason(name):
-                names.add(name)
-    return sorted(names)
-
-
 def resolve_model_arg(arg: str, progress: bool = True) -> str:
-    """`run -m/-md`: a local path as is; a hub reference pulled (verified) and its first shard returned."""
+    """`run -m/-md`: a local path as is; a hub reference or URL pulled (verified) and its first shard
+    returned. In offline mode, one the store lacks is one line naming the pull that would fetch it."""
     if Path(arg).exists():
         return arg
-    entry = entry_from_reference(arg)
-    if entry is None:
-        return arg  # let the loader say it is missing
-    return str(pull(entry, progress=progress)[0])
+    try:
+        entry = entry_from_reference(arg)
+        return arg if entry is None else str(pull(entry, progress=progress)[0])  # None: the loader says it is missing
+    except HubUnreachable:
+        if not offline_mode():
+            raise
+        raise StoreError(f"{arg} is not in the store, and offline mode (--offline, HF_HUB_OFFLINE) fetches nothing: "
+                         f"run `ggufspec pull {arg}` first, or leave offline mode") from None

@@ -12,7 +12,7 @@ from .options import cache_type_options, options, tensor_placement_options
 
 
 def _model_entries(name: str):
-    """The models a name stands for: a pair's two, a single model's one, or a hub reference."""
+    """The models a name stands for: a pair's two, a single model's one, or a hub reference or URL."""
     from ..registry import load_registry
     from ..store import entry_from_reference
     registry = load_registry()
@@ -23,8 +23,8 @@ def _model_entries(name: str):
         return [registry.models[name]]
     entry = entry_from_reference(name)
     if entry is None:
-        raise GgufspecError(f"unknown pair or model {name!r}: see `ggufspec list`, or give hf://OWNER/REPO/FILE.gguf "
-                            f"or OWNER/REPO:QUANT")
+        raise GgufspecError(f"unknown pair or model {name!r}: see `ggufspec list`, or give hf://OWNER/REPO/FILE.gguf, "
+                            f"OWNER/REPO:QUANT, hf://OWNER/REPO or a GGUF file's http(s) URL")
     return [entry]
 
 
@@ -38,7 +38,9 @@ def _model_entries(name: str):
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no progress bars).")
 @friendly_errors
 def pull(name, with_draft, dry_run, quiet, as_json):
-    """Fetch a pair or model (default: the default pair) into the cache, verified and resumable."""
+    """Fetch a pair or model (default: the default pair) into the cache, verified and resumable: a name
+    from `ggufspec list`, hf://OWNER/REPO/FILE.gguf, OWNER/REPO:QUANT, hf://OWNER/REPO (its Q4_K_M, else
+    Q8_0, else first model: llama.cpp's -hf OWNER/REPO) or a GGUF file's http(s) URL (llama.cpp's -mu)."""
     from .. import store
     from ..registry import load_registry
     registry = load_registry()
@@ -153,7 +155,7 @@ def _print_unlisted(others: dict, partial: list[dict]) -> None:
     """The files no registry entry names (pulled by hub reference), and the downloads left unfinished."""
     from .. import store
     if others:
-        click.echo("\nOTHER MODELS (pulled by hub reference; not in models.toml)")
+        click.echo("\nOTHER MODELS (pulled by hub reference or URL; not in models.toml)")
         for ref, m in others.items():
             click.echo(f"  {ref:<38} {store.human_size(m['size']):>20}  on disk")
     if partial:

@@ -15,6 +15,7 @@ from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import SamplingParams  # the sampling defaults, in one place
 from .app import not_utf8_file, utf8_text
 from .constraint_options import constraint_options, constraints_from
+from .hub_flags import hub_flag_options
 from .load_extras import EXTRA_LOAD_FLAGS, extra_load_options
 from .spec_type import apply_spec_type, spec_type_options
 
@@ -44,10 +45,12 @@ def model_options(command):
     """The models and how they are loaded: shared by run, serve and chat."""
     return options(
         click.argument("pair", required=False),
-        click.option("-m", "--model", "model", help="Target model (GGUF path, hf://... or OWNER/REPO:QUANT)."),
+        click.option("-m", "--model", "model",
+                     help="Target model (GGUF path, hf://OWNER/REPO[/FILE.gguf], OWNER/REPO:QUANT or a URL)."),
         click.option("-md", "--model-draft", "model_draft",
-                     help="Draft model (GGUF path) [default: one on disk with the target's tokenizer, at least 5x "
-                          "smaller; else the registry's pair; else n-gram drafting]."),
+                     help="Draft model (GGUF path, or as -m) [default: one on disk with the target's tokenizer, at "
+                          "least 5x smaller; else the registry's pair; else n-gram drafting]."),
+        *hub_flag_options(),  # -hf, -hff, -hfd, -hft, -mu, --offline: llama.cpp's download flags as -m/-md
         click.option("--draft-dir", "draft_dir", default=None, metavar="DIR",
                      help="Also look for a draft model in this folder (besides ggufspec's models)."),
         click.option("--lookup-pool", "lookup_pool", type=int, default=DEFAULT_POOL_SIZE, metavar="N",
@@ -72,7 +75,7 @@ def model_options(command):
                           "bit-identical to the target alone with the batch kept (prompt processing slower)."),
         click.option("--swa-full", is_flag=True, help="Full-size caches for sliding-window layers (default: "
                      "window-sized, as llama-server; rollback through checkpoints)."),
-        *load_flag_options(),
+        *load_flag_options(hub=False),
         click.option("--chat-template", "chat_template", default=None, metavar="JINJA",
                      help="Render chats with this Jinja template (or chatml) instead of the model's own."),
         click.option("--chat-template-file", "chat_template_file", default=None, metavar="FILE",
@@ -80,11 +83,13 @@ def model_options(command):
     )(command)
 
 
-def load_flag_options():
+def load_flag_options(hub: bool = True):
     """llama.cpp's load flags, by its names (common/arg.cpp). -b, -ub, --mlock and --no-mmap apply to
-    both models; the draft's threads default to the target's, its cache types are its own."""
+    both models; the draft's threads default to the target's, its cache types are its own. `hub`: with
+    the download flags (-hf...: bench's and eval's; model_options puts them beside its -m)."""
     threads = dict(type=click.IntRange(min=1), default=None, metavar="N")
     return [
+        *(hub_flag_options() if hub else []),
         click.option("-b", "--batch-size", "n_batch", **threads,
                      help="Logical batch: the most tokens one decode takes (a prompt goes in chunks of it; a step's "
                           "K drafts + 1 must fit) [default: 512, or -ub if larger; llama.cpp's is 2048]."),
