@@ -15,7 +15,8 @@ from . import lora
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
 from .llamalog import allocation_failures, ignored_overrides, interrupt_after_native, quiet_llama_logs
 from .native import Context
-from .placement import SPLIT_MODES, devices_named, override_array, overrides_tag
+from .placement import (SPLIT_MODES, apply_process_placement, devices_named, numa_strategy, override_array,
+                        overrides_tag)
 # the chat template (its own module): re-exported, readers call load.chat_template and load.render_chat
 from .chat_templates import (DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_prompt, chat_template,  # noqa: F401
                              check_messages, checked_chat_template, render_chat, system_in_first_user,
@@ -79,6 +80,19 @@ class LoadParams:
     split_mode: str = "layer"          # -sm: how several GPUs share the model (placement.SPLIT_MODES)
     main_gpu: int = 0                  # -mg: the GPU of -sm none, or of -sm row's intermediate results
     device_names: tuple | None = None  # -dev: the devices offloaded to, by name (() none: the CPU only)
+    # llama_context_params / llama_model_params fields by their names (`cpuflags`: -nkvo, --no-op-offload,
+    # --no-perf, -nr, --no-host, --check-tensors, -lzm): llama.cpp's defaults. --exact's target is never repacked
+    offload_kqv: bool = True
+    op_offload: bool = True
+    no_perf: bool = False
+    repack: bool = True
+    no_host: bool = False
+    check_tensors: bool = False
+    lazy_mode: str = "auto"            # on | auto | off (LAZY_MODES)
+    # the process's, set as the model loads (`placement`): --numa's strategy, -C/-Cr's CPUs, --prio's priority
+    numa: str | None = None
+    cpus: tuple | None = None
+    priority: int = 0
 
 
 # the RoPE/YaRN fields of llama_context_params (and Llama's keywords) that `rope` may set
@@ -89,6 +103,8 @@ ROPE_FIELDS = ("rope_scaling_type", "rope_freq_base", "rope_freq_scale", "yarn_e
 YARN_FROM_MODEL = {"yarn_attn_factor": -1.0, "yarn_beta_fast": -1.0, "yarn_beta_slow": -1.0}
 
 
+LAZY_MODES = {"off": llama_cpp.LLAMA_LAZY_MODE_OFF, "auto": llama_cpp.LLAMA_LAZY_MODE_AUTO,
+              "on": llama_cpp.LLAMA_LAZY_MODE_ON}
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
@@ -124,15 +140,18 @@ def with_flags(target: LoadParams, draft: LoadParams, flags: dict | None) -> tup
 
 
 # load flags that change what a step costs (the micro-batch, the cache types, the batch threads, where the
-# tensors live): part of the key under which --draft auto remembers a machine's step costs
+# tensors and the KV cache live, the kernels, the CPUs): part of the key under which --draft auto remembers
+# a machine's step costs
 COST_FLAGS = ("n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads", "tensor_overrides", "kv_overrides",
-              "split_mode", "main_gpu", "tensor_split", "device_names")
+              "split_mode", "main_gpu", "tensor_split", "device_names", "offload_kqv", "op_offload", "repack",
+              "no_host", "lazy_mode", "numa", "cpus", "priority")
 
 
 def flags_tag(flags: dict | None) -> str:
     """The load flags that change step costs, as a costs key's tag ("" for llama.cpp's defaults)."""
     defaults = {"n_ubatch": 512, "type_k": "f16", "type_v": "f16", "tensor_overrides": (), "kv_overrides": (),
-                "split_mode": "layer", "main_gpu": 0}
+                "split_mode": "layer", "main_gpu": 0, "offload_kqv": True, "op_offload": True, "repack": True,
+                "no_host": False, "lazy_mode": "auto", "priority": 0}
     return "".join(f",{role[0]}{name}={_tag_value(name, value)}"
                    for role, fields in sorted((flags or {}).items()) for name, value in sorted(fields.items())
                    if name in COST_FLAGS and value is not None and defaults.get(name) != value)
@@ -155,18 +174,19 @@ def flash_attn_type(setting: str | bool) -> int:
 
 
 @contextlib.contextmanager
-def _model_params(load_mtp: bool, repack: bool, overrides=None):
+def _model_params(load: LoadParams, overrides=None):
     """Set llama_model_params fields Llama(...) has no argument for, for the next load only: load_mtp
-    (the MTP blocks), use_extra_bufts (repacking) and tensor_buft_overrides (`placement.override_array`,
-    kept alive by the caller). It builds the model through `_internals.LlamaModel(params=...)`."""
+    (the MTP blocks), use_extra_bufts (repacking: never under --exact), check_tensors, no_host, lazy_mode
+    and tensor_buft_overrides (`placement.override_array`, kept alive by the caller). It builds the model
+    through `_internals.LlamaModel(params=...)`."""
     from llama_cpp import _internals
     original = _internals.LlamaModel
 
     def with_fields(*args, params, **kwargs):
-        if load_mtp:
-            params.load_mtp = True
-        if not repack:
-            params.use_extra_bufts = False
+        params.load_mtp = params.load_mtp or load.load_mtp
+        params.use_extra_bufts = params.use_extra_bufts and load.repack and not load.exact
+        params.check_tensors, params.no_host = load.check_tensors, load.no_host
+        params.lazy_mode = LAZY_MODES[load.lazy_mode]
         if overrides is not None:
             params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p).value
         return original(*args, params=params, **kwargs)
@@ -277,13 +297,14 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     # RPC workers, or -dev's devices (resolved by name: handles are this process's)
     devices = params.devices if params.devices is not None or params.device_names is None \
         else devices_named(params.device_names)
+    apply_process_placement(params.cpus, params.priority)  # -C/-Cr, --prio: the process's, before it loads
     allocation_failures()  # an earlier load's are not this one's
     ignored_overrides()
     try:
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         options = _llama_options(params, strict, unified)
         with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
-                _model_params(params.load_mtp, not params.exact, overrides), interrupt_after_native():
+                _model_params(params, overrides), interrupt_after_native():
             if devices is not None:  # placed on chosen devices: a loading concern, same Llama
                 llm = load_on_devices(path, devices, **options)
             else:
@@ -322,7 +343,9 @@ def _llama_options(params: LoadParams, strict: bool, unified: bool) -> dict:
                 type_v=cache_type(params.type_v), logits_all=False, verbose=False, swa_full=swa_full,
                 split_mode=SPLIT_MODES[params.split_mode], main_gpu=params.main_gpu,
                 tensor_split=list(params.tensor_split) if params.tensor_split else None,
-                kv_overrides=dict(params.kv_overrides) or None, **{**YARN_FROM_MODEL, **dict(params.rope)})
+                kv_overrides=dict(params.kv_overrides) or None, offload_kqv=params.offload_kqv,
+                op_offload=params.op_offload, no_perf=params.no_perf, numa=numa_strategy(params.numa),
+                **{**YARN_FROM_MODEL, **dict(params.rope)})
 
 
 def _check_overrides_taken(llm: llama_cpp.Llama, role: str) -> None:
@@ -344,6 +367,8 @@ def load_failure(exc: Exception, params: LoadParams) -> str:
         hint = f" (-c {params.n_ctx}: a smaller context needs less memory)" if "context" in str(exc) else ""
         if "context" in str(exc) and params.type_v not in FLOAT_CACHE_TYPES + (params.type_k,):
             hint += f"; this model may need the same K and V cache types, not {params.type_k} and {params.type_v}"
+        if params.check_tensors and "model" in str(exc):
+            hint += "; --check-tensors: a weight may hold NaN or inf values (-v: llama.cpp's log names it)"
         if params.tensor_overrides and "model" in str(exc):  # llama.cpp compiles them as it loads
             hint += ("; check the -ot/-otd patterns for Python-only regex syntax ((?P<name>...), (?<=...), \\A...): "
                      "llama.cpp compiles them as ECMAScript regexes")

@@ -1,6 +1,7 @@
 """llama.cpp's remaining model-loading flags, checked and turned into `load.LoadParams` fields by role:
 RoPE/YaRN context extension (--rope-scaling, --rope-scale, --rope-freq-base, --rope-freq-scale, --yarn-*),
---override-kv KEY=TYPE:VALUE, and multi-GPU placement (-sm, -mg, -ts, -dev, -devd).
+--override-kv KEY=TYPE:VALUE, and multi-GPU placement (-sm, -mg, -ts, -dev, -devd); with `cpuflags`' too
+(-nkvo, -nr, --numa, -C, --prio, -ncffn, -fit...) where the options carry them.
 
 Which model gets what is llama.cpp's: its draft model and context are made from a copy of the target's
 params (common_base_params_to_speculative, used by llama-server and llama-speculative-simple), which
@@ -18,6 +19,7 @@ from typing import Sequence
 
 import llama_cpp
 
+from .cpuflags import cpu_fields_by_role, fit_setting
 from .errors import GgufspecError
 from . import placement
 
@@ -194,6 +196,9 @@ def fields_by_role(options) -> tuple[dict, dict]:
     target, draft = _devices_by_role(options, dict(shared), dict(shared))
     check_split(target, options.rpc)
     check_split(draft, options.rpc)
+    cpu_target, cpu_draft = cpu_fields_by_role(options)  # -nkvo, -nr, --numa, -C, --prio, -ncffn... (`cpuflags`)
+    target.update(cpu_target)
+    draft.update(cpu_draft)
     return target, draft
 
 
@@ -218,7 +223,11 @@ def _devices_by_role(options, target: dict, draft: dict) -> tuple[dict, dict]:
 
 def offload_given(options) -> tuple[int | None, int | None]:
     """-ngl and -ngld as given, 0 where -dev none (-devd none for the draft, which follows -dev) leaves
-    no device to offload to: llama.cpp keeps such a model on the CPU whatever -ngl says."""
+    no device to offload to: llama.cpp keeps such a model on the CPU whatever -ngl says. With -fit off, -1
+    (every layer) where not given and there is a GPU here: llama.cpp's -ngl auto, unfitted."""
     no_device = options.device is not None and placement.parse_devices(options.device) == ()
     draft_none = no_device if options.device_draft is None else placement.parse_devices(options.device_draft) == ()
-    return (0 if no_device else options.n_gpu_layers), (0 if draft_none else options.n_gpu_layers_draft)
+    fit = getattr(options, "fit", None)
+    unset = -1 if fit is not None and not fit_setting(fit) and placement.default_devices() else None
+    ngl, ngld = options.n_gpu_layers, options.n_gpu_layers_draft
+    return (0 if no_device else unset if ngl is None else ngl), (0 if draft_none else unset if ngld is None else ngld)

@@ -6,12 +6,16 @@ in host memory, everything else on the GPU.
 An override is a (pattern, buffer type name) pair. llama.cpp's loader tries them in order for every
 tensor and the first whose regex matches anywhere in the name (std::regex_search) decides; it logs each
 ("tensor blk.0.ffn_up_exps.weight (0 MiB f32) buffer type overridden to CPU", at debug level: -v shows it).
+
+And where the process runs: its CPUs and priority (-C/-Cr, --prio) and its NUMA strategy (--numa), which
+llama.cpp sets on its own thread pools and ggufspec, whose llama-cpp-python attaches none, on the process.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -22,6 +26,7 @@ from .errors import GgufspecError
 
 # common/common.h's LLM_FFN_EXPS_REGEX: the experts' FFN tensors (ffn_up_exps, ffn_gate_up_exps, ffn_down_chexps...)
 EXPERTS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+DENSE_FFN_REGEX = r"\.ffn_(up|down|gate)\."  # LLM_FFN_DENSE_REGEX: a dense model's FFN (-ncffn)
 CPU = "CPU"  # the CPU device's buffer type (ggml_backend_cpu_buffer_type)
 FLAGS = {"target": ("-ot", "--cpu-moe", "--n-cpu-moe"), "draft": ("-otd", "--cpu-moe-draft", "--n-cpu-moe-draft")}
 
@@ -31,6 +36,11 @@ def expert_overrides(cpu_moe: bool = False, n_cpu_moe: int = 0) -> tuple[tuple[s
     layer's: llm_ffn_exps_cpu_override), to the CPU."""
     layers = tuple((f"blk\\.{i}{EXPERTS_REGEX}", CPU) for i in range(n_cpu_moe))
     return layers + (((EXPERTS_REGEX, CPU),) if cpu_moe else ())
+
+
+def dense_ffn_overrides(n_cpu_ffn: int) -> tuple[tuple[str, str], ...]:
+    """-ncffn N: the dense FFN weights of layers 0..N-1 to the CPU (llm_add_n_cpu_ffn_overrides)."""
+    return tuple((f"blk\\.{i}{DENSE_FFN_REGEX}", CPU) for i in range(n_cpu_ffn))
 
 
 def parse_override_tensor(value: str, flag: str = "-ot") -> tuple[tuple[str, str], ...]:
@@ -216,3 +226,61 @@ def host_tensor_bytes(tensors: Sequence[tuple[str, int]], overrides: Sequence[tu
         if first == CPU:
             kept[name] = size
     return kept
+
+
+# ---------------------------------------------------------------- the process's CPUs, priority and NUMA
+
+# llama.cpp's set_process_priority (common.cpp): its --prio as a nice value (0, normal: left as it is)
+PRIORITY_NICE = {-1: 5, 1: -5, 2: -10, 3: -20}
+NUMA_STRATEGIES = {"distribute": llama_cpp.GGML_NUMA_STRATEGY_DISTRIBUTE,
+                   "isolate": llama_cpp.GGML_NUMA_STRATEGY_ISOLATE, "numactl": llama_cpp.GGML_NUMA_STRATEGY_NUMACTL}
+_numa_in_effect: list[str] = []  # ggml sets its NUMA strategy once per process (ggml_numa_init)
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux: affinity and nice values are per thread; 0, the caller, elsewhere)."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def apply_process_placement(cpus: Sequence[int] | None, priority: int) -> None:
+    """-C/-Cr and --prio for the whole process: every thread's CPU affinity and nice value, and so those of
+    the threads started from them (llama.cpp's compute threads; the OpenMP pool already running too).
+    llama.cpp sets these on its own thread pools; llama-cpp-python attaches none, so it is the process."""
+    if cpus is not None:
+        if not hasattr(os, "sched_setaffinity"):
+            raise GgufspecError("-C/-Cr: this system has no CPU affinity to set (llama.cpp ignores it here too): "
+                                "leave -C/-Cr out")
+        _each_thread(lambda tid: os.sched_setaffinity(tid, cpus),
+                     f"-C/-Cr: could not run on CPUs {','.join(map(str, cpus))}", "give CPUs this process may use")
+    if priority:
+        nice = PRIORITY_NICE[priority]
+        _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice),
+                     f"--prio {priority}: could not set the process's nice value to {nice}",
+                     "raising the priority needs root or CAP_SYS_NICE; give --prio 0 (or -1: lower)")
+
+
+def _each_thread(apply, failed: str, what_instead: str) -> None:
+    for tid in _threads():
+        try:
+            apply(tid)
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+        except OSError as exc:
+            raise GgufspecError(f"{failed}: {exc.strerror or exc}; {what_instead}") from None
+
+
+def numa_strategy(name: str | None) -> int:
+    """--numa's strategy as llama_cpp.Llama's `numa` (0: none). ggml takes the first one a process sets and
+    ignores the rest: another one after it is refused rather than silently not applied."""
+    if name is None:
+        return llama_cpp.GGML_NUMA_STRATEGY_DISABLED
+    if name not in NUMA_STRATEGIES:
+        raise GgufspecError(f"--numa takes {', '.join(NUMA_STRATEGIES)}, got {name!r}")
+    if _numa_in_effect and _numa_in_effect[0] != name:
+        raise GgufspecError(f"--numa {name}: this process already runs with --numa {_numa_in_effect[0]} (ggml sets "
+                            f"it once per process): give the same, or start a new process")
+    _numa_in_effect[:1] = [name]
+    return NUMA_STRATEGIES[name]

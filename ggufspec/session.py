@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .cpuflags import CpuLoadFlags
 from .errors import GgufspecError
 from .lora import checked as checked_lora
 from .modelflags import fields_by_role, offload_given
@@ -29,7 +30,7 @@ def _stderr(line: str) -> None:
 
 
 @dataclass
-class ModelOptions:
+class ModelOptions(CpuLoadFlags):
     """The models and how they load (the CLI's model flags; the Python API's keywords)."""
 
     pair: str | None = None
@@ -323,7 +324,8 @@ def _as_loaded(path: str, flags: dict | None):
     shape = P.read_shape(path)
     if not flags:
         return shape
-    shape = P.loaded_as(shape, flags["type_k"], flags["type_v"], min(flags["n_ubatch"], flags["n_batch"]))
+    shape = P.loaded_as(shape, flags["type_k"], flags["type_v"], min(flags["n_ubatch"], flags["n_batch"]),
+                        flags.get("offload_kqv", True))
     return P.kept_on_host(shape, path, flags.get("tensor_overrides", ()))
 
 

@@ -1,17 +1,20 @@
 """llama.cpp's remaining model-loading flags, by its names (common/arg.cpp), as click options: RoPE/YaRN
-context extension, --override-kv, multi-GPU placement (-sm, -mg, -ts, -dev, -devd) and --list-devices.
+context extension, --override-kv, multi-GPU placement (-sm, -mg, -ts, -dev, -devd) and --list-devices, and
+the CPU, memory and loading flags of `cpu_flags` (-nkvo, -nr, --numa, -C, --prio, -fit...).
 `ggufspec.modelflags` checks their values and says which model gets what (as llama.cpp: both, but -devd)."""
 from __future__ import annotations
 
 import click
 
+from ..cpuflags import FIELD_NAMES as CPU_FLAGS
 from ..modelflags import KV_OVERRIDE_TYPES, ROPE_SCALING_TYPES
 from ..placement import SPLIT_MODES
+from .cpu_flags import cpu_load_options
 
 # these options' names, which are ModelOptions fields of the same name (options.LOAD_FLAGS has them too)
 EXTRA_LOAD_FLAGS = ("rope_scaling", "rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx",
                     "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast", "override_kv",
-                    "split_mode", "main_gpu", "tensor_split", "device", "device_draft")
+                    "split_mode", "main_gpu", "tensor_split", "device", "device_draft", *CPU_FLAGS)
 BOTH = " (both models, as llama.cpp)"
 
 
@@ -20,7 +23,8 @@ def extra_load_options():
             click.option("--override-kv", "override_kv", multiple=True, metavar="KEY=TYPE:VALUE,...",
                          help=f"Override a GGUF metadata key as the models load, TYPE {', '.join(KV_OVERRIDE_TYPES)} "
                               f"(repeatable, or comma-separated), e.g. --override-kv "
-                              f"tokenizer.ggml.add_bos_token=bool:false{BOTH}.")]
+                              f"tokenizer.ggml.add_bos_token=bool:false{BOTH}."),
+            *cpu_load_options()]
 
 
 def rope_options():

@@ -2,8 +2,9 @@
 
 Placement follows llama.cpp: -ngl counts blocks from the end, so the last n layers go to the GPU
 (and the output layer too when ngl > n_layer); the token embedding always stays in host memory
-(llama.cpp keeps the input layer there). Each layer's KV cache lives where the layer does; the
-compute buffer goes to the GPU as soon as anything is offloaded (the host keeps about an eighth).
+(llama.cpp keeps the input layer there). Each layer's KV cache lives where the layer does (with -nkvo, in
+host memory); the compute buffer goes to the GPU as soon as anything is offloaded (the host keeps about
+an eighth).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def placement(shape: ModelShape, ngl: int, n_ctx: int) -> Placement:
     weights_gpu = sum(shape.layer_bytes[shape.n_layer - layers_on_gpu:])  # llama.cpp offloads the last layers
     if ngl > shape.n_layer:
         weights_gpu += shape.output_bytes
-    kv_gpu = shape.kv_bytes(n_ctx, layers_on_gpu)
+    kv_gpu = shape.kv_bytes(n_ctx, layers_on_gpu) if shape.kv_offload else 0  # -nkvo: all of it on the host
     compute = shape.compute_bytes(n_ctx)
     compute_gpu = compute if ngl > 0 else 0
     gpu = weights_gpu + kv_gpu + compute_gpu

@@ -20,8 +20,9 @@ class HostShare:
 
 
 def _block_bytes(shape: ModelShape, n_ctx: int) -> list[int]:
-    """Weights + KV cache of each block as llama.cpp offloads them: the layers, then the output layer."""
-    kv_per_layer = shape.kv_bytes(n_ctx, 1)
+    """Weights + KV cache of each block as llama.cpp offloads them: the layers, then the output layer
+    (with -nkvo the KV cache stays here, in host memory: `split_across_hosts` counts it on the CPU)."""
+    kv_per_layer = shape.kv_bytes(n_ctx, 1) if shape.kv_offload else 0
     return [b + kv_per_layer for b in shape.layer_bytes] + [shape.output_bytes]
 
 
@@ -52,7 +53,8 @@ def split_across_hosts(shape: ModelShape, n_ctx: int, hosts: list[tuple[str, int
             break
     counts, used = split
     local = len(sizes) - n_offloaded
-    shares = [HostShare("CPU", local, sum(sizes[:local]))]
+    kept_kv = 0 if shape.kv_offload else shape.kv_bytes(n_ctx)
+    shares = [HostShare("CPU", local, sum(sizes[:local]) + kept_kv)]
     shares += [HostShare(name, counts[i], used[i], free, (rtt_ms or {}).get(name, 0.0))
                for i, (name, free) in enumerate(hosts)]
     return shares, n_offloaded

@@ -3,7 +3,8 @@ and compute buffer, from the GGUF header's keys and tensor list.
 
 The memory model, per model and context (n_ctx, n_ubatch), no flash attention:
 - weights: each tensor's bytes (where they go is `estimate.placement`'s business).
-- KV cache: n_ctx rows of n_embd_k_gqa K and n_embd_v_gqa V elements per layer, where the layer lives,
+- KV cache: n_ctx rows of n_embd_k_gqa K and n_embd_v_gqa V elements per layer, where the layer lives
+  (with -nkvo, llama.cpp's offload_kqv off, all of it in host memory),
   at the cache types' bytes (-ctk/-ctv, F16 by default: 2 bytes; q8_0 34 bytes a block of 32); a
   sliding-window layer holds min(n_ctx, pad256(n_swa + n_ubatch)) cells instead, as llama.cpp
   allocates it by default (llama-server's, and ggufspec's: `--swa-full` keeps n_ctx for every layer).
@@ -56,6 +57,7 @@ class ModelShape:
     type_k: str = "f16"
     type_v: str = "f16"
     n_ubatch: int = 512
+    kv_offload: bool = True    # False (-nkvo): the whole KV cache in host memory, whatever -ngl offloads
 
     def __post_init__(self):
         self.swa_layers = tuple(self.swa_layers)  # a list, when remembered as JSON
@@ -98,9 +100,11 @@ def cache_bytes(type_name: str, n_elements: int) -> int:
     return n_elements * size // block
 
 
-def loaded_as(shape: ModelShape, type_k: str = "f16", type_v: str = "f16", n_ubatch: int = 512) -> ModelShape:
-    """The shape with the KV cache types and micro-batch it will be loaded with."""
-    return replace(shape, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch)
+def loaded_as(shape: ModelShape, type_k: str = "f16", type_v: str = "f16", n_ubatch: int = 512,
+              kv_offload: bool = True) -> ModelShape:
+    """The shape with the KV cache types and micro-batch it will be loaded with, and where its KV cache
+    goes (kv_offload False, -nkvo: host memory)."""
+    return replace(shape, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, kv_offload=kv_offload)
 
 
 def with_host_tensors(shape: ModelShape, tensors: dict[str, int]) -> ModelShape:
