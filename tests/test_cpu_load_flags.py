@@ -319,3 +319,13 @@ def test_help_lists_them(command):
     shown = CliRunner().invoke(main, [*command, "--help"]).output
     missing = [flag for flag in FLAGS if flag not in shown]
     assert not missing, missing
+
+
+def test_bench_gives_llamacpps_tools_the_same_flags():
+    """bench --against-llamacpp: llama.cpp's tools load as ggufspec did (the draft takes them from the target's)."""
+    from ggufspec.cli.generate import llamacpp_load_args
+    load = {"kv_offload": False, "op_offload": True, "repack": False, "no_host": True, "check_tensors": False,
+            "numa": "distribute", "n_cpu_ffn": 2, "prio": -1, "cpu_range": "0-1", "perf": None}
+    target, draft = llamacpp_load_args(load)
+    assert target == ("--no-host", "--numa", "distribute", "-ncffn", "2", "-Cr", "0-1", "--prio", "-1", "-nkvo",
+                      "--op-offload", "-nr") and draft == ()

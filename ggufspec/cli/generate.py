@@ -17,6 +17,7 @@ from .llamacli_flags import llamacli_flags
 from .log_flags import log_flags
 from .sampler_flags import sampler_flags
 from .serve_flags import llamacpp_server_options, server_flags
+from .tool_flags import llamacpp_load_args
 from .options import (RenamedOption, check_defaults, check_rpc, generation_options, load_flag_options, model_load_fields,
                       model_options,
                       open_session, options, parse_draft, read_prompt, rpc_timeout_given, rpc_timeout_option,
@@ -256,40 +257,6 @@ def _stream_counts(streams: str | None) -> list[int]:
     if not counts or min(counts) < 1:
         raise GgufspecError(f"--streams takes stream counts >= 1 separated by commas (1,2,4,8), got {streams!r}")
     return counts
-
-
-# the load flags llama.cpp's tools take for bench --against-llamacpp: the target's (and shared), the draft's
-TOOL_FLAGS = {"n_batch": "-b", "n_ubatch": "-ub", "n_threads_batch": "-tb", "cache_type_k": "-ctk", "cache_type_v": "-ctv",
-              "override_tensor": "-ot", "n_cpu_moe": "-ncmoe", "cpu_moe": "-cmoe"}
-TOOL_DRAFT_FLAGS = {"n_threads_draft": "-td", "n_threads_batch_draft": "-tbd", "cache_type_k_draft": "-ctkd",
-                    "cache_type_v_draft": "-ctvd", "override_tensor_draft": "-otd", "n_cpu_moe_draft": "-ncmoed",
-                    "cpu_moe_draft": "-cmoed"}
-# ... and those passed on whenever given, 0 included (--yarn-ext-factor 0 is full interpolation, not its default)
-TOOL_GIVEN_FLAGS = {"rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "rope_freq_base": "--rope-freq-base",
-                    "rope_freq_scale": "--rope-freq-scale", "yarn_orig_ctx": "--yarn-orig-ctx",
-                    "yarn_ext_factor": "--yarn-ext-factor", "yarn_attn_factor": "--yarn-attn-factor",
-                    "yarn_beta_slow": "--yarn-beta-slow", "yarn_beta_fast": "--yarn-beta-fast",
-                    "override_kv": "--override-kv", "split_mode": "-sm", "main_gpu": "-mg", "tensor_split": "-ts",
-                    "device": "-dev"}
-TOOL_DRAFT_GIVEN_FLAGS = {"device_draft": "-devd"}
-
-
-def llamacpp_load_args(load: dict) -> tuple[tuple, tuple]:
-    """The load flags given, as llama.cpp's tools take them, so that both sides of a race run alike: a
-    switch alone, a repeated flag (-ot) once per value; the defaults (None, f16, off, 0) left out, but for
-    TOOL_GIVEN_FLAGS', whose defaults are None alone."""
-    def given(flags: dict, defaults: tuple = (None, "f16", False, 0)) -> tuple:
-        args = []
-        for name, flag in flags.items():
-            value = load.get(name)
-            for one in value if isinstance(value, tuple) else (value,):
-                if one is True:
-                    args.append(flag)
-                elif one not in defaults:
-                    args += [flag, str(one)]
-        return tuple(args)
-    return (given(TOOL_FLAGS) + given(TOOL_GIVEN_FLAGS, (None,)),
-            given(TOOL_DRAFT_FLAGS) + given(TOOL_DRAFT_GIVEN_FLAGS, (None,)))
 
 
 def _bench_streams(options, prompts: list[dict], counts: list[int], n_predict: int, as_json: bool) -> None:
