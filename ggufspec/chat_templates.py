@@ -89,21 +89,24 @@ def chat_prompt(llm: llama_cpp.Llama, user: str, system: str | None = None) -> s
 
 
 def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | None = None, *, warn: bool = False,
-                **variables) -> str:
-    """The target's chat template over a conversation, ending with the assistant's turn opened.
+                add_generation_prompt: bool = True, **variables) -> str:
+    """The target's chat template over a conversation, ending with the assistant's turn opened (with
+    `add_generation_prompt` false: ending with the last message, as the template closes it).
     llama-cpp-python's formatter renders it in a sandboxed Jinja. `tools` (OpenAI's tool objects) and
-    other `variables` are passed to the template. A model without a template gets ChatML
-    (`chat_template(llm).fallback` is then true; `warn`: a warning says so, once, where the caller
-    has not said it already, as the server does when it starts)."""
+    other `variables` are passed to the template (`with_derived_variables`). A model without a template
+    gets ChatML (`chat_template(llm).fallback` is then true; `warn`: a warning says so, once, where the
+    caller has not said it already, as the server does when it starts)."""
     check_messages(messages)
     found = chat_template(llm)
     if found.fallback and warn:  # (Python's warnings: once per place): its markers may be no tokens of the model
         warnings.warn("the model has no chat template: the conversation is rendered as ChatML", stacklevel=3)
     template = found.text
+    variables = with_derived_variables(variables)
     vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
     token_text = lambda t: (llama_cpp.llama_vocab_get_text(vocab, t) or b"").decode(errors="replace") if t >= 0 else ""
     formatter = Jinja2ChatFormatter(template=template, eos_token=token_text(llama_cpp.llama_vocab_eos(vocab)),
-                                    bos_token=token_text(llama_cpp.llama_vocab_bos(vocab)))
+                                    bos_token=token_text(llama_cpp.llama_vocab_bos(vocab)),
+                                    add_generation_prompt=add_generation_prompt)
     try:
         return formatter(messages=messages, tools=tools or None, **variables).prompt
     except Exception as exc:  # jinja2's TemplateError, or the template's own raise_exception()
@@ -114,6 +117,22 @@ def render_chat(llm: llama_cpp.Llama, messages: list[dict], tools: list[dict] | 
             except Exception:
                 pass
         raise GgufspecError(f"the chat template refused these messages: {exc}") from None
+
+
+def with_derived_variables(variables: dict) -> dict:
+    """The variables with those llama.cpp derives from them for the templates that read other names
+    (its jinja caps): preserve_reasoning (--reasoning-preserve) as preserve_thinking, and its opposite
+    as clear_thinking, truncate_history_thinking and drop_thinking (GLM's, Kimi's...); reasoning_effort
+    also as reasoning_strength. A variable given by its own name wins, as there."""
+    derived = {}
+    keep = variables.get("preserve_reasoning")
+    if isinstance(keep, bool):
+        derived.update(preserve_thinking=keep, clear_thinking=not keep, truncate_history_thinking=not keep,
+                       drop_thinking=not keep)
+    effort = variables.get("reasoning_effort")
+    if isinstance(effort, str) and effort:
+        derived["reasoning_strength"] = effort
+    return {**derived, **variables}
 
 
 def system_in_first_user(messages: list[dict]) -> list[dict] | None:

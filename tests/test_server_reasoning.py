@@ -146,7 +146,7 @@ def test_a_call_after_thinking_is_parsed_from_the_answer_not_the_thinking():
 
 
 def test_a_prefill_that_opens_or_closes_thinking_decides_where_the_answer_starts():
-    from ggufspec.server.jobs import opens_thinking
+    from ggufspec.server.chatturn import opens_thinking
     assert opens_thinking("<s>assistant:<think>\n", "")
     assert not opens_thinking("<s>assistant:<think>\n", "plan</think>\n")
     assert opens_thinking("<s>assistant:<think>\n", "plan")  # still thinking

@@ -49,6 +49,17 @@ def llamacpp_server_options(command):
         click.option("--warmup/--no-warmup", "warmup", default=True,
                      help="Time the step costs for --draft auto before serving (--no-warmup: the first request "
                           "that needs them times them)."),
+        click.option("--prefill-assistant/--no-prefill-assistant", "prefill_assistant", default=True,
+                     help="A chat whose last message is the assistant's: the answer continues it (a prefill; the "
+                          "answer is what follows it). --no-prefill-assistant: that message is a whole turn and "
+                          "the answer a new one (a request's continue_final_message still continues it)."),
+        click.option("--reasoning-preserve/--no-reasoning-preserve", "reasoning_preserve", default=None,
+                     help="The chat template's preserve_reasoning variable (and preserve_thinking, clear_thinking... "
+                          "derived from it): earlier turns' thinking kept in the prompt, by templates that read it "
+                          "[default: on, as llama-server's; a request's chat_template_kwargs over it]."),
+        click.option("--skip-chat-parsing/--no-skip-chat-parsing", "skip_chat_parsing", default=False,
+                     help="Chat answers as the model wrote them: its thinking and tool calls left in the content, "
+                          "not parsed into reasoning_content and tool_calls (grammars still apply)."),
         # what ggufspec always does: accepted; the opposite: refused in `server_flags`
         click.option("-cb", "--cont-batching", "cont_batching", **hidden_flag),
         click.option("-nocb", "--no-cont-batching", "no_cont_batching", **hidden_flag),
@@ -78,7 +89,8 @@ REFUSED = {
 
 def server_flags(opts: dict) -> dict:
     """The llama-server flags (consumed from `opts`), checked: a refused one raises GgufspecError. The
-    values the server needs, by name."""
+    values the server needs, by name (`chat`: its rules for chat requests, server.chatturn.ChatSettings)."""
+    from ..server.chatturn import ChatSettings
     from ..server.front import Endpoints, Front, check_api_prefix, check_slot_save_path
     refuse_unsupported(opts)
     for name, (flag, instead) in REFUSED.items():
@@ -100,5 +112,7 @@ def server_flags(opts: dict) -> dict:
                           slot_save_path=check_slot_save_path(opts.pop("slot_save_path")),
                           props=opts.pop("props_endpoint"), threads_http=opts.pop("threads_http"),
                           sse_ping_interval=opts.pop("sse_ping_interval"))
+    chat = ChatSettings(prefill_assistant=opts.pop("prefill_assistant"),
+                        skip_chat_parsing=opts.pop("skip_chat_parsing"), preserve_reasoning=opts.pop("reasoning_preserve"))
     return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup"),
-            "prompt_similarity": opts.pop("prompt_similarity")}
+            "prompt_similarity": opts.pop("prompt_similarity"), "chat": chat}

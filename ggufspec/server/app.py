@@ -19,6 +19,7 @@ from .. import load
 from .. import tools as toolkit
 from . import protocols
 from .adapters import add_adapter_routes
+from .chatturn import ChatSettings
 from .errors import APIError, add_error_handlers
 from .front import Endpoints, Front
 from .guard import Exposure, Guard, OffLoopRoute
@@ -46,7 +47,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                max_queue: int = 16, aliases: tuple[str, ...] = (), info: dict | None = None,
                session=None, exposure: Exposure | None = None, metrics: bool = False,
                template_defaults: dict | None = None, reasoning_format: str = "auto",
-               endpoints: Endpoints | None = None, front: Front | None = None) -> FastAPI:
+               endpoints: Endpoints | None = None, front: Front | None = None,
+               chat: ChatSettings | None = None) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
     `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
     defaults (no Host check: where it listens is not known here).
@@ -55,7 +57,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     /metrics (llama-server's --metrics). `template_defaults`: every chat request's template variables
     (--chat-template-kwargs); `reasoning_format`: where chat answers put a reasoning model's thinking.
     `endpoints`: llama-server's optional ones (the page, /slots and its actions, POST /props); `front`:
-    --api-prefix and --timeout, in front of the Guard (None: behind `serve --rpc`'s front, or none)."""
+    --api-prefix and --timeout, in front of the Guard (None: behind `serve --rpc`'s front, or none); `chat`:
+    --prefill-assistant, --reasoning-preserve, --skip-chat-parsing."""
     engine = Engine(decoder, max_queue)
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
@@ -89,7 +92,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     fingerprint = system_fingerprint(decoder)
     serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models,
                                 fingerprint=fingerprint, template_defaults=dict(template_defaults or {}),
-                                reasoning_format=reasoning_format, sse_ping_interval=endpoints.sse_ping_interval)
+                                reasoning_format=reasoning_format, sse_ping_interval=endpoints.sse_ping_interval,
+                                chat=chat or ChatSettings())
     protocols.add_routes(app, serving)
     add_stream_routes(app)  # GET/DELETE /v1/stream, POST /v1/streams/lookup: X-Conversation-Id's streams
 

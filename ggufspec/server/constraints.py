@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .. import tools as toolkit
 from ..errors import GgufspecError
-from ..thinking import ReasoningControl
+from ..thinking import CLOSE, OPEN, ReasoningControl
 from .errors import APIError
 from .schemas import ChatBody, CompletionBody, GenerationBody, NativeBody, template_variables
 
@@ -30,13 +30,17 @@ class Shaping:
 
 
 def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids=lambda: (),
-            tokenize=None, template_defaults: dict | None = None, thinks: bool = False) -> Shaping:
+            tokenize=None, template_defaults: dict | None = None, thinks: bool = False,
+            parse_calls: bool = True) -> Shaping:
     """The request's constraints, tools, logprobs and chat template variables, checked (APIError 400
     naming the field). `end_ids()`: the tokens that end a generation, which `ignore_eos` rules out;
     `tokenize(text)`: the tokens of a logit_bias key that is a text; `template_defaults`: the server's
     chat template variables; `thinks`: the chat template knows a <think> block, which a format (a
-    schema, a tool call) then shapes the answer after, not the thinking."""
+    schema, a tool call) then shapes the answer after, not the thinking; `parse_calls` false: calls are
+    left in the answer's text (--skip-chat-parsing), as a request's parse_tool_calls false leaves them."""
     plan = tool_plan(body, fmt) if isinstance(body, ChatBody) else toolkit.ToolPlan(None, parse=False)
+    if not parse_calls or getattr(body, "parse_tool_calls", None) is False:  # the grammar, if any, still applies
+        plan = dataclasses.replace(plan, parse=False)
     grammar, lazy, triggers = response_grammar(body)
     if plan.grammar is not None:
         if grammar is not None:
@@ -97,11 +101,26 @@ def response_grammar(body: GenerationBody) -> tuple[str | None, bool, tuple]:
 def reasoning_budget(body: GenerationBody) -> dict:
     """llama-server's reasoning_budget_tokens (or thinking_budget_tokens; -1: the server's
     --reasoning-budget) and reasoning_budget_message, as Constraints keywords."""
+    check_thinking_tags(body)
     budget = next((n for n in (body.reasoning_budget_tokens, body.thinking_budget_tokens) if n is not None), -1)
     found = {"reasoning_budget": budget} if budget != -1 else {}
     if body.reasoning_budget_message is not None:
         found["reasoning_budget_message"] = body.reasoning_budget_message
     return found
+
+
+def check_thinking_tags(body: GenerationBody) -> None:
+    """llama-server's reasoning_budget_start_tag and reasoning_budget_end_tags (or _end_tag): the block the
+    budget counts. ggufspec's is always <think>...</think>: those are taken, any other is a 400."""
+    end_tags = body.reasoning_budget_end_tags
+    if end_tags is None and body.reasoning_budget_end_tag is not None:
+        end_tags = [body.reasoning_budget_end_tag]
+    given = [("reasoning_budget_start_tag", body.reasoning_budget_start_tag, OPEN)]
+    given += [("reasoning_budget_end_tags", tag, CLOSE) for tag in end_tags or () if tag]  # empty ones: none, as there
+    for name, tag, known in given:
+        if tag is not None and tag.strip() != known:
+            raise APIError(400, f"{name} {tag!r} is not supported: the thinking block ggufspec tracks is always "
+                                f"{OPEN}...{CLOSE}; leave it out", code="unsupported_parameter", param=name)
 
 
 def penalties(body: GenerationBody) -> dict:
@@ -145,14 +164,19 @@ def bias_tokens(key, n_vocab: int, tokenize=None) -> list[int]:
 
 
 def requested_logprobs(body: GenerationBody) -> int | None:
-    if isinstance(body, NativeBody):  # llama.cpp's n_probs: 0 is none
+    """How many alternatives per token the request wants (0: the chosen token's alone; None: none):
+    OpenAI's logprobs (and chat's top_logprobs), or llama-server's n_probs, which it reads on every route
+    (on /completion logprobs is its other name; its 0 is none)."""
+    if isinstance(body, ChatBody):
+        if body.logprobs:
+            return body.top_logprobs or 0
+        if body.top_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value")
         return body.n_probs or None
     if isinstance(body, CompletionBody):
+        if body.n_probs is not None or isinstance(body, NativeBody):
+            return (body.n_probs if body.n_probs is not None else body.logprobs) or None
         return body.logprobs
-    if isinstance(body, ChatBody) and body.logprobs:
-        return body.top_logprobs or 0
-    if isinstance(body, ChatBody) and body.top_logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value")
     return None
 
 

@@ -16,13 +16,11 @@ from typing import Any
 
 from fastapi import Request
 
-from .. import load
-from .. import tools as toolkit
 from ..errors import CacheFullError, ContextFullError, GgufspecError
 from ..checks import check_token_ids
 from ..stats import Stats
 from ..stops import LineLimits, StopFilter
-from ..thinking import CLOSE, OPEN
+from .chatturn import AnswerStart, chat_text
 from .choices import logprob_entry
 from .constraints import Shaping, engine_constraints
 from .errors import APIError
@@ -50,11 +48,12 @@ class Job:
 
     def __init__(self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                  prompts: list | None = None, options: dict, stops: list[str], shape: Shaping | None = None,
-                 n: int = 1, fit_to_context: bool = False, prefill: str = "", line_limits: dict | None = None,
-                 timings_per_token: bool = False, return_progress: bool = False):
+                 n: int = 1, fit_to_context: bool = False, prefill: AnswerStart | str = "",
+                 line_limits: dict | None = None, timings_per_token: bool = False, return_progress: bool = False):
         self.prompts = prompts if prompts is not None else [prompt]
         self.messages, self.options, self.stops = messages, options, stops
-        self.prefill = prefill  # the start of the assistant's answer, which it continues (Anthropic's prefill)
+        # where the answer starts (chatturn): a continued message, or Anthropic's prefill, a text it continues
+        self.prefill = prefill
         # max_tokens as a ceiling that the context lowers, not a demand it refuses (Anthropic's
         # max_tokens is required, and agents ask for tens of thousands whatever the context)
         self.fit_to_context = fit_to_context
@@ -328,9 +327,7 @@ class Engine:
         """A prompt of the job (or its conversation, through the chat template) as tokens that fit the context."""
         decoder = self.decoder
         if job.messages is not None:
-            rendered = chat_prompt(decoder, job.messages, job.shape)
-            job.opens_thinking = opens_thinking(rendered, job.prefill)
-            prompt = rendered + job.prefill
+            prompt, job.opens_thinking = chat_text(decoder, job.messages, job.shape, job.prefill)
         n_predict = job.options.get("n_predict", -1)
         if isinstance(prompt, str):  # a max_tokens that the context lowers (fit_to_context) refuses nothing
             tokens = tokenize_within(decoder, prompt, -1 if job.fit_to_context else n_predict)
@@ -354,7 +351,7 @@ class Engine:
     def _marker_texts(self, shape: Shaping) -> dict[int, str]:
         """Control tokens that start a tool call ([TOOL_CALLS], <|python_tag|>) print nothing: their
         text, so that the call can be parsed (and shows, if it cannot)."""
-        if not shape.plan.parse:
+        if not (shape.plan.parse or shape.plan.tools):  # parsed, or left as text (parse_tool_calls false)
             return {}
         return {token: text for token, text in zip(self._single_tokens(shape.triggers), shape.triggers)
                 if not self.decoder.target.piece(token)}
@@ -427,23 +424,6 @@ def relay(stream, stats: Stats, job: Job, index: int = 0, make=None) -> str | No
             if limits is not None and limits.stopped:
                 return "limit"
     return None
-
-
-def chat_prompt(decoder, messages: list[dict], shape: Shaping) -> str:
-    """A conversation (and the tools its plan offers) through the target's chat template."""
-    plan, fmt = shape.plan, shape.fmt or toolkit.detect_format(load.chat_template(decoder.target_llm).text)
-    prepared = toolkit.prepare_messages(messages, fmt, plan.tools)
-    return load.render_chat(decoder.target_llm, prepared, tools=plan.tools if fmt.native else None,
-                            **shape.template_variables)
-
-
-def opens_thinking(rendered: str, prefill: str) -> bool:
-    """Whether the answer starts inside a <think> block: the template's assistant turn opened it
-    (DeepSeek-R1's; Qwen3's never) and the prefill did not close it, or the prefill opened one."""
-    last_open, last_close = prefill.rfind(OPEN), prefill.rfind(CLOSE)
-    if last_open > last_close:
-        return True
-    return rendered.rstrip().endswith(OPEN) and last_close < 0
 
 
 def summed(results: dict[int, Stats], n: int) -> Stats:

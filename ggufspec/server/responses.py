@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 
@@ -35,13 +36,24 @@ def usage(stats: Stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.n_prompt_cached}}
 
 
+def probability_entry(entry: dict) -> dict:
+    """A log-probability entry (its top_logprobs' too) as llama-server's post_sampling_probs writes it:
+    prob and top_probs, the probabilities of the same distribution."""
+    renamed = {"logprob": "prob", "top_logprobs": "top_probs"}
+    return {renamed.get(key, key): (math.exp(value) if key == "logprob" and value is not None else
+                                    [probability_entry(top) for top in value] if key == "top_logprobs" else value)
+            for key, value in entry.items()}
+
+
 class Reply:
     """The JSON objects of one answer, chat or text completion, whole or in chunks, its choices
-    (`n` of them) filled as their pieces come."""
+    (`n` of them) filled as their pieces come. `post_sampling_probs`: chat's log-probabilities as
+    probabilities (llama-server's field)."""
 
     def __init__(self, model: str, chat: bool, shape: Shaping | None = None, n: int = 1,
-                 fingerprint: str | None = None, new_reasoning=None):
+                 fingerprint: str | None = None, new_reasoning=None, post_sampling_probs: bool = False):
         self.model, self.chat, self.fingerprint = model, chat, fingerprint
+        self.post_sampling_probs = post_sampling_probs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         # new_reasoning: a reasoning model's thinking as reasoning_content (reasoning.reasoning_content_for)
@@ -61,7 +73,7 @@ class Reply:
             else:
                 choice = {"index": state.index, "text": "".join(p["text"] for p in state.pieces)}
                 finish = state.finish
-            choice.update(finish_reason=finish, logprobs=state.logprobs(state.pieces))
+            choice.update(finish_reason=finish, logprobs=self.logprobs(state, state.pieces))
             choices.append(choice)
         return self._object("chat.completion" if self.chat else "text_completion", choices,
                             usage=usage(stats), timings=timings(stats),
@@ -93,7 +105,8 @@ class Reply:
         text = "".join(p["text"] for p in released) if released else None  # the prompt's figures alone: no content
         if thinking and not text:  # thinking alone: no content key
             text = None
-        return [self.chunk(text, index=index, logprobs=state.logprobs(released), reasoning=thinking, ggufspec=extra)]
+        return [self.chunk(text, index=index, logprobs=self.logprobs(state, released), reasoning=thinking,
+                           ggufspec=extra)]
 
     def choice_end_chunks(self, index: int, stats: Stats, finish: str, estimate: dict | None) -> list[dict]:
         """What the choice held back (content, or its tool calls), then its finish_reason."""
@@ -103,12 +116,20 @@ class Reply:
         chunks = []
         if held or thinking:
             text = content if content is not None or calls or thinking else ""
-            chunks.append(self.chunk(text, index=index, logprobs=state.logprobs(held), tool_calls=calls,
+            chunks.append(self.chunk(text, index=index, logprobs=self.logprobs(state, held), tool_calls=calls,
                                      reasoning=thinking, ggufspec={"pieces": shown_pieces(held)}))
         finish = with_calls(finish, bool(calls))
         chunks.append(self.chunk(None, finish, index=index, timings=timings(stats),
                                  ggufspec={"stats": stats.to_dict(), "estimate": estimate}))
         return chunks
+
+    def logprobs(self, state: ChoiceState, pieces: list[dict]) -> dict | None:
+        """The pieces' log-probabilities in the API's shape (None: not asked for), as probabilities where
+        post_sampling_probs asks (chat's entries: /v1/completions refuses it)."""
+        found = state.logprobs(pieces)
+        if found is None or not self.post_sampling_probs:
+            return found
+        return {**found, "content": [probability_entry(entry) for entry in found["content"]]}
 
     def usage_chunk(self, stats: Stats) -> dict:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [],

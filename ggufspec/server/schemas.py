@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from ..chat_templates import RENDERER_VARIABLES
 from .errors import APIError
@@ -50,7 +50,8 @@ class StreamOptions(Strict):
 
 class GenerationBody(Strict):
     # numbers and flags strictly typed, as OpenAI's API checks them ("5" or true is not a max_tokens)
-    NULL_IS_DEFAULT = ("n", "stream", "ignore_eos", "echo", "logprobs", "timings_per_token", "return_progress")
+    NULL_IS_DEFAULT = ("n", "stream", "ignore_eos", "echo", "logprobs", "timings_per_token", "return_progress",
+                       "post_sampling_probs", "n_indent")
     model: str | None = None
     max_tokens: int | None = Field(None, strict=True)
     max_completion_tokens: int | None = Field(None, strict=True)  # OpenAI's newer name for max_tokens (chat)
@@ -62,6 +63,7 @@ class GenerationBody(Strict):
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16, strict=True)  # choices, in as many slots at once as are free
+    n_cmpl: int | None = Field(None, ge=1, le=16, strict=True)  # llama-server's name for `n`, first where both are sent
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = None
@@ -85,6 +87,10 @@ class GenerationBody(Strict):
     reasoning_budget_tokens: int | None = Field(None, ge=-1, strict=True)
     thinking_budget_tokens: int | None = Field(None, ge=-1, strict=True)  # its other name (Anthropic's, passed on)
     reasoning_budget_message: str | None = None  # ...and the text forced before that </think>
+    # ...and the block's tags, which ggufspec's are (constraints.reasoning_budget: others refused)
+    reasoning_budget_start_tag: str | None = None
+    reasoning_budget_end_tags: list[str] | None = None
+    reasoning_budget_end_tag: str | None = None  # its single-tag name (end_tags first where both are sent)
     sse_ping_interval: int | None = Field(None, strict=True)  # llama-server's: this stream's pings (<= 0: none)
     # llama.cpp's sampler chain: its order (names or letters), and what acts only within it (`samplers`)
     samplers: str | list[str] | None = None
@@ -93,6 +99,29 @@ class GenerationBody(Strict):
     # llama-server's stream extras: each chunk's timings so far; the prompt's progress before the first token
     timings_per_token: bool = Field(False, strict=True)
     return_progress: bool = Field(False, strict=True)
+    # llama-server's log-probabilities: the n likeliest tokens at each position, with the chosen one's (its
+    # name on every route), and as probabilities (prob / top_probs) rather than logprob / top_logprobs
+    n_probs: int | None = Field(None, ge=0, le=20)
+    post_sampling_probs: bool = Field(False, strict=True)
+    # llama-server's line limits (stops.LineLimits): a line less indented than n_indent ends the answer;
+    # past t_max_predict_ms it ends at the next newline (<= 0: no limit)
+    n_indent: int = Field(0, ge=0, strict=True)
+    t_max_predict_ms: int | None = Field(None, strict=True)
+    n_cache_reuse: int | None = Field(None, ge=0, strict=True)  # llama-server's KV shifting: 0 (off) only
+
+    @model_validator(mode="after")
+    def _n_cmpl_is_n(self):
+        if self.n_cmpl is not None:
+            self.n = self.n_cmpl
+        return self
+
+    @model_validator(mode="after")
+    def _no_cache_shifting(self):
+        if self.n_cache_reuse:  # as serve's --cache-reuse (serve_flags)
+            raise APIError(400, f"n_cache_reuse {self.n_cache_reuse} is not supported: ggufspec reuses the prefix "
+                                "a slot holds, never chunks moved within the cache (llama.cpp's KV shifting); leave "
+                                "it out or send 0", code="unsupported_parameter", param="n_cache_reuse")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -135,22 +164,11 @@ class NativeBody(CompletionBody):
     input_prefix."""
     # llama-server's mixed prompt too, ids and texts in one list ([755, " add"]: protocols.llamacpp)
     prompt: list[int] | str | list[str] | list[list[int]] | list[int | str] = ""
-    n_probs: int | None = Field(None, ge=0, le=20)  # the n likeliest tokens at each position, with the chosen one's
     return_tokens: bool = False
-    post_sampling_probs: bool = False  # n_probs' entries as prob / top_probs instead of logprob / top_logprobs
     input_prefix: str | None = None
     input_suffix: str | None = None
     input_extra: list[InfillFile] = Field(default_factory=list)
-    n_indent: int = Field(0, ge=0)  # a line less indented than this ends the answer (stops.LineLimits)
-    t_max_predict_ms: int | None = None  # past this, the answer ends at the next newline (<= 0: no limit)
     response_fields: list[str] | None = None  # the answer's fields to send ("timings/prompt_n": one inside)
-    n_cmpl: int | None = Field(None, ge=1, le=16, strict=True)  # llama-server's name for `n`, first where both are sent
-
-    @model_validator(mode="after")
-    def _n_cmpl_is_n(self):
-        if self.n_cmpl is not None:
-            self.n = self.n_cmpl
-        return self
 
 
 class ContentPart(Strict):
@@ -193,6 +211,11 @@ class ChatBody(GenerationBody):
     reasoning_effort: str | None = None  # OpenAI's; "none" turns thinking off, others go to the template
     # llama-server's: the thinking may be ended while it runs (POST /v1/chat/completions/control, `control`)
     reasoning_control: bool = Field(False, strict=True)
+    # vLLM's and transformers' (llama-server reads them): the last message continued, or a new turn (chatturn)
+    continue_final_message: StrictBool | Literal["content", "reasoning_content"] | None = None
+    add_generation_prompt: bool | None = Field(None, strict=True)
+    echo: bool = Field(False, strict=True)  # llama-server's: the continued message in the answer (refused)
+    parse_tool_calls: bool | None = Field(None, strict=True)  # llama-server's: false leaves calls as text
 
 
 def template_variables(body: ChatBody, defaults: dict | None = None) -> dict:
@@ -246,6 +269,12 @@ def request_options(body: GenerationBody, defaults: dict) -> dict:
         if spec.n_max is not None and options.get("n_draft") != "auto":  # a fixed K is capped too
             options["n_draft"] = min(options.get("n_draft", spec.n_max), spec.n_max)
     return options
+
+
+def line_limits(body: GenerationBody) -> dict | None:
+    """llama-server's n_indent and t_max_predict_ms as stops.LineLimits' keywords (None: neither is set)."""
+    seconds = body.t_max_predict_ms / 1000 if body.t_max_predict_ms and body.t_max_predict_ms > 0 else None
+    return {"n_indent": body.n_indent, "time_limit_s": seconds} if body.n_indent or seconds else None
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

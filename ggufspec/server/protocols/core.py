@@ -25,13 +25,14 @@ from sse_starlette.sse import EventSourceResponse
 from ... import fim
 from ... import tools as toolkit
 from ...stats import Stats
+from ..chatturn import AnswerStart, ChatSettings, chat_text
 from ..choices import ChoiceState, with_calls
 from ..constraints import Shaping, shaping
 from ..control import Controls
 from ..adapters import check_scales
 from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
-from ..jobs import ClientGone, Engine, Job, chat_prompt
+from ..jobs import ClientGone, Engine, Job
 from .. import resumable
 from ..samplers import sampler_chain
 from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts, request_options, stop_strings
@@ -78,7 +79,7 @@ class End:
 @dataclass
 class Serving:
     """What the protocols need of the app: the engine, the decoder, the chat template's tool format,
-    the command line's defaults and the served model's names."""
+    the command line's defaults (`chat`: its rules for chat requests) and the served model's names."""
     engine: Engine
     decoder: object
     tool_format: toolkit.ToolFormat
@@ -91,6 +92,7 @@ class Serving:
     reasoning_format: str = "auto"  # --reasoning-format: chat answers' thinking in reasoning_content, or not
     controls: Controls = field(default_factory=Controls)  # running chat completions, for their control requests
     sse_ping_interval: int = 30  # --sse-ping-interval: a stream's keep-alive pings (0 or less: none)
+    chat: ChatSettings = field(default_factory=ChatSettings)  # --prefill-assistant, --skip-chat-parsing...
 
     def check_model(self, requested: str | None) -> None:
         # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
@@ -118,9 +120,10 @@ class Serving:
         target, llm = self.decoder.target, self.decoder.target_llm
         return shaping(body, self.tool_format, target.n_vocab, lambda: target.end_of_generation_ids,
                        lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False),
-                       template_defaults=self.template_defaults, thinks=self.thinking[0])
+                       template_defaults=self.chat.template_defaults(self.template_defaults), thinks=self.thinking[0],
+                       parse_calls=not self.chat.skip_chat_parsing)
 
-    async def submit(self, body: GenerationBody, prefill: str = "", names: dict | None = None, *,
+    async def submit(self, body: GenerationBody, prefill: AnswerStart | str = "", names: dict | None = None, *,
                      prompt: str | list[int] | None = None, prompts: list | None = None, n: int = 1,
                      fit_to_context: bool = True, line_limits: dict | None = None) -> Job:
         """The request as a job on the engine; a bad value raises APIError 400, the fields it names
@@ -129,7 +132,8 @@ class Serving:
         each (OpenAI's `n`), in as many slots at once as are free. With `fit_to_context` its max_tokens
         is lowered to what the context has room for (agents ask for more than it holds; OpenAI's chat
         API refuses such a request instead, as it always did).
-        `prefill`: the answer's start, written after the template's assistant turn, which it continues."""
+        `prefill`: where the answer starts (chatturn.AnswerStart: a continued message), or Anthropic's
+        prefill, a text written after the template's assistant turn, which the answer continues."""
         def prepared() -> dict:  # off the event loop: thousands of messages take a while
             if body.lora is not None:
                 check_scales(body.lora, self.decoder)
@@ -159,7 +163,7 @@ class Serving:
             kind = "not_supported_error" if status == 501 else "invalid_request_error"
             raise APIError(status, str(exc), kind, "fim_not_supported") from None
 
-    async def render(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> str:
+    async def render(self, body: ChatBody, prefill: AnswerStart | str = "", names: dict | None = None) -> str:
         """The prompt as the request would be rendered through the chat template (its tools included);
         a bad value's fields renamed by `names`, as `submit` does."""
         def rendered() -> str:  # off the event loop
@@ -168,12 +172,12 @@ class Serving:
             except APIError as exc:
                 raise renamed(exc, names) from None
             try:
-                return chat_prompt(self.decoder, messages, shape) + prefill
+                return chat_text(self.decoder, messages, shape, prefill)[0]
             except Exception as exc:  # the template refusing the messages: the client's mistake
                 raise engine_error(exc) from None
         return await asyncio.to_thread(rendered)
 
-    async def count_tokens(self, body: ChatBody, prefill: str = "", names: dict | None = None) -> int:
+    async def count_tokens(self, body: ChatBody, prefill: AnswerStart | str = "", names: dict | None = None) -> int:
         """The prompt's length in tokens, as the request would be rendered (its tools included)."""
         prompt = await self.render(body, prefill, names)
         return len(await asyncio.to_thread(self.decoder.tokenize, prompt))

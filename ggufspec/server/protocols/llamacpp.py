@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 
 from fastapi import FastAPI, Request
 
@@ -22,8 +21,8 @@ from ...stats import Stats
 from ..errors import APIError, engine_error
 from ..jobs import Job
 from ..progress import StreamExtras
-from ..responses import timings
-from ..schemas import NativeBody, completion_prompts, single_prompt
+from ..responses import probability_entry, timings
+from ..schemas import NativeBody, completion_prompts, line_limits, single_prompt
 from .core import Serving, answer_or_stream
 
 STOP_TYPES = {"eos": "eos", "stop": "word", "n_predict": "limit", "context": "limit"}
@@ -76,10 +75,7 @@ async def answer(serving: Serving, request: Request, body: NativeBody, prompts: 
     """llama-server's answer, one object per prompt (a list of them where several were sent: each
     streamed chunk says its `index`): n_predict as a ceiling the context lowers, not a demand it refuses."""
     serving.check_model(body.model)
-    limits = {"n_indent": body.n_indent,
-              "time_limit_s": body.t_max_predict_ms / 1000 if body.t_max_predict_ms and body.t_max_predict_ms > 0 else None}
-    job = await serving.submit(body, prompts=prompts, n=body.n, fit_to_context=True,
-                               line_limits=limits if body.n_indent or limits["time_limit_s"] else None)
+    job = await serving.submit(body, prompts=prompts, n=body.n, fit_to_context=True, line_limits=line_limits(body))
     replies = NativeReplies(serving, job, body, prompts)
     return await answer_or_stream(job, request, body.stream, lambda n_prompt: replies.whole(request, n_prompt),
                                   replies.events)
@@ -126,18 +122,19 @@ class NativeReply:
     def probabilities(self, pieces: list[dict]) -> dict:
         """llama-server's completion_probabilities: each token's id, text, bytes, logprob and top_logprobs
         (with post_sampling_probs, prob and top_probs: the same distribution's probabilities)."""
-        if not self.body.n_probs:
+        if self.job.shape.logprobs is None:  # n_probs (or its alias logprobs) not asked
             return {}
-        entry = probability_entry if self.body.post_sampling_probs else (lambda e: e)
-        return {"completion_probabilities": [
-            {"id": p["token"], **entry({**p["logprobs"], "top_logprobs": [
-                entry({"id": token, **top}) for token, top in zip(p["top_ids"], p["logprobs"]["top_logprobs"])]})}
-            for p in pieces if "logprobs" in p]}
+        entries = [{"id": p["token"], **p["logprobs"], "top_logprobs": [
+            {"id": token, **top} for token, top in zip(p["top_ids"], p["logprobs"]["top_logprobs"])]}
+            for p in pieces if "logprobs" in p]
+        if self.body.post_sampling_probs:
+            entries = [probability_entry(entry) for entry in entries]
+        return {"completion_probabilities": entries}
 
     def settings(self) -> dict:
         options = self.job.options
         return {**{name: options[name] for name in SETTINGS if name in options}, "stop": self.job.stops,
-                "n_probs": self.body.n_probs or 0, "stream": self.body.stream}
+                "n_probs": self.job.shape.logprobs or 0, "stream": self.body.stream}
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
@@ -195,13 +192,6 @@ class NativeReplies:
                     return
         finally:
             self.job.cancel()
-
-
-def probability_entry(entry: dict) -> dict:
-    """An entry with logprob (and top_logprobs) as llama-server's post_sampling_probs writes it: prob
-    (and top_probs)."""
-    renamed = {"logprob": "prob", "top_logprobs": "top_probs"}
-    return {renamed.get(key, key): math.exp(value) if key == "logprob" else value for key, value in entry.items()}
 
 
 def picked(answer: dict, fields: list[str] | None) -> dict:

@@ -30,10 +30,11 @@ def template_thinking(decoder) -> tuple[bool, bool]:
 
 
 def splitter_for(serving, job=None) -> ThinkingSplitter | None:
-    """A splitter for an answer of the served model, when its template knows a thinking block; the
-    answer starts inside it where the job's rendered prompt opened it (its variables may say not to)."""
+    """A splitter for an answer of the served model, when its template knows a thinking block (and
+    --skip-chat-parsing does not leave it in the text); the answer starts inside it where the job's
+    rendered prompt opened it (its variables may say not to)."""
     knows, opens = serving.thinking
-    if not knows:
+    if not knows or serving.chat.skip_chat_parsing:
         return None
     return ThinkingSplitter(job.opens_thinking if job is not None else opens)
 
@@ -41,9 +42,9 @@ def splitter_for(serving, job=None) -> ThinkingSplitter | None:
 def reasoning_content_for(serving, body, job):
     """For OpenAI chat's answer, a maker of each choice's ReasoningContent, or None where the thinking
     stays in `content`: llama-server's reasoning_format (the request's, else --reasoning-format) "none",
-    or a template that knows no thinking block."""
+    --skip-chat-parsing, or a template that knows no thinking block."""
     form = body.reasoning_format or serving.reasoning_format
-    if form == "none" or not serving.thinking[0]:
+    if form == "none" or not serving.thinking[0] or serving.chat.skip_chat_parsing:
         return None
     return lambda: ReasoningContent(job.opens_thinking, keep_in_content=form == "deepseek-legacy")
 
