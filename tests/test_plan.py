@@ -698,6 +698,7 @@ def test_a_q8_0_cache_fits_more_target_layers(seed_pair, tmp_path):
                                                                "32768", "--json", *flags]).output)["ngl"]
     assert plan("-ctk", "q8_0", "-ctv", "q8_0") > plan() > 0
     assert plan("-ub", "4096") < plan()  # a larger micro-batch needs a larger compute buffer
+    assert plan("-nkvo") > plan()  # run's -nkvo: the KV cache in host memory leaves the GPU to more layers
 
 
 def test_the_session_plans_with_the_flags_cache_types(seed_pair, monkeypatch):

@@ -316,6 +316,11 @@ def _entry_shape(entry, name: str):
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True,
               metavar="N", help="The micro-batch the pair will run with (it sizes the compute buffer).")
 @options(*cache_type_options(), *tensor_placement_options())
+@click.option("-kvo/-nkvo", "--kv-offload/--no-kv-offload", "kv_offload", default=None,
+              help="Plan with the KV cache on the GPU with its layers, or (-nkvo) all of it in host memory, as run "
+                   "and serve load it [default: on the GPU].")
+@click.option("-ncffn", "--n-cpu-ffn", "n_cpu_ffn", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Plan with the target's dense FFN weights of its first N layers kept on the CPU (run's -ncffn).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @friendly_errors
 def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads, trace_files, rpc, rpc_mem, n_ubatch,
@@ -336,9 +341,11 @@ def plan_command(pair, model, model_draft, vram, ram, n_ctx, n_draft, n_threads,
     target, draft, local_paths, each_path = _shapes_for(pair, model, model_draft)
     # as they will load: the cache types (-ctk q8_0 holds about half f16's bytes) and -ub size their buffers,
     # and what the tensor overrides keep on the CPU (--cpu-moe's experts) is not the GPU's
-    target = _kept_on_host(planner.loaded_as(target, cache_type_k, cache_type_v, n_ubatch), each_path[0],
-                           placed["target"], "-ot/--cpu-moe/--n-cpu-moe")
-    draft = _kept_on_host(draft and planner.loaded_as(draft, cache_type_k_draft, cache_type_v_draft, n_ubatch),
+    kv_on_gpu = placement.get("kv_offload") is not False  # -nkvo: both models' caches in host memory
+    target = _kept_on_host(planner.loaded_as(target, cache_type_k, cache_type_v, n_ubatch, kv_on_gpu), each_path[0],
+                           placed["target"], "-ot/--cpu-moe/--n-cpu-moe/-ncffn")
+    draft = _kept_on_host(draft and planner.loaded_as(draft, cache_type_k_draft, cache_type_v_draft, n_ubatch,
+                                                      kv_on_gpu),
                           each_path[1], placed["draft"], "-otd/--cpu-moe-draft/--n-cpu-moe-draft")
     if rpc is not None:
         return _print_rpc_plan(target, rpc, rpc_mem, n_ctx or 4096, as_json)
