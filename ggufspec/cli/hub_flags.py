@@ -22,6 +22,7 @@ import click
 
 from ..errors import GgufspecError
 from .app import fail, utf8_text
+from .presets import apply_presets, preset_options
 
 REPO_FORM = "<user>/<model>[:quant]"
 HUB_PARAMS = {"hf_repo": "-hf", "hf_file": "-hff", "hf_repo_draft": "-hfd", "hf_token": "-hft", "model_url": "-mu",
@@ -30,8 +31,9 @@ DOCKER = ("-dr/--docker-repo is not supported: ggufspec fetches models from the 
           "Docker Hub; give the model's GGUF repository with -hf <user>/<model>[:quant], or its file's URL with -mu")
 
 
-def hub_flag_options() -> list:
-    """The download flags' options, and the decorator that turns them into -m/-md before the command runs."""
+def hub_flag_options(presets: bool = False) -> list:
+    """The download flags' options, and the decorator that turns them into -m/-md before the command runs;
+    with `presets` (run, chat, serve) llama.cpp's preset flags too (`presets`: applied first, as -hf...)."""
     return [
         click.option("-hf", "-hfr", "--hf-repo", "hf_repo", default=None, metavar=REPO_FORM,
                      help="The target from the Hugging Face Hub, pulled into ggufspec's store (verified, resumable); "
@@ -49,16 +51,18 @@ def hub_flag_options() -> list:
         click.option("--offline", "offline", is_flag=True,
                      help="No network: only models already in ggufspec's store (huggingface_hub's HF_HUB_OFFLINE)."),
         click.option("-dr", "--docker-repo", "docker_repo", default=None, hidden=True),
+        *(preset_options() if presets else []),
         with_hub_flags,
     ]
 
 
 def with_hub_flags(command):
-    """`command` with the download flags (consumed from its keywords) applied first: its -m/-md (and
-    serve's --alias) set from them. A bad or contradictory flag is one line and exit code 2."""
+    """`command` with the preset flags, then the download flags (consumed from its keywords) applied first:
+    its -m/-md (and serve's --alias) set from them. A bad or contradictory flag is one line and exit code 2."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
+            apply_presets(kwargs)  # none on bench and eval
             apply_hub_flags(kwargs)
         except GgufspecError as exc:
             fail(str(exc), exc.exit_code)

@@ -50,7 +50,7 @@ def model_options(command):
         click.option("-md", "--model-draft", "model_draft",
                      help="Draft model (GGUF path, or as -m) [default: one on disk with the target's tokenizer, at "
                           "least 5x smaller; else the registry's pair; else n-gram drafting]."),
-        *hub_flag_options(),  # -hf, -hff, -hfd, -hft, -mu, --offline: llama.cpp's download flags as -m/-md
+        *hub_flag_options(presets=True),  # -hf, -hff, -hfd, -hft, -mu, --offline, --fim-qwen-7b-spec...: as -m/-md
         click.option("--draft-dir", "draft_dir", default=None, metavar="DIR",
                      help="Also look for a draft model in this folder (besides ggufspec's models)."),
         click.option("--lookup-pool", "lookup_pool", type=int, default=DEFAULT_POOL_SIZE, metavar="N",
