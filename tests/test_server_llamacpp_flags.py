@@ -381,13 +381,25 @@ def test_the_prefix_and_the_timeout_at_serve_rpcs_front(needs_rpc, chat_pair, tm
     (["--tools", "all"], "runs no tools itself"),
     (["--path", "www"], "serves its own chat page"),
     (["--lora-init-without-apply"], "--lora-scaled FNAME:0"),
+    (["--pooling", "mean"], "for embeddings run llama-server"),
+    (["--video-fps", "2"], "images and audio are not supported"),
+    (["-cms", "512"], "checkpoints sliding-window and recurrent memory itself"),
+    (["--kv-unified-per-slot", "4096"], "give -c N times -np"),
+    (["--keep", "-1"], "does no context shift"),
+    (["-lcs", "corpus.bin"], "reads no llama.cpp n-gram cache files"),
+    (["--spec-draft-p-split", "0.2"], "never a tree"),
+    (["--spec-synth-len", "3"], "plan --trace"),
+    (["--spm-infill"], "prefix-suffix-middle order"),
+    (["-cl"], "`ggufspec list`"),
+    (["--completion-bash"], "_GGUFSPEC_COMPLETE=bash_source"),
 ])
 def test_llama_servers_flags_for_what_ggufspec_does_not_do_say_why(flags, words):
     one_line_error(CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", *flags]), words)
 
 
 @pytest.mark.parametrize("flags", [["-cram", "0"], ["--no-mmproj"], ["--sleep-idle-seconds", "-1"], ["-no-ag"],
-                                   ["--no-cache-idle-slots"]])
+                                   ["--no-cache-idle-slots"], ["--keep", "0"], ["-cms", "8192"],
+                                   ["--spec-draft-p-split", "0.10"], ["--no-spm-infill"]])
 def test_their_values_that_ask_for_what_ggufspec_does_are_taken(flags):
     result = CliRunner().invoke(main, ["serve", "-m", "/nonexistent.gguf", *flags])
     assert "target model not found" in result.stderr, result.stderr  # past the flags, to the model

@@ -18,12 +18,19 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def server(chat_pair, tmp_path_factory):
     target, draft = chat_pair
     with serving(tmp_path_factory.mktemp("aliases"), "-m", str(target), "-md", str(draft), "--api-key", KEY,
-                 "--temp", "0") as running:
+                 "--temp", "0", "--tags", "tiny, test,") as running:
         yield running
 
 
 def test_v1_health_is_open_as_health(server):
     assert httpx.get(server.url + "/v1/health", timeout=10).json()["status"] == "ok"  # no key, as /health
+
+
+def test_the_models_tags_and_aliases(server):
+    """llama-server's `tags` (--tags, informational) and `aliases` (the other names a request may use)."""
+    [entry] = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"]
+    assert entry["id"] == "target" and entry["tags"] == ["tiny", "test"] and "target.gguf" in entry["aliases"]
+    assert entry["id"] not in entry["aliases"]
 
 
 def test_models_without_v1(server):

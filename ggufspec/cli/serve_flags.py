@@ -49,6 +49,8 @@ def llamacpp_server_options(command):
         click.option("--warmup/--no-warmup", "warmup", default=True,
                      help="Time the step costs for --draft auto before serving (--no-warmup: the first request "
                           "that needs them times them)."),
+        click.option("--tags", "model_tags", default=None, metavar="TAG1,TAG2,...",
+                     help="The model's tags, comma-separated, in /v1/models' `tags` (informational, llama-server's)."),
         click.option("--prefill-assistant/--no-prefill-assistant", "prefill_assistant", default=True,
                      help="A chat whose last message is the assistant's: the answer continues it (a prefill; the "
                           "answer is what follows it). --no-prefill-assistant: that message is a whole turn and "
@@ -115,4 +117,9 @@ def server_flags(opts: dict) -> dict:
     chat = ChatSettings(prefill_assistant=opts.pop("prefill_assistant"),
                         skip_chat_parsing=opts.pop("skip_chat_parsing"), preserve_reasoning=opts.pop("reasoning_preserve"))
     return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup"),
-            "prompt_similarity": opts.pop("prompt_similarity"), "chat": chat}
+            "prompt_similarity": opts.pop("prompt_similarity"), "chat": chat, "tags": model_tags(opts.pop("model_tags"))}
+
+
+def model_tags(text: str | None) -> tuple[str, ...]:
+    """--tags' list: each stripped, empty ones left out (llama.cpp's string_split and strip)."""
+    return tuple(tag.strip() for tag in (text or "").split(",") if tag.strip())

@@ -13,12 +13,19 @@ NO_PROMPT_CACHE = ("ggufspec keeps each conversation in its slot's cache (its ne
                    "prefixes between slots; a conversation goes to disk with --slot-save-path")
 NO_SERVER_TOOLS = "ggufspec runs no tools itself: a client's tools go in its request (tools, tool_choice)"
 ONE_MODEL = "ggufspec serves one target (and its draft) per server: start one server per model"
+NO_EMBEDDINGS = ("ggufspec serves generation with speculative decoding; for embeddings run llama-server --embeddings "
+                 "with an embedding model")
+NO_LOOKUP_FILES = ("ggufspec's n-gram lookup drafts from the conversation and an in-memory pool of earlier requests' "
+                   "n-grams (--lookup-pool); it reads no llama.cpp n-gram cache files: leave it out")
+OWN_CHECKPOINTS = "ggufspec checkpoints sliding-window and recurrent memory itself, where a rollback needs it; leave it out"
+NO_CONTEXT_SHIFT = ("ggufspec does no context shift (an answer ends when the context is full, finish_reason "
+                    "\"length\"), so no prompt tokens are kept through one; raise -c for longer answers")
 
 # (flags, takes a value, what the flag's "it does nothing" value or negative form is, why not)
 REFUSED = [
-    (("--embedding", "--embeddings"), False, None,
-     "ggufspec serves generation with speculative decoding; for embeddings run llama-server --embeddings with an "
-     "embedding model"),
+    (("--embedding", "--embeddings"), False, None, NO_EMBEDDINGS),
+    (("--pooling",), True, None, NO_EMBEDDINGS),
+    (("--embd-normalize",), True, None, NO_EMBEDDINGS),
     (("--rerank", "--reranking"), False, None, "ggufspec has no reranking endpoint; run llama-server --rerank"),
     (("-mm", "--mmproj"), True, None, NO_MEDIA),
     (("-mmu", "--mmproj-url"), True, None, NO_MEDIA),
@@ -27,10 +34,34 @@ REFUSED = [
     (("--media-path",), True, None, NO_MEDIA),
     (("--image-min-tokens",), True, None, NO_MEDIA),
     (("--image-max-tokens",), True, None, NO_MEDIA),
+    (("--mtmd-batch-max-tokens",), True, None, NO_MEDIA),
+    (("--video-fps",), True, None, NO_MEDIA),
+    (("--video-timestamp-interval",), True, None, NO_MEDIA),
+    (("--video-ffmpeg-dir",), True, None, NO_MEDIA),
     (("-cram", "--cache-ram"), True, "0", NO_PROMPT_CACHE),
     (("--cache-idle-slots",), False, None, NO_PROMPT_CACHE),
-    (("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), True, None,
-     "ggufspec checkpoints sliding-window and recurrent memory itself, where a rollback needs it; leave it out"),
+    (("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), True, None, OWN_CHECKPOINTS),
+    (("-cms", "--checkpoint-min-step"), True, "8192", OWN_CHECKPOINTS),
+    (("--kv-unified-per-slot",), True, None,
+     "ggufspec's slots share -c's cells (one unified cache, llama-server's default), each answer ending when the "
+     "context is full: give -c N times -np instead"),
+    (("--keep",), True, "0", NO_CONTEXT_SHIFT),
+    (("-lcs", "--lookup-cache-static"), True, None, NO_LOOKUP_FILES),
+    (("-lcd", "--lookup-cache-dynamic"), True, None, NO_LOOKUP_FILES),
+    (("--spec-draft-p-split", "--draft-p-split"), True, "0.1",
+     "ggufspec drafts one line of proposals, never a tree of them, so nothing splits: leave it out"),
+    (("--spec-synth-len",), True, None,
+     "ggufspec verifies real drafts only; to see speed under another acceptance, `ggufspec plan --trace FILE` "
+     "simulates recorded acceptance traces"),
+    (("--spec-synth-rates",), True, None,
+     "ggufspec verifies real drafts only; to see speed under another acceptance, `ggufspec plan --trace FILE` "
+     "simulates recorded acceptance traces"),
+    (("--spm-infill",), False, None,
+     "ggufspec's /infill writes the model's FIM tokens in prefix-suffix-middle order, the order its FIM models "
+     "(Qwen2.5-Coder, CodeLlama...) were trained on; leave it out"),
+    (("-cl", "--cache-list"), False, None, "`ggufspec list` shows the models in ggufspec's store"),
+    (("--completion-bash",), False, None,
+     "ggufspec's shell completion is click's: eval \"$(_GGUFSPEC_COMPLETE=bash_source ggufspec)\""),
     (("--sleep-idle-seconds",), True, "-1", "ggufspec keeps the models loaded while it serves; stop it to free them"),
     (("--models-dir",), True, None, ONE_MODEL),
     (("--models-preset",), True, None, ONE_MODEL),
@@ -54,6 +85,7 @@ REFUSED = [
 ]
 # negative forms that ask for what ggufspec does anyway
 TAKEN = ("--no-mmproj", "--no-mmproj-auto", "--no-mmproj-offload", "--no-cache-idle-slots", "--no-models-autoload",
+         "--no-spm-infill",
          "-no-ag", "--no-agent", "--no-ui-mcp-proxy", "--no-webui-mcp-proxy", "--no-cors-credentials")
 
 
@@ -79,6 +111,14 @@ def refuse_unsupported(opts: dict) -> None:
     for flags, takes_value, harmless, why in REFUSED:
         value = opts.pop(_name(flags))
         given = value is not None if takes_value else value
-        if given and not (takes_value and harmless is not None and str(value).strip() == harmless):
+        if given and not (takes_value and harmless is not None and _same(str(value).strip(), harmless)):
             shown = "/".join(flags) + (f" {value}" if takes_value else "")
             raise GgufspecError(f"{shown} is not supported: {why}")
+
+
+def _same(value: str, harmless: str) -> bool:
+    """The value given is the one that does nothing (0.10 is 0.1)."""
+    try:
+        return float(value) == float(harmless)
+    except ValueError:
+        return value == harmless

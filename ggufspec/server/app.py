@@ -48,7 +48,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                session=None, exposure: Exposure | None = None, metrics: bool = False,
                template_defaults: dict | None = None, reasoning_format: str = "auto",
                endpoints: Endpoints | None = None, front: Front | None = None,
-               chat: ChatSettings | None = None) -> FastAPI:
+               chat: ChatSettings | None = None, tags: tuple[str, ...] = ()) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
     `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
     defaults (no Host check: where it listens is not known here).
@@ -58,7 +58,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     (--chat-template-kwargs); `reasoning_format`: where chat answers put a reasoning model's thinking.
     `endpoints`: llama-server's optional ones (the page, /slots and its actions, POST /props); `front`:
     --api-prefix and --timeout, in front of the Guard (None: behind `serve --rpc`'s front, or none); `chat`:
-    --prefill-assistant, --reasoning-preserve, --skip-chat-parsing."""
+    --prefill-assistant, --reasoning-preserve, --skip-chat-parsing; `tags`: --tags, shown in /v1/models."""
     engine = Engine(decoder, max_queue)
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
@@ -149,6 +149,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         meta = {"n_ctx": decoder.n_ctx, **(info or {})}
         # OpenAI's fields and Anthropic's at once (each SDK reads its own)
         return {"id": model_name, "object": "model", "created": created, "owned_by": "ggufspec", "meta": meta,
+                "aliases": sorted(accepted_models - {model_name}), "tags": list(tags),
                 **protocols.anthropic_model(model_name, created)}
 
     @app.get("/v1/models")
