@@ -1,6 +1,6 @@
-"""llama-server's other names for routes (/v1/health, /models, /responses for a base URL without /v1) and
-OpenAI's input-token count for the Responses API (`client.responses.input_tokens.count`). A real server
-on loopback, the official clients."""
+"""llama-server's other names for routes (/v1/health, /models, /responses for a base URL without /v1),
+OpenAI's input-token count for the Responses API (`client.responses.input_tokens.count`), and serve's
+--tags and -r. A real server on loopback, the official clients."""
 from __future__ import annotations
 
 import anthropic
@@ -18,7 +18,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def server(chat_pair, tmp_path_factory):
     target, draft = chat_pair
     with serving(tmp_path_factory.mktemp("aliases"), "-m", str(target), "-md", str(draft), "--api-key", KEY,
-                 "--temp", "0", "--tags", "tiny, test,") as running:
+                 "--temp", "0", "--tags", "tiny, test,", "-r", "FY") as running:
         yield running
 
 
@@ -65,3 +65,13 @@ def test_input_tokens_refuses_what_responses_refuses(server):
         response = httpx.post(server.url + "/v1/responses/input_tokens", json=body, headers=AUTH, timeout=10)
         assert response.status_code in (400, 404) and words in response.json()["error"]["message"], response.text
     assert httpx.post(server.url + "/v1/responses/input_tokens", json={"input": "x"}).status_code == 401
+
+
+def test_serve_r_is_the_stop_of_a_request_that_gives_none(server):
+    """llama-server's -r: the stop strings of every request without its own (the tiny model writes "FY")."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    asked = dict(model="target", prompt="one two three", max_tokens=24, temperature=0)
+    whole = client.completions.create(**asked, stop=["\x01"]).choices[0]  # its own stop: -r not applied
+    assert "FY" in whole.text
+    cut = client.completions.create(**asked).choices[0]
+    assert cut.text == whole.text[:whole.text.index("FY")] and cut.finish_reason == "stop"

@@ -49,6 +49,8 @@ def llamacpp_server_options(command):
         click.option("--warmup/--no-warmup", "warmup", default=True,
                      help="Time the step costs for --draft auto before serving (--no-warmup: the first request "
                           "that needs them times them)."),
+        click.option("-r", "--reverse-prompt", "reverse_prompts", multiple=True, metavar="PROMPT",
+                     help="A stop string of every request that gives none (repeatable), as llama-server's."),
         click.option("--tags", "model_tags", default=None, metavar="TAG1,TAG2,...",
                      help="The model's tags, comma-separated, in /v1/models' `tags` (informational, llama-server's)."),
         click.option("--prefill-assistant/--no-prefill-assistant", "prefill_assistant", default=True,
@@ -93,6 +95,7 @@ def server_flags(opts: dict) -> dict:
     """The llama-server flags (consumed from `opts`), checked: a refused one raises GgufspecError. The
     values the server needs, by name (`chat`: its rules for chat requests, server.chatturn.ChatSettings)."""
     from ..server.chatturn import ChatSettings
+    from .llamacli_flags import reverse_prompts
     from ..server.front import Endpoints, Front, check_api_prefix, check_slot_save_path
     refuse_unsupported(opts)
     for name, (flag, instead) in REFUSED.items():
@@ -117,7 +120,8 @@ def server_flags(opts: dict) -> dict:
     chat = ChatSettings(prefill_assistant=opts.pop("prefill_assistant"),
                         skip_chat_parsing=opts.pop("skip_chat_parsing"), preserve_reasoning=opts.pop("reasoning_preserve"))
     return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup"),
-            "prompt_similarity": opts.pop("prompt_similarity"), "chat": chat, "tags": model_tags(opts.pop("model_tags"))}
+            "prompt_similarity": opts.pop("prompt_similarity"), "chat": chat, "tags": model_tags(opts.pop("model_tags")),
+            "stops": reverse_prompts(opts.pop("reverse_prompts"))}
 
 
 def model_tags(text: str | None) -> tuple[str, ...]:

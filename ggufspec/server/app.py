@@ -48,7 +48,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                session=None, exposure: Exposure | None = None, metrics: bool = False,
                template_defaults: dict | None = None, reasoning_format: str = "auto",
                endpoints: Endpoints | None = None, front: Front | None = None,
-               chat: ChatSettings | None = None, tags: tuple[str, ...] = ()) -> FastAPI:
+               chat: ChatSettings | None = None, tags: tuple[str, ...] = (), stops: tuple[str, ...] = ()) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
     `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
     defaults (no Host check: where it listens is not known here).
@@ -58,7 +58,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     (--chat-template-kwargs); `reasoning_format`: where chat answers put a reasoning model's thinking.
     `endpoints`: llama-server's optional ones (the page, /slots and its actions, POST /props); `front`:
     --api-prefix and --timeout, in front of the Guard (None: behind `serve --rpc`'s front, or none); `chat`:
-    --prefill-assistant, --reasoning-preserve, --skip-chat-parsing; `tags`: --tags, shown in /v1/models."""
+    --prefill-assistant, --reasoning-preserve, --skip-chat-parsing; `tags`: --tags, shown in /v1/models; `stops`: -r, the stop strings of a request that gives none."""
     engine = Engine(decoder, max_queue)
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
@@ -93,7 +93,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models,
                                 fingerprint=fingerprint, template_defaults=dict(template_defaults or {}),
                                 reasoning_format=reasoning_format, sse_ping_interval=endpoints.sse_ping_interval,
-                                chat=chat or ChatSettings())
+                                chat=chat or ChatSettings(), default_stops=stops)
     protocols.add_routes(app, serving)
     add_stream_routes(app)  # GET/DELETE /v1/stream, POST /v1/streams/lookup: X-Conversation-Id's streams
 

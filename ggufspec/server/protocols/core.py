@@ -93,6 +93,7 @@ class Serving:
     controls: Controls = field(default_factory=Controls)  # running chat completions, for their control requests
     sse_ping_interval: int = 30  # --sse-ping-interval: a stream's keep-alive pings (0 or less: none)
     chat: ChatSettings = field(default_factory=ChatSettings)  # --prefill-assistant, --skip-chat-parsing...
+    default_stops: tuple[str, ...] = ()  # serve -r: the stop strings of a request that gives none (llama-server's)
 
     def check_model(self, requested: str | None) -> None:
         # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
@@ -143,7 +144,8 @@ class Serving:
                 source = {"messages": message_dicts(body.messages)}
             options, shape = sampler_chain(body, request_options(body, self.defaults), self.shape(body),
                                            self.defaults.get("constraints"))
-            return {"options": options, "stops": stop_strings(body.stop), "shape": shape, **source}
+            stops = stop_strings(body.stop) or list(self.default_stops)
+            return {"options": options, "stops": stops, "shape": shape, **source}
         try:
             job = Job(**await asyncio.to_thread(prepared), n=n, fit_to_context=fit_to_context, prefill=prefill,
                       line_limits=line_limits, timings_per_token=body.stream and body.timings_per_token,
