@@ -191,7 +191,9 @@ class MtpContext(Context):
         ctx = llama_cpp.llama_init_from_model(target.llm._model.model, params)
         if not ctx:
             raise ModelFileError(f"llama.cpp could not open an MTP context over the {target.name} model")
-        # the target's LoRA adapters too: the head drafts from the adapted target's states, for it
+        # the target's LoRA adapters too: the head drafts from the adapted target's states, for it. Not its
+        # control vectors (`cvec`): the states it reads are steered already, and llama.cpp's MTP graphs add a
+        # vector at the MTP block's index only, past the layers a vector covers (nor does llama.cpp set them)
         set_lora(ctx, adapters_of(target.llm))
         # what Context.__init__ reads of a llama_cpp.Llama, which this context is not
         super().__init__(SimpleNamespace(_model=target.llm._model, _ctx=SimpleNamespace(ctx=ctx), context_params=params,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import cvec
 from .cpuflags import CpuLoadFlags
 from .errors import GgufspecError
 from .lora import checked as checked_lora
@@ -99,6 +100,12 @@ class ModelOptions(CpuLoadFlags):
     tensor_split: str | tuple | None = None
     device: str | tuple | None = None
     device_draft: str | tuple | None = None
+    # control vectors on the target (`ggufspec.cvec`): --control-vector's values (paths, FNAME,... texts),
+    # --control-vector-scaled's (FNAME:SCALE,... texts or (path, scale) pairs), and the layers they apply to,
+    # (START, END) inclusive, 0 or less llama.cpp's default (1, the last layer)
+    control_vector: tuple | str = ()
+    control_vector_scaled: tuple | str = ()
+    control_vector_layer_range: tuple | None = None
 
 
 @dataclass
@@ -129,6 +136,8 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
     pool = NgramPool(options.lookup_pool)  # a bad size fails before anything loads
     flags = load_flags_by_role(options)     # bad load flags too
     lora = checked_lora(options.lora)        # and a LoRA adapter that is missing or is no adapter
+    steering = cvec.steering(options.control_vector, options.control_vector_scaled,
+                             options.control_vector_layer_range)  # and control vectors, read
     if options.chat_template is not None:    # and a template that does not compile
         from .load import checked_chat_template
         template = checked_chat_template(options.chat_template, "--chat-template")
@@ -138,6 +147,7 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
         pair = load_registry().default  # named, so that serve can call its model by the pair's name
     target, draft, draft_k, choice = resolve_models(pair, options, log)
     check_cache_widths(target, None if draft == MTP else draft, flags)
+    cvec.check_model(steering, target)  # as wide as the target, a layer of it steered
     ngl_given, ngld_given = offload_given(options)  # -dev none: 0
     ngl, ngld = planned_offload(target, None if draft == MTP else draft, options.n_ctx, draft_k or 3, ngl_given,
                                 ngld_given, log, fixed_draft=options.fixed_draft, flags=flags)
@@ -151,6 +161,7 @@ def open_session(options: ModelOptions, *, log: Log = _stderr) -> Session:
                            flash_attn=options.flash_attn, rpc=options.rpc, tensor_split=tensor_split,
                            swa_full=options.swa_full, n_parallel=n_parallel, rpc_timeout=options.rpc_timeout,
                            load_flags=flags, lora=lora)
+    cvec.steer(decoder, steering)  # the target's context alone, as llama.cpp's (the draft's never)
     decoder.ngram_pool = pool  # n-grams of every request, for the next ones (`ngram`)
     if options.chat_template is not None:
         from .load import use_chat_template

@@ -1,7 +1,8 @@
 """llama.cpp's remaining model-loading flags, by its names (common/arg.cpp), as click options: RoPE/YaRN
-context extension, --override-kv, multi-GPU placement (-sm, -mg, -ts, -dev, -devd) and --list-devices, and
-the CPU, memory and loading flags of `cpu_flags` (-nkvo, -nr, --numa, -C, --prio, -fit...).
-`ggufspec.modelflags` checks their values and says which model gets what (as llama.cpp: both, but -devd)."""
+context extension, --override-kv, multi-GPU placement (-sm, -mg, -ts, -dev, -devd) and --list-devices, the
+CPU, memory and loading flags of `cpu_flags` (-nkvo, -nr, --numa, -C, --prio, -fit...), and control vectors.
+`ggufspec.modelflags` checks their values and says which model gets what (as llama.cpp: both, but -devd);
+`ggufspec.cvec` reads the control vectors, the target's alone (as llama.cpp's)."""
 from __future__ import annotations
 
 import click
@@ -14,7 +15,8 @@ from .cpu_flags import cpu_load_options
 # these options' names, which are ModelOptions fields of the same name (options.LOAD_FLAGS has them too)
 EXTRA_LOAD_FLAGS = ("rope_scaling", "rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx",
                     "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast", "override_kv",
-                    "split_mode", "main_gpu", "tensor_split", "device", "device_draft", *CPU_FLAGS)
+                    "split_mode", "main_gpu", "tensor_split", "device", "device_draft", *CPU_FLAGS,
+                    "control_vector", "control_vector_scaled", "control_vector_layer_range")
 BOTH = " (both models, as llama.cpp)"
 
 
@@ -24,7 +26,24 @@ def extra_load_options():
                          help=f"Override a GGUF metadata key as the models load, TYPE {', '.join(KV_OVERRIDE_TYPES)} "
                               f"(repeatable, or comma-separated), e.g. --override-kv "
                               f"tokenizer.ggml.add_bos_token=bool:false{BOTH}."),
-            *cpu_load_options()]
+            *cpu_load_options(), *control_vector_options()]
+
+
+def control_vector_options():
+    """--control-vector, --control-vector-scaled, --control-vector-layer-range: llama.cpp's syntax, the
+    target's alone."""
+    return [
+        click.option("--control-vector", "control_vector", multiple=True, metavar="FNAME",
+                     help="Add a control vector (a GGUF of direction.N tensors, as llama-cvector-generator writes) "
+                          "to the target's layers (repeatable, or comma-separated; several are summed); the draft "
+                          "has none, the steered target decides every token."),
+        click.option("--control-vector-scaled", "control_vector_scaled", multiple=True, metavar="FNAME:SCALE,...",
+                     help="Add a control vector with its scale SCALE (repeatable, or comma-separated)."),
+        click.option("--control-vector-layer-range", "control_vector_layer_range", nargs=2, type=int, default=None,
+                     metavar="START END",
+                     help="The layers the control vectors apply to, START and END inclusive [default: 1 to the "
+                          "last layer]."),
+    ]
 
 
 def rope_options():

@@ -17,8 +17,12 @@ TOOL_GIVEN_FLAGS = {"rope_scaling": "--rope-scaling", "rope_scale": "--rope-scal
                     "yarn_ext_factor": "--yarn-ext-factor", "yarn_attn_factor": "--yarn-attn-factor",
                     "yarn_beta_slow": "--yarn-beta-slow", "yarn_beta_fast": "--yarn-beta-fast",
                     "override_kv": "--override-kv", "split_mode": "-sm", "main_gpu": "-mg", "tensor_split": "-ts",
-                    "device": "-dev"}
+                    "device": "-dev",
+                    # the control vectors, which llama.cpp's tools set on the target alone, as ggufspec does
+                    "control_vector": "--control-vector", "control_vector_scaled": "--control-vector-scaled"}
 TOOL_DRAFT_GIVEN_FLAGS = {"device_draft": "-devd"}
+# ... and the flags of two values (None: not given)
+TOOL_PAIR_FLAGS = {"control_vector_layer_range": "--control-vector-layer-range"}
 # ... and the switches either side of which may be given (None: neither)
 TOOL_SWITCHES = {"kv_offload": {True: "-kvo", False: "-nkvo"}, "op_offload": {True: "--op-offload", False: "--no-op-offload"},
                  "repack": {True: "--repack", False: "-nr"}, "perf": {True: "--perf", False: "--no-perf"}}
@@ -39,5 +43,7 @@ def llamacpp_load_args(load: dict) -> tuple[tuple, tuple]:
                     args += [flag, str(one)]
         return tuple(args)
     switches = tuple(TOOL_SWITCHES[name][load[name]] for name in TOOL_SWITCHES if load.get(name) is not None)
-    return (given(TOOL_FLAGS) + given(TOOL_GIVEN_FLAGS, (None,)) + switches,
+    pairs = tuple(arg for name, flag in TOOL_PAIR_FLAGS.items() if load.get(name) is not None
+                  for arg in (flag, *map(str, load[name])))
+    return (given(TOOL_FLAGS) + given(TOOL_GIVEN_FLAGS, (None,)) + switches + pairs,
             given(TOOL_DRAFT_FLAGS) + given(TOOL_DRAFT_GIVEN_FLAGS, (None,)))

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from .. import __version__, load
+from .. import __version__, cvec, load
 from ..backends import build_backends
 from ..lora import adapters_of
 from ..sampling import SamplingParams
@@ -99,6 +99,10 @@ def system_fingerprint(decoder) -> str:
     adapters = adapters_of(decoder.target_llm)
     if adapters:  # they change the target's logits (left out where none: fingerprints without them stay)
         config["lora"] = [(Path(a.path).name, file_size(a.path), a.scale) for a in adapters]
+    steered = cvec.applied_to(decoder.target_llm)
+    if steered is not None:  # control vectors too
+        config["cvec"] = [[(Path(path).name, file_size(path), scale) for path, scale in steered.vectors],
+                          steered.start, steered.end]
     return "fp_" + hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
