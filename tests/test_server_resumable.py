@@ -166,3 +166,52 @@ def test_a_refused_request_leaves_no_stream_and_lookup_lists_only_what_is_asked(
 def test_the_routes_need_the_key(server, method, path):
     response = httpx.request(method, server.url + path, params={"conv_id": "conv-a"}, json={}, timeout=10)
     assert response.status_code == 401
+
+
+def occupy(server, conversation: str = "conv-holder"):
+    """A resumable request holding the one slot (its client gone, it generates on) until it is stopped at
+    the context manager's end."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def held():
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat_body(4000), timeout=60,
+                          headers={**AUTH, "X-Conversation-Id": conversation}) as response:
+            for chunk in response.iter_raw():
+                if b"data: " in chunk:
+                    break
+        try:
+            yield
+        finally:
+            httpx.delete(server.url + "/v1/stream", params={"conv_id": conversation}, headers=AUTH)
+    return held()
+
+
+def send_and_leave(server, conversation: str, body: dict) -> None:
+    """A resumable request whose client leaves before anything comes back (the request waits for the slot)."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.0,
+                   headers={**AUTH, "X-Conversation-Id": conversation})
+
+
+def test_a_client_gone_while_its_request_waits_finds_the_stream_after(slow_server):
+    """As llama-server's: the stream exists from the request's arrival, the answer goes on without the
+    connection (here the client left while the request waited for the slot)."""
+    body = {**chat_body(12), "messages": [{"role": "user", "content": "a b c"}]}
+    with occupy(slow_server):
+        send_and_leave(slow_server, "conv-waiting", body)
+        [described] = lookup(slow_server, "conv-waiting")
+        assert described["is_done"] is False and described["total_bytes"] == 0
+    whole = replay(slow_server, "conv-waiting")  # read from the start once the slot is free
+    assert answer_text(whole.content) == answer_text(streamed_bytes(slow_server, body, None))
+
+
+def test_delete_while_the_request_waits_means_it_never_runs(slow_server):
+    with occupy(slow_server):
+        send_and_leave(slow_server, "conv-never", chat_body(4000))
+        assert httpx.delete(slow_server.url + "/v1/stream", params={"conv_id": "conv-never"},
+                            headers=AUTH).status_code == 204
+    deadline = time.monotonic() + 10
+    while slow_server.health(headers=AUTH)["busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not slow_server.health(headers=AUTH)["busy"] and lookup(slow_server, "conv-never") == []

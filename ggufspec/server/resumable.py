@@ -11,7 +11,9 @@ any client may read the stream again from a byte offset:
   `completed_at`. Only ids the caller names are answered: nobody can list the server's conversations.
 - `DELETE /v1/stream?conv_id=ID`: the user's Stop: the answer is cancelled and its buffer dropped (204).
 
-A new stream for the same conversation replaces (and cancels) the previous one. The keep-alive pings go
+A stream exists from its request's arrival (a page reloaded while the prompt is evaluated, or while the
+request waits for a slot, finds it) until 5 minutes after its end; a request refused before its first
+event leaves none. A new stream for the same conversation replaces (and cancels) the previous one. The keep-alive pings go
 into the buffer like the events, so that a reader's byte count stays the offset to resume from."""
 from __future__ import annotations
 
@@ -36,21 +38,22 @@ class OffsetLost(Exception):
 
 
 class StreamSession:
-    """One conversation's stream: its bytes (the last MAX_BYTES of them), whether it ended."""
+    """One conversation's stream: its bytes (the last MAX_BYTES of them), whether it ended. It exists from
+    the request's arrival (llama-server's): a reader may wait on it while the prompt is evaluated."""
 
-    def __init__(self, conversation_id: str, max_bytes: int = MAX_BYTES):
-        self.conversation_id, self.max_bytes = conversation_id, max_bytes
+    def __init__(self, conversation_id: str, cancel_job=lambda: None, max_bytes: int = MAX_BYTES):
+        self.conversation_id, self.max_bytes, self.cancel_job = conversation_id, max_bytes, cancel_job
         self.buffer, self.dropped = bytearray(), 0  # bytes dropped from the front for the cap
         self.done = self.cancelled = False
         self.started_at, self.completed_at = int(time.time()), 0
         self.producer: asyncio.Task | None = None
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()  # set (and replaced) at each change: the readers waiting wake
 
     @property
     def total_bytes(self) -> int:
         return self.dropped + len(self.buffer)
 
-    async def append(self, data: bytes) -> None:
+    def append(self, data: bytes) -> None:
         if self.done or not data:
             return
         self.buffer += data
@@ -58,20 +61,25 @@ class StreamSession:
             extra = len(self.buffer) - self.max_bytes
             del self.buffer[:extra]
             self.dropped += extra
-        async with self._changed:
-            self._changed.notify_all()
+        self._wake()
 
-    async def finish(self) -> None:
+    def finish(self) -> None:
         if not self.done:
             self.done, self.completed_at = True, int(time.time())
-        async with self._changed:
-            self._changed.notify_all()
+        self._wake()
 
     def cancel(self) -> None:
-        """Stop the answer (its job is cancelled as the generator closes) and wake the readers."""
+        """Stop the answer (the job, and its producer, whose generator's closing cancels it too) and end the
+        stream for its readers."""
         self.cancelled = True
+        self.cancel_job()
         if self.producer is not None:
             self.producer.cancel()
+        self.finish()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def read_from(self, offset: int):
         """The bytes from `offset` on, as they come, until the stream ends (OffsetLost: dropped already)."""
@@ -85,8 +93,7 @@ class StreamSession:
                 continue
             if self.done:
                 return
-            async with self._changed:
-                await self._changed.wait_for(lambda: self.done or self.total_bytes > offset)
+            await self._changed.wait()
 
     def described(self) -> dict:
         return {"conversation_id": self.conversation_id, "is_done": self.done, "total_bytes": self.total_bytes,
@@ -104,12 +111,11 @@ class StreamSessions:
         self._expire()
         return self.sessions.get(conversation_id)
 
-    def start(self, conversation_id: str, events, ping_seconds: float) -> StreamSession:
-        """A new stream for the conversation (the one before it cancelled), its producer running:
-        `events` (the protocol's SSE events) encoded into the buffer whether anyone reads or not."""
+    def open(self, conversation_id: str, cancel_job) -> StreamSession:
+        """The conversation's new stream, as its request arrives; the one under way is cancelled (its slot may
+        be the one the new request needs)."""
         self.evict(conversation_id, cancel=True)
-        session = self.sessions[conversation_id] = StreamSession(conversation_id)
-        session.producer = asyncio.create_task(produce(session, events, ping_seconds))
+        session = self.sessions[conversation_id] = StreamSession(conversation_id, cancel_job)
         return session
 
     def lookup(self, conversation_ids: list[str]) -> list[dict]:
@@ -121,6 +127,13 @@ class StreamSessions:
         session = self.sessions.pop(conversation_id, None)
         if session is not None and cancel:
             session.cancel()
+        elif session is not None:
+            session.finish()
+
+    def drop(self, session: StreamSession) -> None:
+        """A request refused before its stream began leaves nothing behind (unless a newer one took its id)."""
+        if self.sessions.get(session.conversation_id) is session:
+            self.evict(session.conversation_id, cancel=False)
 
     def cancel_all(self) -> None:
         for conversation_id in list(self.sessions):
@@ -137,31 +150,37 @@ async def produce(session: StreamSession, events, ping_seconds: float) -> None:
     pinger = asyncio.create_task(ping(session, ping_seconds)) if ping_seconds > 0 else None
     try:
         async for event in events:
-            await session.append(ensure_bytes(event, SEP))
+            session.append(ensure_bytes(event, SEP))
     finally:
         if pinger is not None:
             pinger.cancel()
         await events.aclose()  # its `finally` cancels the job: at the end, or cancelled by DELETE
-        await session.finish()
+        session.finish()
 
 
 async def ping(session: StreamSession, seconds: float) -> None:
     while not session.done:
         await asyncio.sleep(seconds)
         comment = ServerSentEvent(comment=f"ping - {datetime.now(timezone.utc)}", sep=SEP)
-        await session.append(comment.encode())
+        session.append(comment.encode())
 
 
-def resumable_response(request: Request, conversation_id: str, events, ping_seconds: float) -> Response:
-    """The stream of a request that named its conversation: read from its buffer from the start; a
-    client gone leaves the answer running for the next reader."""
-    session = request.app.state.streams.start(conversation_id, events, ping_seconds)
+def open_stream(request: Request, conversation_id: str, job) -> StreamSession:
+    """A streamed request that names its conversation: its stream registered at once (lookup sees it; the
+    conversation's stream under way is replaced), the job cancelled with it (DELETE)."""
+    return request.app.state.streams.open(conversation_id, job.cancel)
+
+
+def resumable_response(session: StreamSession, events, ping_seconds: float) -> Response:
+    """The stream, its job started: `events` run into the session's buffer by a task of their own, and
+    the response reads the buffer from the start; a client gone leaves the answer running for the next
+    reader."""
+    session.producer = asyncio.create_task(produce(session, events, ping_seconds))
     return EventSourceResponse(session.read_from(0), sep=SEP, ping=0)
 
 
-def stop_previous(request: Request, conversation_id: str) -> None:
-    """A new request of the conversation cancels its stream under way (whose slot the new one may need)."""
-    request.app.state.streams.evict(conversation_id, cancel=True)
+def drop(request: Request, session: StreamSession) -> None:
+    request.app.state.streams.drop(session)
 
 
 def conversation_id(request: Request) -> str | None:

@@ -192,9 +192,9 @@ def renamed(exc: APIError, names: dict | None) -> APIError:
     return exc
 
 
-async def started(job: Job, request: Request) -> int:
-    """The prompt's length once the job has started; its errors until then as APIError (a client
-    gone meanwhile: ClientGone)."""
+async def started(job: Job, request: Request | None) -> int:
+    """The prompt's length once the job has started; its errors until then as APIError (with a
+    `request`, a client gone meanwhile: ClientGone)."""
     kind, value = await job.next_event(request)
     if kind == "error":
         raise engine_error(value)
@@ -308,14 +308,17 @@ async def answer_or_stream(job: Job, request: Request, stream: bool, whole, even
     answer cancels it; a stream naming its conversation (X-Conversation-Id) is `resumable`."""
     streaming = False
     conversation = resumable.conversation_id(request) if stream else None
-    if conversation:  # as llama-server: the conversation's new stream replaces its old one at once
-        resumable.stop_previous(request, conversation)
+    # as llama-server: its stream exists at once, and no longer depends on the connection (a page reloaded
+    # while the prompt is evaluated reads it too)
+    session = resumable.open_stream(request, conversation, job) if conversation else None
     try:
-        n_prompt = await started(job, request)
+        n_prompt = await started(job, None if session else request)
         if not stream:
             return JSONResponse(await whole(n_prompt))
+        if session is not None and session.cancelled:  # stopped (DELETE) before it began
+            raise ClientGone
         ping = max(job.sse_ping_interval, 0)  # a keep-alive comment every N seconds through a long prompt
-        response = resumable.resumable_response(request, conversation, events(n_prompt), ping) if conversation \
+        response = resumable.resumable_response(session, events(n_prompt), ping) if session \
             else EventSourceResponse(events(n_prompt), sep="\n", ping=ping)
         streaming = True
         return response
@@ -324,6 +327,8 @@ async def answer_or_stream(job: Job, request: Request, stream: bool, whole, even
     finally:
         if not streaming:  # from here on the stream's own `finally` cancels it
             job.cancel()
+            if session is not None:  # refused before it began: no stream left behind
+                resumable.drop(request, session)
 
 
 def sse(event: str | None, data: dict) -> dict:
