@@ -64,31 +64,9 @@ def llamacpp_server_options(command):
         click.option("--skip-chat-parsing/--no-skip-chat-parsing", "skip_chat_parsing", default=False,
                      help="Chat answers as the model wrote them: its thinking and tool calls left in the content, "
                           "not parsed into reasoning_content and tool_calls (grammars still apply)."),
-        # what ggufspec always does: accepted; the opposite: refused in `server_flags`
-        click.option("-cb", "--cont-batching", "cont_batching", **hidden_flag),
-        click.option("-nocb", "--no-cont-batching", "no_cont_batching", **hidden_flag),
-        click.option("--cache-prompt", "cache_prompt", **hidden_flag),
-        click.option("--no-cache-prompt", "no_cache_prompt", **hidden_flag),
-        click.option("--cache-reuse", "cache_reuse", type=int, default=0, hidden=True),
-        click.option("-kvu", "--kv-unified", "kv_unified", **hidden_flag),
-        click.option("-no-kvu", "--no-kv-unified", "no_kv_unified", **hidden_flag),
-        click.option("--no-context-shift", "no_context_shift", **hidden_flag),
-        click.option("--context-shift", "context_shift", **hidden_flag),
-        *unsupported_options(),  # llama-server's flags for what ggufspec does not do: refused, saying why
+        click.option("-kvu", "--kv-unified", "kv_unified", **hidden_flag),  # what ggufspec does, but under --strict
+        *unsupported_options(),  # llama-server's flags for what ggufspec does otherwise: refused, saying why
     )(command)
-
-
-# a refused flag: what ggufspec does instead
-REFUSED = {
-    "no_cont_batching": ("-nocb/--no-cont-batching", "ggufspec's slots always decode together, one batch per step "
-                         "(continuous batching); for one request at a time give -np 1"),
-    "no_cache_prompt": ("--no-cache-prompt", "ggufspec always reuses the prefix a slot has cached (a request's "
-                        "answer says how much in timings.cache_n)"),
-    "no_kv_unified": ("-no-kvu/--no-kv-unified", "ggufspec's slots share one unified cache, as llama-server's "
-                      "default (--strict or --exact give each slot a cache of its own)"),
-    "context_shift": ("--context-shift", "ggufspec ends an answer when the context is full (finish_reason "
-                      "\"length\"), as llama-server without it; raise -c for longer ones"),
-}
 
 
 def server_flags(opts: dict) -> dict:
@@ -98,20 +76,9 @@ def server_flags(opts: dict) -> dict:
     from .llamacli_flags import reverse_prompts
     from ..server.front import Endpoints, Front, check_api_prefix, check_slot_save_path
     refuse_unsupported(opts)
-    for name, (flag, instead) in REFUSED.items():
-        if opts.pop(name):
-            raise GgufspecError(f"{flag} is not supported: {instead}")
-    cache_reuse = opts.pop("cache_reuse")
-    if cache_reuse != 0:
-        raise GgufspecError(f"--cache-reuse {cache_reuse} is not supported: ggufspec reuses the prefix a slot "
-                            f"(or, on a KV cache, any slot) holds, never chunks moved within the cache (llama.cpp's "
-                            f"KV shifting); leave it out")
-    kv_unified = opts.pop("kv_unified")
-    if kv_unified and (opts.get("strict") or opts.get("exact")):
+    if opts.pop("kv_unified") and (opts.get("strict") or opts.get("exact")):
         raise GgufspecError("-kvu/--kv-unified: with --strict or --exact each slot has a cache of its own; leave "
                             "one of them out")
-    for name in ("cont_batching", "cache_prompt", "no_context_shift"):  # what ggufspec does anyway
-        opts.pop(name)
     front = Front(api_prefix=check_api_prefix(opts.pop("api_prefix")), timeout=opts.pop("timeout"))
     endpoints = Endpoints(webui=opts.pop("webui"), slots=opts.pop("slots_endpoint"),
                           slot_save_path=check_slot_save_path(opts.pop("slot_save_path")),

@@ -1,4 +1,4 @@
-"""llama-server's flags for what ggufspec serve does not do, refused by name in one line that says why and
+"""llama-server's flags for what ggufspec serve does otherwise, refused by name in one line that says why and
 what to do instead (click's own answer would be a bare "No such option"). A pasted llama-server command
 line thus fails at its first such flag, saying so, before anything loads. Where a flag's value or form
 is what ggufspec does anyway (`-cram 0`, `--no-mmproj`, `--no-tools`...) it is taken."""
@@ -23,6 +23,16 @@ NO_CONTEXT_SHIFT = ("ggufspec does no context shift (an answer ends when the con
 
 # (flags, takes a value, what the flag's "it does nothing" value or negative form is, why not)
 REFUSED = [
+    (("-nocb", "--no-cont-batching"), False, None, "ggufspec's slots always decode together, one batch per step "
+     "(continuous batching); for one request at a time give -np 1"),
+    (("--no-cache-prompt",), False, None, "ggufspec always reuses the prefix a slot has cached (a request's answer "
+     "says how much in timings.cache_n; a request's cache_prompt false evaluates its prompt whole)"),
+    (("--cache-reuse",), True, "0", "ggufspec reuses the prefix a slot (or, on a KV cache, any slot) holds, never "
+     "chunks moved within the cache (llama.cpp's KV shifting); leave it out"),
+    (("-no-kvu", "--no-kv-unified"), False, None, "ggufspec's slots share one unified cache, as llama-server's "
+     "default (--strict or --exact give each slot a cache of its own)"),
+    (("--context-shift",), False, None, "ggufspec ends an answer when the context is full (finish_reason "
+     "\"length\"), as llama-server without it; raise -c for longer ones"),
     (("--embedding", "--embeddings"), False, None, NO_EMBEDDINGS),
     (("--pooling",), True, None, NO_EMBEDDINGS),
     (("--embd-normalize",), True, None, NO_EMBEDDINGS),
@@ -84,9 +94,9 @@ REFUSED = [
     (("--cors-credentials",), False, None, "ggufspec's CORS never allows credentials; leave it out"),
 ]
 # negative forms that ask for what ggufspec does anyway
-TAKEN = ("--no-mmproj", "--no-mmproj-auto", "--no-mmproj-offload", "--no-cache-idle-slots", "--no-models-autoload",
-         "--no-spm-infill",
-         "-no-ag", "--no-agent", "--no-ui-mcp-proxy", "--no-webui-mcp-proxy", "--no-cors-credentials")
+TAKEN = ("-cb", "--cont-batching", "--cache-prompt", "--no-context-shift", "--no-mmproj", "--no-mmproj-auto",
+         "--no-mmproj-offload", "--no-cache-idle-slots", "--no-models-autoload", "--no-spm-infill", "-no-ag",
+         "--no-agent", "--no-ui-mcp-proxy", "--no-webui-mcp-proxy", "--no-cors-credentials")
 
 
 def _name(flags: tuple[str, ...]) -> str:

@@ -117,7 +117,7 @@ class GenerationBody(Strict):
 
     @model_validator(mode="after")
     def _no_cache_shifting(self):
-        if self.n_cache_reuse:  # as serve's --cache-reuse (serve_flags)
+        if self.n_cache_reuse:  # as serve's --cache-reuse (unsupported_flags)
             raise APIError(400, f"n_cache_reuse {self.n_cache_reuse} is not supported: ggufspec reuses the prefix "
                                 "a slot holds, never chunks moved within the cache (llama.cpp's KV shifting); leave "
                                 "it out or send 0", code="unsupported_parameter", param="n_cache_reuse")
