@@ -90,20 +90,71 @@ def system_fingerprint(decoder) -> str:
     verification = getattr(decoder, "verification", "batch")
     # the draft decides the batches, so their rounding, but not under --strict or --exact
     models = (decoder.target_llm, getattr(decoder, "draft_llm", None) if verification == "batch" else None)
-    files = [(Path(llm.model_path).name, file_size(llm.model_path)) for llm in models if llm is not None]
+    files = [file_identity(llm) for llm in models if llm is not None]
     config = {"ggufspec": __version__, "llama_cpp": llama_cpp.__version__, "files": files,
               "system": llama_cpp.llama_print_system_info().decode(errors="replace"),
               "gpu_layers": [load.offloaded_layers(decoder.target_llm), decoder.n_gpu_layers_draft],
               "placement": decoder.placement, "verification": verification,
               "context": context_settings(decoder.target_llm)}
-    adapters = adapters_of(decoder.target_llm)
-    if adapters:  # they change the target's logits (left out where none: fingerprints without them stay)
-        config["lora"] = [(Path(a.path).name, file_size(a.path), a.scale) for a in adapters]
-    steered = cvec.applied_to(decoder.target_llm)
-    if steered is not None:  # control vectors too
-        config["cvec"] = [[(Path(path).name, file_size(path), scale) for path, scale in steered.vectors],
-                          steered.start, steered.end]
+    # what changes the target's logits besides its file, each left out where not given (so that
+    # fingerprints without them stay what they were before it was counted)
+    setup = cache_setup(decoder.target_llm)
+    config.update({key: setup[key] for key in MODEL_CHANGES if key in setup})
     return "fp_" + hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+# cache_setup's keys besides the file and the cache types: the flags that change what the model computes
+MODEL_CHANGES = ("lora", "cvec", "rope", "override_kv")
+
+
+def cache_setup(llm) -> dict:
+    """What decides the values of the KV cells `llm`'s context computes, beyond the prompt: the model
+    file [name, size], the cache types (-ctk/-ctv), and where given, its LoRA adapters [[name, size,
+    scale]...] (--lora, --lora-scaled), control vectors [[[name, size, scale]...], first layer, last]
+    (--control-vector*), RoPE/YaRN settings {field: value} (--rope-*, --yarn-*) and metadata overrides
+    {key: value} (--override-kv). JSON-shaped: a slot file's FILENAME.setup keeps it (`slotsetup`).
+    Unlike the system fingerprint, not what only rounds them (builds, threads, batches, offloading):
+    llama-server restores a saved cache across those."""
+    import gguf
+    params = llm.context_params
+    types = [gguf.GGMLQuantizationType(type_id).name.lower() for type_id in (params.type_k, params.type_v)]
+    setup = {"file": file_identity(llm), "cache_types": types}
+    adapters = adapters_of(llm)
+    if adapters:
+        setup["lora"] = [[Path(a.path).name, file_size(a.path), a.scale] for a in adapters]
+    steered = cvec.applied_to(llm)
+    if steered is not None:
+        setup["cvec"] = [[[Path(path).name, file_size(path), scale] for path, scale in steered.vectors],
+                         steered.start, steered.end]
+    rope = rope_settings(llm)
+    if rope:
+        setup["rope"] = rope
+    if getattr(llm, "kv_overrides", None):  # llama_cpp.Llama keeps the dict it was given
+        setup["override_kv"] = {key: llm.kv_overrides[key] for key in sorted(llm.kv_overrides)}
+    return setup
+
+
+def file_identity(llm) -> list:
+    """The model file as the fingerprints know it: [name, size] (moved elsewhere, still the same)."""
+    return [Path(llm.model_path).name, file_size(llm.model_path)]
+
+
+def rope_settings(llm) -> dict:
+    """The context's RoPE/YaRN fields that are not llama.cpp's "the model's own" defaults (what --rope-*
+    and --yarn-* set), floats as their float32 reads shortest, --rope-scaling by its name."""
+    import llama_cpp
+    import numpy as np
+    from ..modelflags import ROPE_SCALING_TYPES
+    params, defaults = getattr(llm, "context_params", None), llama_cpp.llama_context_default_params()
+    names = {number: name for name, number in ROPE_SCALING_TYPES.items()}
+    found = {}
+    for field in load.ROPE_FIELDS:
+        value = getattr(params, field, None)
+        if value is None or value == getattr(defaults, field):
+            continue
+        found[field] = names.get(value, value) if field == "rope_scaling_type" else \
+            float(str(np.float32(value))) if isinstance(value, float) else value
+    return found
 
 
 def file_size(path) -> int | None:

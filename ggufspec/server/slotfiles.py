@@ -12,7 +12,9 @@ model, tokens that are not the target's) is passed over: the draft then catches 
 prompt; it changes what is drafted, never the answer. A restored slot's next request with the same
 prefix reuses it (its `timings.cache_n`, `prompt_n` show it); on recurrent and sliding-window memory
 only a prompt that continues all the slot saved does (a restored state has no checkpoints inside it to
-go back to).
+go back to). FILENAME.setup, beside it, says which setup computed its cells, and a restore under
+another is refused (`slotsetup`); so that no file of the slot folder is ever another's sidecar, names
+ending in .draft or .setup are not saved to.
 """
 from __future__ import annotations
 
@@ -23,11 +25,14 @@ import time
 import llama_cpp
 
 from ..native import Context
+from . import slotsetup
 from .errors import APIError
+from .slotsetup import SETUP_SUFFIX
 
 DRAFT_SUFFIX = ".draft"  # the draft model's cache, beside the target's file
 TOKENS_MARKER, TOKENS_VERSION = -1, 1  # llama-server's server_tokens::serialize (LLAMA_TOKEN_NULL, version 1)
 ACTIONS = ("save", "restore", "erase")
+NAME_MAX = 255 - max(len(DRAFT_SUFFIX), len(SETUP_SUFFIX))  # bytes: a saved name leaves room for its sidecars
 # codepoints fs_validate_filename refuses besides control characters: lookalikes of . / \, surrogates,
 # the replacement character, the BOM, and what Windows forbids in names
 FORBIDDEN = {0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF, *map(ord, ':*?"<>|/\\')}
@@ -57,25 +62,50 @@ def slot_action(slots, index: int, action: str, folder: str, filename: str | Non
     if not isinstance(filename, str) or not valid_filename(filename):
         raise APIError(400, f"Invalid filename: {filename!r} (a plain file name in --slot-save-path: no /, \\, .., "
                             f"control characters, leading or trailing space)", param="filename")
+    if action == "save":
+        check_saved_name(filename)
     path = os.path.join(folder, filename)
     return save(slots, index, path, filename) if action == "save" else restore(slots, index, path, filename)
+
+
+def check_saved_name(filename: str) -> None:
+    """400 for a name that is, or is too long to have, a slot file's sidecars (FILENAME.draft, .setup):
+    saving "x.setup" would be overwritten by the next save of "x"."""
+    if filename.endswith((DRAFT_SUFFIX, SETUP_SUFFIX)):
+        raise APIError(400, f"Invalid filename: {filename!r} ends in {DRAFT_SUFFIX} or {SETUP_SUFFIX}, the names of "
+                            f"the files ggufspec keeps beside a slot file: choose another name", param="filename")
+    if len(filename.encode()) > NAME_MAX:
+        raise APIError(400, f"Invalid filename: {filename!r} is longer than {NAME_MAX} bytes, which leaves no room "
+                            f"for FILENAME{SETUP_SUFFIX} beside it", param="filename")
 
 
 def save(slots, index: int, path: str, filename: str) -> dict:
     with slots.hold(index) as slot:
         started = time.perf_counter()
+        draft = own_draft(slot)
+        setup = slotsetup.setup_of(slot.target, draft)
+        slotsetup.make_room(path + SETUP_SUFFIX, filename)
         written = write_state(slot.target, path)
         if not written:
             raise APIError(500, f"Unable to save slot {index} to {filename} (the folder of --slot-save-path "
                                 f"cannot take it?)", "server_error")
-        draft = own_draft(slot)
-        if draft is not None and draft.tokens:
-            write_state(draft, path + DRAFT_SUFFIX)  # not written: the draft catches up after a restore
-        elif os.path.exists(path + DRAFT_SUFFIX):
-            os.remove(path + DRAFT_SUFFIX)  # an earlier save's: not this conversation's draft
+        if not (draft is not None and draft.tokens and write_state(draft, path + DRAFT_SUFFIX)):
+            setup["draft"] = None  # no draft file: the draft catches up after a restore
+            if os.path.exists(path + DRAFT_SUFFIX):
+                os.remove(path + DRAFT_SUFFIX)  # an earlier save's: not this conversation's draft
+        write_setup(path + SETUP_SUFFIX, setup, index, filename)
         return {"id_slot": index, "filename": filename, "n_saved": len(slot.target.tokens), "n_written": written,
-                "n_saved_draft": len(draft.tokens) if draft is not None else 0,
+                "n_saved_draft": len(draft.tokens) if setup["draft"] is not None else 0,
                 "timings": {"save_ms": (time.perf_counter() - started) * 1000}}
+
+
+def write_setup(path: str, setup: dict, index: int, filename: str) -> None:
+    try:
+        slotsetup.write(path, setup)
+    except OSError as exc:
+        raise APIError(500, f"Slot {index} was saved to {filename} but not its setup, {filename}{SETUP_SUFFIX} "
+                            f"({exc.strerror or exc}): a restore would not check it; save it again",
+                       "server_error") from None
 
 
 def write_state(ctx, path: str) -> int:
@@ -96,8 +126,14 @@ def own_draft(slot) -> Context | None:
 def restore(slots, index: int, path: str, filename: str) -> dict:
     if not os.path.isfile(path):
         raise APIError(400, f"Unable to restore slot: no file {filename} in --slot-save-path", param="filename")
+    if filename.endswith(SETUP_SUFFIX) and slotsetup.read(path) is not None:
+        raise APIError(400, f"Unable to restore slot: {filename} is the setup of the slot file "
+                            f"{filename.removesuffix(SETUP_SUFFIX)}, not a slot file: restore that", param="filename")
     with slots.hold(index) as slot:
         started = time.perf_counter()
+        draft = own_draft(slot)
+        here = slotsetup.setup_of(slot.target, draft)
+        saved = slotsetup.checked(path + SETUP_SUFFIX, filename, here)  # before the slot is touched
         for ctx in slot.contexts():
             ctx.keep(0)
         slot.last_stats = None  # what the slot caches is no longer what its last answer left
@@ -105,9 +141,11 @@ def restore(slots, index: int, path: str, filename: str) -> dict:
             tokens, read = load_state(slot.target, path)
         except ValueError as exc:
             raise APIError(400, f"Unable to restore slot: {exc}") from None
-        n_draft = restore_draft(own_draft(slot), path + DRAFT_SUFFIX, tokens)
+        fitting_draft = draft if slotsetup.same_draft(saved, here) else None  # else it catches up
+        n_draft = restore_draft(fitting_draft, path + DRAFT_SUFFIX, tokens)
         return {"id_slot": index, "filename": filename, "n_restored": len(tokens), "n_read": read,
-                "n_restored_draft": n_draft, "timings": {"restore_ms": (time.perf_counter() - started) * 1000}}
+                "n_restored_draft": n_draft, "setup_checked": saved is not None,
+                "timings": {"restore_ms": (time.perf_counter() - started) * 1000}}
 
 
 def restore_draft(draft: Context | None, path: str, target_tokens: list[int]) -> int:
