@@ -83,7 +83,13 @@ class OneLineUsageError(click.UsageError):
 class OneLineErrorsGroup(click.Group):
     """Click writes a usage error as four lines (usage, a hint, a blank, the error): written as one
     here, as ggufspec's own errors are, with the same exit code 2. Help asked for by running a group
-    with no command (NoArgsIsHelpError) is still shown whole."""
+    with no command (NoArgsIsHelpError) is still shown whole. The commands that stand for llama.cpp's
+    tools take --version, as those tools do (`VERSIONED`)."""
+
+    def add_command(self, cmd, name=None):
+        if (name or cmd.name) in VERSIONED and not any(p.name == "version" for p in cmd.params):
+            cmd.params.append(version_option())
+        super().add_command(cmd, name)
 
     def make_context(self, *args, **kwargs):
         with _one_line_usage_errors():
@@ -106,9 +112,19 @@ def _one_line_usage_errors():
         raise OneLineUsageError(exc.format_message(), exc.ctx) from exc
 
 
-@click.group(cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--version", is_flag=True, expose_value=False, is_eager=True, help="Show the version and the backends "
-              "of the installed llama-cpp-python build, and exit.", callback=lambda ctx, _, value: _print_version(ctx, value))
+# llama-completion, llama-cli, llama-server and llama-bench print their version on --version and exit
+VERSIONED = ("run", "chat", "serve", "bench")
+
+
+def version_option() -> click.Option:
+    """--version: ggufspec's, llama-cpp-python's and its backends', then exit 0 (before anything else is read)."""
+    return click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True,
+                        help="Show the version and the backends of the installed llama-cpp-python build, and exit.",
+                        callback=lambda ctx, _, value: _print_version(ctx, value))
+
+
+@click.group(cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             params=[version_option()])
 def main():
     """Lossless speculative decoding for GGUF models."""
     # A shell starts background jobs with SIGINT ignored, and the ignore is inherited: put Python's

@@ -11,6 +11,7 @@ line that says what to do instead. None is taken and ignored.
 - -sp: control tokens printed as their text; --verbose-prompt: the prompt's tokens on stderr;
 - run: --display-prompt (the prompt before the answer; run's default stays the answer alone), -ptc N;
 - chat: -p (the first message), -st, -mli, --show-timings/--no-show-timings, -o FNAME, --simple-io.
+More of them (-bf, chat's -f and -e, --reasoning-preserve, the media, cache and parallel flags...): llamacli_more.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import click
 from ..errors import GgufspecError
 from ..stops import first_stop
 from ..terminal import ChatFlags, generated_pieces, prompt_token_lines, tokens_text
-from .app import not_utf8_file, utf8_text
+from .app import utf8_text
+from .llamacli_more import more_options, read_text_file, take_more
 from .options import options, process_escapes
 
 INTERACTIVE = "run generates one answer and exits: `ggufspec chat` is the interactive mode (llama-cli's)"
@@ -145,6 +147,7 @@ def llamacli_flags(command: str):
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
             _refuse(command, kwargs)
+            take_more(command, kwargs)
             kwargs["system"] = system_message(kwargs["system"], kwargs.pop("system_file"),
                                               kwargs.get("chat", True))
             if command == "run":
@@ -154,7 +157,7 @@ def llamacli_flags(command: str):
                 kwargs["llamacli"] = _chat_flags(kwargs, output)
                 return function(*args, **kwargs)
         more = _run_options() if command == "run" else _chat_options()
-        return options(*_shared_options(command), *more)(wrapper)
+        return options(*_shared_options(command), *more, *more_options(command))(wrapper)
     return decorate
 
 
@@ -204,14 +207,7 @@ def system_message(system: str | None, path: str | None, chat: bool) -> str | No
         raise GgufspecError("give the system message with -sys or -sysf, not both")
     if not chat:
         raise GgufspecError("-sysf/--system-prompt-file is the chat template's system message: give --chat too")
-    try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except UnicodeDecodeError as exc:
-        raise not_utf8_file("-sysf/--system-prompt-file", path, exc) from None
-    except OSError as exc:
-        raise GgufspecError(f"-sysf/--system-prompt-file: {path}: {exc.strerror or exc}") from None
-    return text[:-1] if text.endswith("\n") else text
+    return read_text_file("-sysf/--system-prompt-file", path)
 
 
 def reverse_prompts(texts: tuple[str, ...], escape: bool = False) -> tuple[str, ...]:
@@ -244,11 +240,13 @@ class OutputFile:
 
 
 def _chat_flags(kwargs: dict, output) -> ChatFlags:
-    return ChatFlags(stops=reverse_prompts(kwargs.pop("reverse_prompts")), special=kwargs.pop("special"),
+    escape = kwargs.pop("escape")  # -e: as llama.cpp's, the first message's escapes and -r's
+    first = utf8_text("-p/--prompt", kwargs.pop("first_message"))
+    return ChatFlags(stops=reverse_prompts(kwargs.pop("reverse_prompts"), escape), special=kwargs.pop("special"),
                      single_turn=kwargs.pop("single_turn"), show_timings=kwargs.pop("show_timings"),
                      multiline=kwargs.pop("multiline_input"), simple_io=kwargs.pop("simple_io"),
                      verbose_prompt=kwargs.pop("verbose_prompt"),
-                     first_message=utf8_text("-p/--prompt", kwargs.pop("first_message")), output=output)
+                     first_message=process_escapes(first) if escape and first is not None else first, output=output)
 
 
 def _run_flags(kwargs: dict) -> RunFlags:
