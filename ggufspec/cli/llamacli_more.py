@@ -23,7 +23,7 @@ import click
 
 from ..errors import GgufspecError
 from .app import not_utf8_file, utf8_text
-from .unsupported_flags import NO_MEDIA, OWN_CHECKPOINTS, REFUSED as SERVE_REFUSED
+from .unsupported_flags import NO_MEDIA, OWN_CHECKPOINTS, refusal_options, refuse_given, serve_reason
 
 NO_CONTEXT_SHIFT = ("it keeps prompt tokens through a context shift, which ggufspec does not do (an answer ends when "
                     "the context is full, stop: context); raise -c for longer answers (--keep 0 is taken)")
@@ -38,11 +38,6 @@ ONE_ANSWER = {
 }
 
 
-def _serve_why(flag: str) -> str:
-    """serve's reason for refusing `flag` (unsupported_flags.REFUSED), where it holds for run and chat too."""
-    return next(why for flags, _, _, why in SERVE_REFUSED if flag in flags)
-
-
 BOTH, CHAT = ("run", "chat"), ("chat",)
 MEDIA_VALUES = ("-mm/--mmproj", "-mmu/--mmproj-url", "--image-min-tokens", "--image-max-tokens", "--video-fps",
                 "--video-timestamp-interval", "--video-ffmpeg-dir", "--image/--audio/--video")
@@ -53,11 +48,11 @@ REFUSED = [
     *[(flags, True, None, NO_MEDIA, BOTH) for flags in MEDIA_VALUES],
     ("--mmproj-auto", False, None, NO_MEDIA, BOTH),
     ("--mmproj-offload", False, None, NO_MEDIA, BOTH),
-    ("-cl/--cache-list", False, None, _serve_why("-cl"), BOTH),
-    ("--completion-bash", False, None, _serve_why("--completion-bash"), BOTH),
-    ("--spec-draft-p-split/--draft-p-split", True, "0.1", _serve_why("--spec-draft-p-split"), BOTH),
-    ("--spec-synth-len", True, None, _serve_why("--spec-synth-len"), CHAT),
-    ("--spec-synth-rates", True, None, _serve_why("--spec-synth-rates"), CHAT),
+    ("-cl/--cache-list", False, None, serve_reason("-cl"), BOTH),
+    ("--completion-bash", False, None, serve_reason("--completion-bash"), BOTH),
+    ("--spec-draft-p-split/--draft-p-split", True, "0.1", serve_reason("--spec-draft-p-split"), BOTH),
+    ("--spec-synth-len", True, None, serve_reason("--spec-synth-len"), CHAT),
+    ("--spec-synth-rates", True, None, serve_reason("--spec-synth-rates"), CHAT),
     ("-ctxcp/--ctx-checkpoints/--swa-checkpoints", True, None, OWN_CHECKPOINTS, CHAT),
     ("-cram/--cache-ram", True, "0", NO_RAM_CACHE, CHAT),
     ("--server-base", True, None, SERVER_BASE, CHAT),
@@ -65,8 +60,10 @@ REFUSED = [
 TAKEN_NEGATIVES = ("--no-mmproj", "--no-mmproj-auto", "--no-mmproj-offload")
 
 
-def _param(flags: str) -> str:
-    return "refused_" + max(flags.split("/"), key=len).lstrip("-").replace("-", "_")
+def refusals(command: str) -> list:
+    """REFUSED's rows for `command`, in unsupported_flags' shape (flags, takes a value, harmless, why)."""
+    return [(tuple(flags.split("/")), takes_value, harmless, why or ONE_ANSWER[command])
+            for flags, takes_value, harmless, why, commands in REFUSED if command in commands]
 
 
 def more_options(command: str) -> list:
@@ -90,20 +87,13 @@ def more_options(command: str) -> list:
         ]
     else:
         shown.append(click.option("--no-escape", "no_escape", is_flag=True, hidden=True))
-    hidden = []
-    for flags, takes_value, _, _, commands in REFUSED:
-        if command in commands:
-            extra = {"multiple": True} if flags.startswith("--image") else {}
-            kind = dict(default=None, **extra) if takes_value else dict(is_flag=True, default=False)
-            hidden.append(click.option(*flags.split("/"), _param(flags), hidden=True, **kind))
-    hidden.append(click.option(*TAKEN_NEGATIVES, "taken_negatives", is_flag=True, default=False, hidden=True))
-    return shown + hidden
+    return shown + refusal_options(refusals(command), TAKEN_NEGATIVES, multiple=("--image",))
 
 
 def take_more(command: str, kwargs: dict) -> None:
     """These flags (consumed from `kwargs`): a refused one raises GgufspecError; -bf (and chat's -f) become
     the prompt (chat: the first message); --reasoning-preserve goes into the template's variables."""
-    _refuse(command, kwargs)
+    refuse_given(refusals(command), kwargs, f" on {command}")
     kwargs.pop("skip_chat_parsing")  # what run and chat do either way (the module's docstring)
     _preserve_reasoning(command, kwargs)
     if command == "run":
@@ -121,28 +111,6 @@ def take_more(command: str, kwargs: dict) -> None:
         raise GgufspecError("give the first message with one of -p, -f and -bf")
     for name, path in given:
         kwargs["first_message"] = read_text_file("-f/--file", path) if name == "-f" else read_binary(path)
-
-
-def _refuse(command: str, kwargs: dict) -> None:
-    kwargs.pop("taken_negatives")
-    for flags, takes_value, harmless, why, commands in REFUSED:
-        if command not in commands:
-            continue
-        value = kwargs.pop(_param(flags))
-        if isinstance(value, tuple):  # --image's, given once per file
-            value = ",".join(value) or None
-        given = value is not None if takes_value else value
-        if given and not (harmless is not None and _same(value.strip(), harmless)):
-            shown = flags + (f" {value}" if takes_value else "")
-            raise GgufspecError(f"{shown} is not supported on {command}: {why or ONE_ANSWER[command]}")
-
-
-def _same(value: str, harmless: str) -> bool:
-    """The value given is the one that does nothing (0.10 is 0.1, 00 is 0)."""
-    try:
-        return float(value) == float(harmless)
-    except ValueError:
-        return False
 
 
 def _preserve_reasoning(command: str, kwargs: dict) -> None:

@@ -24,10 +24,9 @@ import click
 
 from ..errors import GgufspecError
 from .spec_type import NGRAM_KINDS
-from .unsupported_flags import NO_MEDIA, REFUSED
+from .unsupported_flags import NO_EMBEDDINGS, NO_MEDIA
 
 SERVE, EVERY = ("serve",), ("serve", "run", "chat")  # llama.cpp's LLAMA_EXAMPLE_SERVER; with LLAMA_EXAMPLE_CLI
-NO_EMBEDDINGS = next(why for flags, _, _, why in REFUSED if "--embeddings" in flags)
 FLAGS = {"n_ctx": "-c", "n_batch": "-b", "n_ubatch": "-ub", "port": "--port", "parallel": "-np",
          "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p"}
 TARGET_FLAGS = (("pair", "PAIR"), ("model", "-m"), ("hf_repo", "-hf"), ("hf_file", "-hff"), ("model_url", "-mu"))

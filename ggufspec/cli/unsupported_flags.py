@@ -99,31 +99,51 @@ TAKEN = ("-cb", "--cont-batching", "--cache-prompt", "--no-context-shift", "--no
          "--no-agent", "--no-ui-mcp-proxy", "--no-webui-mcp-proxy", "--no-cors-credentials")
 
 
-def _name(flags: tuple[str, ...]) -> str:
-    return "refused_" + max(flags, key=len).lstrip("-").replace("-", "_")
-
-
-def unsupported_options() -> list:
-    """Hidden options: each refused flag, and the negative forms taken."""
+def refusal_options(table, taken: tuple[str, ...] = (), multiple: tuple[str, ...] = ()) -> list:
+    """Hidden options for a table of refusals, rows (flags, takes a value, the value that does nothing or
+    None, why): each flag, and `taken` (forms that ask for what ggufspec does anyway) as one option;
+    the flags in `multiple` may be given several times (their values joined when refused)."""
     made = []
-    for flags, takes_value, _, _ in REFUSED:
+    for flags, takes_value, _, _ in table:
         if takes_value:
-            made.append(click.option(*flags, _name(flags), default=None, hidden=True))
+            made.append(click.option(*flags, _name(flags), default=None, hidden=True, multiple=flags[0] in multiple))
         else:
             made.append(click.option(*flags, _name(flags), is_flag=True, default=False, hidden=True))
-    made.append(click.option(*TAKEN, "taken_negatives", is_flag=True, default=False, hidden=True))
+    if taken:
+        made.append(click.option(*taken, "taken_negatives", is_flag=True, default=False, hidden=True))
     return made
 
 
-def refuse_unsupported(opts: dict) -> None:
-    """The refused flags (consumed from `opts`): the first one given raises GgufspecError."""
-    opts.pop("taken_negatives")
-    for flags, takes_value, harmless, why in REFUSED:
+def refuse_given(table, opts: dict, where: str = "") -> None:
+    """The table's flags (consumed from `opts`, with the taken forms): the first one given, but at its
+    value that does nothing, raises GgufspecError saying why; `where`: " on run"..."""
+    opts.pop("taken_negatives", None)
+    for flags, takes_value, harmless, why in table:
         value = opts.pop(_name(flags))
+        if isinstance(value, tuple):  # a flag given once per value
+            value = ",".join(value) or None
         given = value is not None if takes_value else value
         if given and not (takes_value and harmless is not None and _same(str(value).strip(), harmless)):
             shown = "/".join(flags) + (f" {value}" if takes_value else "")
-            raise GgufspecError(f"{shown} is not supported: {why}")
+            raise GgufspecError(f"{shown} is not supported{where}: {why}")
+
+
+def unsupported_options() -> list:
+    """serve's: each refused flag, and the negative forms taken."""
+    return refusal_options(REFUSED, TAKEN)
+
+
+def refuse_unsupported(opts: dict) -> None:
+    refuse_given(REFUSED, opts)
+
+
+def serve_reason(flag: str) -> str:
+    """serve's reason for refusing `flag`, for the commands it holds for too."""
+    return next(why for flags, _, _, why in REFUSED if flag in flags)
+
+
+def _name(flags: tuple[str, ...]) -> str:
+    return "refused_" + max(flags, key=len).lstrip("-").replace("-", "_")
 
 
 def _same(value: str, harmless: str) -> bool:
