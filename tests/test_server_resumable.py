@@ -215,3 +215,22 @@ def test_delete_while_the_request_waits_means_it_never_runs(slow_server):
     while slow_server.health(headers=AUTH)["busy"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not slow_server.health(headers=AUTH)["busy"] and lookup(slow_server, "conv-never") == []
+
+
+def test_the_buffer_keeps_the_last_bytes_and_a_reader_behind_them_ends():
+    """The cap (4 MiB on the server; 8 bytes here): the first bytes dropped, a reader from them ends at once,
+    one from what is kept reads on to the end."""
+    import asyncio
+
+    from ggufspec.server.resumable import StreamSession
+
+    async def scenario():
+        session = StreamSession("c", max_bytes=8)
+        session.append(b"0123456789")
+        session.append(b"ab")
+        session.finish()
+        behind = [chunk async for chunk in session.read_from(0)]
+        kept = b"".join([chunk async for chunk in session.read_from(session.dropped)])
+        return session, behind, kept
+    session, behind, kept = asyncio.run(scenario())
+    assert session.dropped == 4 and session.total_bytes == 12 and behind == [] and kept == b"456789ab"

@@ -33,10 +33,6 @@ MAX_BYTES = 4 * 1024 * 1024  # the buffer keeps a stream's last 4 MiB (STREAM_SE
 SEP = "\n"  # the events' line separator, as the other streams'
 
 
-class OffsetLost(Exception):
-    """The reader's offset is before what the buffer still holds."""
-
-
 class StreamSession:
     """One conversation's stream: its bytes (the last MAX_BYTES of them), whether it ended. It exists from
     the request's arrival (llama-server's): a reader may wait on it while the prompt is evaluated."""
@@ -82,10 +78,12 @@ class StreamSession:
         self._changed = asyncio.Event()
 
     async def read_from(self, offset: int):
-        """The bytes from `offset` on, as they come, until the stream ends (OffsetLost: dropped already)."""
+        """The bytes from `offset` on, as they come, until the stream ends, or until the cap drops bytes
+        this reader has not had (a reader 4 MiB behind: its stream ends short, and GET with its offset
+        says why)."""
         while True:
             if offset < self.dropped:
-                raise OffsetLost(offset)
+                return
             if offset < self.total_bytes:
                 chunk = bytes(self.buffer[offset - self.dropped:])
                 offset += len(chunk)
