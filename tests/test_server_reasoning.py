@@ -183,4 +183,5 @@ def test_run_chat_and_the_terminal_chat_take_the_template_variables(tmp_path, mo
     result = CliRunner().invoke(main, ["chat", "-m", str(target), "--no-draft", "-n", "2", "-t", "1", "-c", "256",
                                        "--reasoning-budget", "0", "--reasoning-effort", "high"], input="hi\n")
     assert result.exit_code == 0, result.output
-    assert rendered == [{"enable_thinking": False, "reasoning_effort": "high"}]
+    # and llama-cli's --reasoning-preserve, on by default in chat (the template's preserve_reasoning)
+    assert rendered == [{"enable_thinking": False, "reasoning_effort": "high", "preserve_reasoning": True}]
