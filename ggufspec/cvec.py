@@ -16,8 +16,6 @@ one on the MTP context would change nothing. Parallel slots are sequences of the
 """
 from __future__ import annotations
 
-import csv
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,8 +25,8 @@ from typing import Sequence
 import numpy as np
 
 from .errors import GgufspecError
+from .gguffiles import check_gguf, file_list, scaled_item, scaled_pair
 
-GGUF_MAGIC = b"GGUF"
 GENERATOR = "llama.cpp's llama-cvector-generator writes them"
 # std::stoi's reading of what follows "direction.": blanks, a sign, digits (the rest ignored)
 LAYER_INDEX = re.compile(r"\s*([+-]?\d+)")
@@ -67,51 +65,18 @@ class Applied:
 def requested(control_vector: Sequence | str = (), control_vector_scaled: Sequence | str = ()) -> tuple:
     """(path, scale) pairs: --control-vector's values (paths, each a comma-separated list, scale 1), then
     --control-vector-scaled's (FNAME:SCALE,... texts, or (path, scale) pairs)."""
-    vectors = [(name, 1.0) for value in _values(control_vector) for name in _names("--control-vector", value)]
+    vectors = [(name, 1.0) for value in _values(control_vector) for name in file_list("--control-vector", value)]
     for value in _values(control_vector_scaled):
         if isinstance(value, (tuple, list)):
-            vectors.append(_scaled_pair(value))
+            vectors.append(scaled_pair("scaled control vector", value))
         else:
-            vectors += [_scaled_item(item) for item in _names("--control-vector-scaled", value)]
+            vectors += [scaled_item("--control-vector-scaled", item, "happy.gguf:0.8")
+                        for item in file_list("--control-vector-scaled", value)]
     return tuple(vectors)
 
 
 def _values(given) -> list:
     return [given] if isinstance(given, (str, os.PathLike)) else list(given or ())
-
-
-def _names(flag: str, value) -> list[str]:
-    """A value's file names: a path as it is, a text as llama.cpp's comma-separated list (quotes allowed)."""
-    if isinstance(value, os.PathLike):
-        return [os.fspath(value)]
-    if not isinstance(value, str):
-        raise GgufspecError(f"{flag} takes file names, got {value!r}")
-    items = next(csv.reader([value]), [])
-    if not items or not all(items):
-        raise GgufspecError(f"{flag} {value!r}: an empty file name; give FNAME or a comma-separated list of them")
-    return items
-
-
-def _scaled_item(item: str) -> tuple[str, float]:
-    """FNAME:SCALE (the last colon splits, so a path may hold colons); llama.cpp has no other form."""
-    path, colon, scale = item.rpartition(":")
-    if not colon or not path:
-        raise GgufspecError(f"--control-vector-scaled takes FNAME:SCALE in one argument (e.g. "
-                            f"--control-vector-scaled happy.gguf:0.8), got {item!r}")
-    try:
-        number = float(scale)
-    except ValueError:
-        raise GgufspecError(f"--control-vector-scaled {item}: the scale {scale!r} is not a number") from None
-    return _scaled_pair((path, number))
-
-
-def _scaled_pair(pair) -> tuple[str, float]:
-    if len(pair) != 2 or not isinstance(pair[0], (str, os.PathLike)):
-        raise GgufspecError(f"a scaled control vector is a (path, scale) pair, got {pair!r}")
-    path, scale = os.fspath(pair[0]), pair[1]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise GgufspecError(f"--control-vector-scaled {path}: the scale must be a finite number, got {scale!r}")
-    return path, float(scale)
 
 
 def layer_range(given) -> tuple[int, int] | None:
@@ -189,16 +154,7 @@ def read_vector(path: str, scale: float) -> tuple[int, np.ndarray, set[int]]:
 
 def _reader(path: str):
     """The file's GGUF reader, after the checks that need no parsing (there, a GGUF)."""
-    where = Path(path)
-    if where.is_dir():
-        raise GgufspecError(f"control vector {path} is a folder: give its .gguf file")
-    if not where.is_file():
-        raise GgufspecError(f"control vector not found: {path}")
-    with where.open("rb") as file:
-        magic = file.read(4)
-    if magic != GGUF_MAGIC:
-        raise GgufspecError(f"control vector {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
-                            f"{GENERATOR}")
+    where = check_gguf(path, "control vector", hint=GENERATOR)
     from gguf import GGUFReader
     try:
         return GGUFReader(where)

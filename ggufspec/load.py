@@ -13,6 +13,7 @@ import llama_cpp
 
 from . import lora
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
+from .gguffiles import check_gguf
 from .llamalog import allocation_failures, ignored_overrides, interrupt_after_native, quiet_llama_logs
 from .native import Context
 from .placement import (SPLIT_MODES, apply_process_placement, devices_named, numa_strategy, override_array,
@@ -22,7 +23,6 @@ from .chat_templates import (DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_prompt, c
                              check_messages, checked_chat_template, render_chat, system_in_first_user,
                              use_chat_template)
 
-GGUF_MAGIC = b"GGUF"
 # llama.cpp's speculative example allows this much vocabulary size difference, and compares token
 # texts from this id up (ids below it are often special tokens that differ harmlessly).
 VOCAB_MAX_SIZE_DIFFERENCE = 128
@@ -265,18 +265,7 @@ def default_threads() -> int:
 
 
 def check_gguf_file(path: str | os.PathLike, role: str) -> Path:
-    path = Path(path)
-    if path.is_dir():
-        found = sorted(p.name for p in path.glob("*.gguf"))[:3]
-        raise ModelFileError(f"{role} model {path} is a folder: give a .gguf file" +
-                             (f" in it ({', '.join(found)})" if found else ""))
-    if not path.is_file():
-        raise ModelFileError(f"{role} model not found: {path}")
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelFileError(f"{role} model {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    return path
+    return check_gguf(path, f"{role} model", error=ModelFileError)
 
 
 def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict: bool = False) -> llama_cpp.Llama:

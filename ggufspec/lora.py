@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +20,8 @@ from typing import Iterator, Sequence
 import llama_cpp
 
 from .errors import GgufspecError
+from .gguffiles import check_gguf, scaled_pair
 from . import llamalog
-
-GGUF_MAGIC = b"GGUF"
-
 
 @dataclass(frozen=True)
 class LoraAdapter:
@@ -40,17 +37,8 @@ class LoraAdapter:
 def requested(lora: Sequence) -> tuple[tuple[str, float], ...]:
     """Adapters as (path, scale) pairs, from paths (scale 1, as --lora) or (path, scale) pairs (as
     --lora-scaled); a scale that is not a finite number is refused."""
-    pairs = []
-    for item in [lora] if isinstance(lora, (str, os.PathLike)) else lora or ():
-        if isinstance(item, (str, os.PathLike)):
-            item = (item, 1.0)
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, os.PathLike))):
-            raise GgufspecError(f"a LoRA adapter is a path or a (path, scale) pair, got {item!r}")
-        path, scale = item
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise GgufspecError(f"LoRA adapter {path}: its scale must be a finite number, got {scale!r}")
-        pairs.append((os.fspath(path), float(scale)))
-    return tuple(pairs)
+    return tuple(scaled_pair("LoRA adapter", item)
+                 for item in ([lora] if isinstance(lora, (str, os.PathLike)) else lora or ()))
 
 
 def checked(lora: Sequence) -> tuple[tuple[str, float], ...]:
@@ -64,16 +52,7 @@ def checked(lora: Sequence) -> tuple[tuple[str, float], ...]:
 def check_adapter_file(path: str) -> None:
     """What can be told from the file alone, before any model loads: that it is there and is a LoRA GGUF.
     Whether it fits the model (architecture, tensor names and shapes) llama.cpp says as it loads it."""
-    where = Path(path)
-    if where.is_dir():
-        raise GgufspecError(f"LoRA adapter {path} is a folder: give its .gguf file")
-    if not where.is_file():
-        raise GgufspecError(f"LoRA adapter not found: {path}")
-    with where.open("rb") as file:
-        magic = file.read(4)
-    if magic != GGUF_MAGIC:
-        raise GgufspecError(f"LoRA adapter {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
-                            f"llama.cpp's convert_lora_to_gguf.py turns a PEFT adapter into one")
+    where = check_gguf(path, "LoRA adapter", hint="llama.cpp's convert_lora_to_gguf.py turns a PEFT adapter into one")
     general_type, adapter_type = _header_strings(where, ("general.type", "adapter.type"))
     if general_type != "adapter":
         shown = repr(general_type) if general_type is not None else "missing"

@@ -49,6 +49,8 @@ from .native import _SEQ, Context
 MTP_ARCHITECTURES = frozenset({
     "bailingmoe3", "cohere2moe", "deepseek2", "deepseek32", "deepseek4", "glm-dsa", "glm4moe", "glm5-next",
     "hy_v3", "mimo2", "nemotron_h_moe", "qwen35", "qwen35moe", "qwen3next", "step35"})
+# the target context's settings the MTP context takes as they are (besides RoPE/YaRN's)
+TARGET_CONTEXT_FIELDS = ("flash_attn_type", "offload_kqv", "op_offload", "no_perf")
 
 
 # ---------------------------------------------------------------- llama.cpp's staging API (C++ names)
@@ -184,7 +186,9 @@ class MtpContext(Context):
         params.n_threads = llama_cpp.llama_n_threads(target.ctx)
         params.n_threads_batch = llama_cpp.llama_n_threads_batch(target.ctx)
         params.swa_full = True  # a cut never needs a checkpoint
-        for name in ROPE_FIELDS:  # the target's RoPE/YaRN flags: llama.cpp makes the MTP context from its params
+        # llama.cpp makes the MTP context from the target's params (common_base_params_to_speculative): its
+        # RoPE/YaRN flags, -fa, -nkvo, --no-op-offload and --no-perf as well
+        for name in (*ROPE_FIELDS, *TARGET_CONTEXT_FIELDS):
             setattr(params, name, getattr(target.llm.context_params, name))
         if hasattr(params, "n_rs_seq"):
             params.n_rs_seq = 0

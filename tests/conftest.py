@@ -46,6 +46,55 @@ def tiny_decoder(tiny_pair):
         yield decoder
 
 
+@pytest.fixture
+def loads(monkeypatch):
+    """What each llama_cpp.Llama a test opens got, in load order (the target, then the draft): its keywords
+    (noted before it loads: a load that fails still shows), then the llama_model_params / llama_context_params
+    fields the load flags set, under "devices" the device list its model params were given (None: llama.cpp's
+    default, every GPU), and under "process" the process placement (cpus, priority) asked before it. The
+    placement and NUMA strategy are recorded, not applied: the test process keeps its CPUs and priority."""
+    import llama_cpp
+    from ggufspec import placement
+    seen, process = [], []
+
+    class Recording(llama_cpp.Llama):
+        def __init__(self, *args, **kwargs):
+            seen.append(dict(kwargs))
+            super().__init__(*args, **kwargs)
+            m, c = self.model_params, self.context_params
+            seen[-1].update(devices=m.devices, use_extra_bufts=m.use_extra_bufts, no_host=m.no_host,
+                            check_tensors=m.check_tensors, lazy_mode=m.lazy_mode,
+                            overrides=bool(m.tensor_buft_overrides), offload_kqv=c.offload_kqv,
+                            op_offload=c.op_offload, no_perf=c.no_perf, process=process[-1] if process else None)
+    monkeypatch.setattr(llama_cpp, "Llama", Recording)
+    monkeypatch.setattr("ggufspec.load.apply_process_placement",
+                        lambda cpus, priority: process.append((cpus, priority)))
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_numa_init", lambda strategy: None)
+    monkeypatch.setattr(placement, "_numa_in_effect", [])
+    return seen
+
+
+@pytest.fixture
+def hub_settings_restored(monkeypatch):
+    """-hft and --offline set HF_TOKEN and offline mode for the whole process: each test starts with no token
+    (not the machine's) and online, and gets the settings put back after it (the hub tests' pytestmark)."""
+    from huggingface_hub import constants
+    monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def hub(monkeypatch, hub_files):
+    """A Hugging Face-compatible hub on 127.0.0.1 (hfserver.hub_for: HF_ENDPOINT set to it) holding the
+    module's `hub_files` fixture, {(repo, file name): bytes} (the store tests make hubs of their own)."""
+    from hfserver import hub_for
+    with hub_for(monkeypatch) as server:
+        for (repo, name), data in hub_files.items():
+            server.state.add(repo, name, data)
+        yield server
+
+
 # The demo pair is assembled once per machine into the real ggufspec home (not the per-test one).
 from ggufspec.home import home as _home  # noqa: E402
 

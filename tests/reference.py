@@ -72,6 +72,33 @@ def same_as_target_alone(got, expected: list[int], margins: list[float], label: 
     return True
 
 
+# the drafting modes the greedy identity tests run: (drafter, K)
+GREEDY_RUNS = [("model", 1), ("model", 3), ("model", "auto"), ("lookup", 3), ("hybrid", 3)]
+
+
+def greedy_runs_are_target_alone(batch, strict, chosen: list[list[int]], expected_of, runs=GREEDY_RUNS,
+                                 n_predict: int = 32) -> None:
+    """Greedy speculation at each (drafter, K) of `runs`, for each prompt of `chosen`: `batch`'s text is
+    `expected_of(prompt)`'s (a target_alone answer: a near-tie is no verdict, at most a fifth of them),
+    `strict`'s its own target alone's, bit for bit; and drafts were kept, not only rejected."""
+    decided = near_ties = accepted = 0
+    for prompt in chosen:
+        expected, margins, _ = expected_of(prompt)
+        strict_alone = strict.generate(prompt, n_predict=n_predict, n_draft=0, temperature=0).tokens
+        for drafter, k in runs:
+            got = batch.generate(prompt, n_predict=n_predict, n_draft=k, drafter=drafter, temperature=0)
+            if same_as_target_alone(got, expected, margins, f"{drafter} K={k}"):
+                decided += 1
+            else:
+                near_ties += 1
+            exact = strict.generate(prompt, n_predict=n_predict, n_draft=k, drafter=drafter, temperature=0)
+            assert exact.tokens == strict_alone, \
+                f"--strict {drafter} K={k}: {first_difference(exact.tokens, strict_alone)}"
+            accepted += got.stats.n_accept + exact.stats.n_accept
+    assert decided >= 0.8 * (decided + near_ties), (decided, near_ties)
+    assert accepted > 0  # drafts were kept, not only rejected
+
+
 def exact_first_and_second(path, prompt: list[int], params, **llama_options) -> tuple[np.ndarray, dict]:
     """p(first token), and p(first, second) for every first token, from the plain Llama API. Each
     prefix is evaluated from an empty state: a recurrent state cannot be cut back."""

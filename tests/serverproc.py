@@ -1,8 +1,10 @@
-"""`ggufspec serve` as a real process on loopback (test_server, test_chat_page), and the tiny chat pair
-that test_server and test_chat_cli serve."""
+"""`ggufspec serve` as a real process on loopback (test_server, test_chat_page), the tiny chat pair
+that test_server and test_chat_cli serve, and a server over conftest's slow target with the resumable
+streams' helpers (test_server_resumable, test_chat_page_resume)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from ggufspec.tinymodels import Shape, make_pair
 
@@ -29,8 +32,9 @@ def make_chat_pair(directory: Path) -> tuple[Path, Path]:
 
 
 class Server:
-    def __init__(self, url: str, proc: subprocess.Popen, log: Path):
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path, key: str | None = None):
         self.url, self.proc, self.log = url, proc, log
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}  # its --api-key, for raw requests
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
@@ -46,6 +50,7 @@ def start_server(tmp_path: Path, *args: str, prefix: str = "") -> Server:
     """`ggufspec serve --port 0 ARGS`, once it prints its URL (its stderr goes to tmp_path/server.log);
     `prefix`: the --api-prefix it serves under (the Server's url is the origin, without it)."""
     log = tmp_path / "server.log"
+    key = args[args.index("--api-key") + 1] if "--api-key" in args else None
     env = {**os.environ, "GGUFSPEC_HOME": str(tmp_path / "home")}
     with log.open("w") as stderr:
         proc = subprocess.Popen([GGUFSPEC, "serve", "--port", "0", "-t", "1", *args], stdout=subprocess.DEVNULL,
@@ -54,7 +59,7 @@ def start_server(tmp_path: Path, *args: str, prefix: str = "") -> Server:
     while time.monotonic() < deadline:
         match = re.search(r"at (https?://127\.0\.0\.1:\d+)" + re.escape(prefix) + "/v1", log.read_text())
         if match:
-            return Server(match.group(1), proc, log)
+            return Server(match.group(1), proc, log, key)
         assert proc.poll() is None, log.read_text()
         time.sleep(0.05)
     proc.kill()
@@ -80,3 +85,39 @@ def serving(tmp_path: Path, *args: str):
         yield running
     finally:
         stop_server(running)
+
+
+def slow_server_fixture(key: str, *args: str, name: str = "slow_server"):
+    """A module-scoped fixture `name`: a server over conftest's slow_target alone (a few milliseconds a token,
+    no end-of-sequence), greedy, behind the API key `key`; `args`: more serve flags."""
+    @pytest.fixture(scope="module", name=name)
+    def slow_server(slow_target, tmp_path_factory):
+        with serving(tmp_path_factory.mktemp(name), "-m", str(slow_target), "--no-draft", "--api-key", key,
+                     "--temp", "0", *args) as running:
+            yield running
+    return slow_server
+
+
+def replay(server: Server, conversation: str, offset: int = 0) -> httpx.Response:
+    """GET /v1/stream: the conversation's resumable stream, from byte `offset` on."""
+    return httpx.get(server.url + "/v1/stream", params={"conv_id": conversation, "from": offset},
+                     headers=server.auth, timeout=60)
+
+
+def answer_text(raw: bytes) -> str:
+    """The chat stream's content deltas, joined (pings and [DONE] passed over)."""
+    text = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            text.append(choices[0].get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+def wait_idle(server: Server, seconds: float = 10) -> dict:
+    """/health once no generation runs (within `seconds`, or the test fails)."""
+    deadline = time.monotonic() + seconds
+    while (health := server.health(headers=server.auth))["busy"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+    return health

@@ -10,25 +10,20 @@ behind an API key that the page sends on every route.
 from __future__ import annotations
 
 import json
-import time
 from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
 
 from browser import chromium
-from serverproc import serving
+from serverproc import answer_text, replay, slow_server_fixture, wait_idle
 
 KEY = "k-page-resume"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STORE_KEY = "ggufspec.chat"
 
 
-@pytest.fixture(scope="module")
-def server(slow_target, tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("page-resume"), "-m", str(slow_target), "--no-draft",
-                 "--api-key", KEY, "--temp", "0", "-c", "2048") as running:
-        yield running
+server = slow_server_fixture(KEY, "-c", "2048", name="server")
 
 
 @pytest.fixture(scope="module")
@@ -92,31 +87,6 @@ def chat(browser, server):
     assert not opened.errors, opened.errors  # no uncaught JavaScript error
 
 
-def wait_idle(server) -> dict:
-    deadline = time.monotonic() + 10
-    while (health := server.health(headers=AUTH))["busy"]:
-        assert time.monotonic() < deadline, health
-        time.sleep(0.05)
-    return health
-
-
-def replay(server, conversation: str) -> bytes:
-    response = httpx.get(server.url + "/v1/stream", params={"conv_id": conversation, "from": 0}, headers=AUTH,
-                         timeout=30)
-    assert response.status_code == 200, response.text
-    return response.content
-
-
-def answer_text(raw: bytes) -> str:
-    """The chat stream's content deltas, joined (pings and [DONE] passed over)."""
-    text = []
-    for line in raw.decode().splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            text.append(choices[0].get("delta", {}).get("content") or "")
-    return "".join(text)
-
-
 def test_a_conversation_survives_a_reload(chat):
     chat.send("the cat", 6)
     assert chat.wait_for_state(0, "done|error") == "done"
@@ -165,7 +135,9 @@ def test_a_reload_mid_answer_resumes_it_to_the_servers_whole_answer(chat, server
     assert resumed.headers["authorization"] == f"Bearer {KEY}"
     assert len(chat.sent("POST", "/v1/chat/completions")) == 1  # read on, not asked again
 
-    raw = replay(server, conversation)  # what the server generated, every byte of it
+    replayed = replay(server, conversation)  # what the server generated, every byte of it
+    assert replayed.status_code == 200, replayed.text
+    raw = replayed.content
     said = chat.conversation()[-1]
     assert said["role"] == "assistant" and said["content"] == answer_text(raw)
     assert raw[:offset].endswith(b"\n")  # the page resumed at a line's end, counted in bytes

@@ -41,29 +41,6 @@ def run(pair, *flags, n_predict=8):
                               input="")
 
 
-@pytest.fixture
-def loads(monkeypatch):
-    """What each llama_cpp.Llama a command opens got, in load order (the target, then the draft): its keywords,
-    the llama_model_params / llama_context_params fields these flags set, and the process placement asked
-    (recorded, not applied: the test process keeps its CPUs, priority and NUMA strategy)."""
-    seen, process = [], []
-
-    class Recording(llama_cpp.Llama):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            m, c = self.model_params, self.context_params
-            seen.append(dict(kwargs, use_extra_bufts=m.use_extra_bufts, no_host=m.no_host,
-                             check_tensors=m.check_tensors, lazy_mode=m.lazy_mode,
-                             overrides=bool(m.tensor_buft_overrides), offload_kqv=c.offload_kqv,
-                             op_offload=c.op_offload, no_perf=c.no_perf, process=process[-1]))
-    monkeypatch.setattr(llama_cpp, "Llama", Recording)
-    monkeypatch.setattr("ggufspec.load.apply_process_placement",
-                        lambda cpus, priority: process.append((cpus, priority)))
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_numa_init", lambda strategy: None)
-    monkeypatch.setattr(placement, "_numa_in_effect", [])
-    return seen
-
-
 # ---------------------------------------------------------------- honoured: read back where llama.cpp took them
 
 def test_the_switches_reach_both_models_params(tiny_pair, loads):

@@ -14,30 +14,19 @@ from click.testing import CliRunner
 from clierrors import one_line_error
 from ggufspec import store
 from ggufspec.cli import main
-from hfserver import HubServer, hub_for
+from hfserver import HubServer
 from serverproc import serving
 
 REPO, DRAFT_REPO = "org/tiny-GGUF", "org/tiny-draft-GGUF"
-
-
-@pytest.fixture(autouse=True)
-def restored(monkeypatch):
-    """-hft and --offline set HF_TOKEN and offline mode for the process: put back after each test."""
-    from huggingface_hub import constants
-    monkeypatch.setenv("HF_TOKEN", "")  # no token (not the machine's), restored afterwards
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+pytestmark = pytest.mark.usefixtures("hub_settings_restored")
 
 
 @pytest.fixture
-def hub(monkeypatch, tiny_pair):
+def hub_files(tiny_pair):
+    """What conftest's `hub` holds: the tiny pair, under llama.cpp-style repository and quant names."""
     target, draft = (path.read_bytes() for path in tiny_pair)
-    with hub_for(monkeypatch) as server:
-        server.state.add(REPO, "tiny-Q4_K_M.gguf", target)
-        server.state.add(REPO, "tiny-Q8_0.gguf", target)
-        server.state.add(REPO, "mmproj-tiny-F16.gguf", b"GGUF projector")
-        server.state.add(DRAFT_REPO, "tiny-draft-Q8_0.gguf", draft)
-        yield server
+    return {(REPO, "tiny-Q4_K_M.gguf"): target, (REPO, "tiny-Q8_0.gguf"): target,
+            (REPO, "mmproj-tiny-F16.gguf"): b"GGUF projector", (DRAFT_REPO, "tiny-draft-Q8_0.gguf"): draft}
 
 
 @pytest.fixture

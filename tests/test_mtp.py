@@ -7,6 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import llama_cpp
 import pytest
 
 from ggufspec import SpeculativeDecoder, speculate
@@ -219,3 +220,20 @@ def test_the_mtp_heads_cache_takes_the_drafts_cache_types(mtp_model):
         assert (params.type_k, params.type_v) == (0, 0)  # GGML_TYPE_F32
         expected, margins, _ = target_alone(mtp_model, prompt, 24, decoder.n_ctx)
         same_as_target_alone(decoder.generate(prompt, n_predict=24, n_draft=3, temperature=0), expected, margins, "f32")
+
+
+def test_the_mtp_head_takes_the_targets_context_settings(mtp_model):
+    """llama.cpp makes the MTP context from the target's params: -fa, -nkvo, --no-op-offload and --no-perf
+    reach it as they reach the target, and its drafts stay lossless under them."""
+    prompt = prompts(1, seed=9)[0]
+    flags = {"target": {"offload_kqv": False, "op_offload": False, "no_perf": True}}
+    with SpeculativeDecoder(str(mtp_model), "mtp", n_ctx=256, n_threads=1, flash_attn="on", load_flags=flags) as decoder:
+        target, head = decoder.target.llm.context_params, decoder.draft.llm.context_params
+        for name in ("flash_attn_type", "offload_kqv", "op_offload", "no_perf"):
+            assert getattr(head, name) == getattr(target, name), name
+        assert (head.flash_attn_type, head.offload_kqv, head.op_offload, head.no_perf) == \
+            (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, False, False, True)
+        expected, margins, _ = target_alone(mtp_model, prompt, 24, decoder.n_ctx, flash_attn="on", offload_kqv=False)
+        got = decoder.generate(prompt, n_predict=24, n_draft=3, temperature=0)
+        same_as_target_alone(got, expected, margins, "fa on, -nkvo")
+        assert got.stats.n_drafted > 0

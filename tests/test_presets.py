@@ -14,7 +14,6 @@ from clierrors import one_line_error
 from ggufspec.cli import main
 from ggufspec.cli.hub_flags import apply_hub_flags
 from ggufspec.cli.presets import PRESETS, apply_presets, explicit_params
-from hfserver import hub_for
 from serverproc import serving
 
 CODER_7B = ("ggml-org/Qwen2.5-Coder-7B-Q8_0-GGUF", "qwen2.5-coder-7b-q8_0.gguf")
@@ -24,23 +23,14 @@ SHOWN = ("model", "model_draft", "port", "parallel", "n_ctx", "n_batch", "n_ubat
          "min_p", "spec_type", "alias")
 
 
-@pytest.fixture(autouse=True)
-def restored(monkeypatch):
-    """-hft and --offline would change the process's hub settings: keep them the machine's neither."""
-    from huggingface_hub import constants
-    monkeypatch.setenv("HF_TOKEN", "")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+pytestmark = pytest.mark.usefixtures("hub_settings_restored")
 
 
 @pytest.fixture
-def hub(monkeypatch, tiny_pair):
+def hub_files(tiny_pair):
+    """What conftest's `hub` holds: the tiny pair under the presets' own repository and file names."""
     target, draft = (path.read_bytes() for path in tiny_pair)
-    with hub_for(monkeypatch) as server:
-        server.state.add(*CODER_7B, target)
-        server.state.add(*CODER_05B, draft)
-        server.state.add(*GPT_OSS_20B, target)
-        yield server
+    return {CODER_7B: target, CODER_05B: draft, GPT_OSS_20B: target}
 
 
 def resolved(command: str, *args: str) -> dict:

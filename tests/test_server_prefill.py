@@ -279,8 +279,8 @@ def test_the_flags_are_llama_servers_and_give_the_chat_settings():
 @pytest.mark.skipif(not WIRED, reason="serve_flags' `chat` settings reach the app once generate.py passes them to "
                                       "create_app (and app.py to Serving)")
 def test_the_serve_flags(thinker_model, tmp_path):
-    """--no-prefill-assistant: the last assistant message a whole turn (continue_final_message still
-    continues it); --skip-chat-parsing: thinking and calls left in the content, on every API;
+    """--no-prefill-assistant: the last assistant message a whole turn, on /v1/messages too
+    (continue_final_message still continues it); --skip-chat-parsing: thinking and calls left in the content, on every API;
     --no-reasoning-preserve: the template's preserve_reasoning false (a request's kwargs over it)."""
     with serving(tmp_path, "-m", str(thinker_model), "--no-draft", "-c", "1024", "--no-prefill-assistant",
                  "--skip-chat-parsing", "--no-reasoning-preserve") as flags:
@@ -289,6 +289,10 @@ def test_the_serve_flags(thinker_model, tmp_path):
         assert prompt_of(flags, messages=answer, continue_final_message=True,
                          add_generation_prompt=False).endswith("<s>assistant:<think></think>so")
         assert prompt_of(flags, messages=HI, chat_template_kwargs={"preserve_reasoning": True}).startswith("[keep]")
+        # /v1/messages as well (llama-server's is its chat path): the same whole turn, counted alike
+        whole = ok(flags, "/v1/chat/completions/input_tokens", {"messages": answer})["input_tokens"]
+        assert ok(flags, "/v1/messages/count_tokens", {"messages": answer})["input_tokens"] == whole
+        assert whole > ok(flags, "/v1/messages/count_tokens", {"messages": HI})["input_tokens"] + 2
         body = {"messages": HI, "max_tokens": 24, "temperature": 0, "grammar": THINK_GRAMMAR}
         message = ok(flags, "/v1/chat/completions", body)["choices"][0]["message"]
         assert message["content"].startswith("<think>") and "</think>" in message["content"]
@@ -301,3 +305,19 @@ def test_the_serve_flags(thinker_model, tmp_path):
                  "max_tokens": 128, "temperature": 0}
         called = ok(flags, "/v1/chat/completions", tools)["choices"][0]
         assert not called["message"].get("tool_calls") and '"set_unit"' in called["message"]["content"]
+
+
+def test_special_shows_control_tokens_in_answers(chat_pair, tmp_path):
+    """serve -sp (llama-server's): a control token (<s>, forced by a logit bias) is its text in the answer,
+    whole and streamed, on completions and chat alike; without it the same tokens print nothing."""
+    target, draft = chat_pair
+    body = {"prompt": "the cat", "max_tokens": 3, "temperature": 0, "logit_bias": {"1": 100}, "return_tokens": True}
+    chat = {"messages": HI, "max_tokens": 3, "temperature": 0, "logit_bias": {"1": 100}}
+    (tmp_path / "plain").mkdir(), (tmp_path / "special").mkdir()
+    with serving(tmp_path / "plain", "-m", str(target), "-md", str(draft), "-c", "512") as plain, \
+            serving(tmp_path / "special", "-m", str(target), "-md", str(draft), "-c", "512", "-sp") as special:
+        hidden, shown = ok(plain, "/v1/completions", body)["choices"][0], ok(special, "/v1/completions", body)["choices"][0]
+        assert hidden["text"] == "" and shown["text"] == "<s>" * 3
+        assert ok(special, "/v1/chat/completions", chat)["choices"][0]["message"]["content"] == "<s>" * 3
+        assert streamed(special, chat)[0] == "<s>" * 3
+        assert ok(plain, "/v1/chat/completions", chat)["choices"][0]["message"]["content"] == ""

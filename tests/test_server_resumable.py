@@ -5,13 +5,12 @@ official clients."""
 from __future__ import annotations
 
 import json
-import time
 
 import anthropic
 import httpx
 import pytest
 
-from serverproc import serving
+from serverproc import answer_text, replay, serving, slow_server_fixture, wait_idle
 
 KEY = "k-resume"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -25,11 +24,7 @@ def server(chat_pair, tmp_path_factory):
         yield running
 
 
-@pytest.fixture(scope="module")
-def slow_server(slow_target, tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("resumable-slow"), "-m", str(slow_target), "--no-draft",
-                 "--api-key", KEY, "--temp", "0", "-np", "1") as running:
-        yield running
+slow_server = slow_server_fixture(KEY, "-np", "1")
 
 
 def chat_body(n: int, text: str = "one two three") -> dict:
@@ -43,26 +38,11 @@ def streamed_bytes(server, body: dict, conversation: str | None, path: str = "/v
         return b"".join(response.iter_raw())
 
 
-def replay(server, conversation: str, offset: int = 0) -> httpx.Response:
-    return httpx.get(server.url + "/v1/stream", params={"conv_id": conversation, "from": offset}, headers=AUTH,
-                     timeout=60)
-
-
 def lookup(server, *ids) -> list[dict]:
     response = httpx.post(server.url + "/v1/streams/lookup", json={"conversation_ids": list(ids)}, headers=AUTH,
                           timeout=10)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def answer_text(raw: bytes) -> str:
-    """The chat stream's content deltas, joined (pings and [DONE] passed over)."""
-    text = []
-    for line in raw.decode().splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            text.append(choices[0].get("delta", {}).get("content") or "")
-    return "".join(text)
 
 
 def test_the_stream_is_read_again_from_any_offset(server):
@@ -107,10 +87,7 @@ def test_delete_stops_the_answer_and_drops_the_stream(slow_server):
     stopped = httpx.delete(slow_server.url + "/v1/stream", params={"conv_id": "conv-stop"}, headers=AUTH)
     assert stopped.status_code == 204
     assert replay(slow_server, "conv-stop").status_code == 404 and lookup(slow_server, "conv-stop") == []
-    deadline = time.monotonic() + 10
-    while slow_server.health(headers=AUTH)["busy"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not slow_server.health(headers=AUTH)["busy"]  # the generation was cancelled, not left running
+    wait_idle(slow_server)  # the generation was cancelled, not left running
     assert httpx.delete(slow_server.url + "/v1/stream", params={"conv_id": "conv-stop"}, headers=AUTH).status_code == 204
 
 
@@ -211,10 +188,8 @@ def test_delete_while_the_request_waits_means_it_never_runs(slow_server):
         send_and_leave(slow_server, "conv-never", chat_body(4000))
         assert httpx.delete(slow_server.url + "/v1/stream", params={"conv_id": "conv-never"},
                             headers=AUTH).status_code == 204
-    deadline = time.monotonic() + 10
-    while slow_server.health(headers=AUTH)["busy"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not slow_server.health(headers=AUTH)["busy"] and lookup(slow_server, "conv-never") == []
+    wait_idle(slow_server)
+    assert lookup(slow_server, "conv-never") == []
 
 
 def test_the_buffer_keeps_the_last_bytes_and_a_reader_behind_them_ends():

@@ -3,13 +3,13 @@ opened Session (`ggufspec.session`) and the decoder's stream() keywords."""
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import click
 
 from ..chat_templates import RENDERER_VARIABLES
 from ..errors import GgufspecError
+from ..gguffiles import file_list, scaled_item
 from ..load import KV_CACHE_TYPES
 from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import SamplingParams  # the sampling defaults, in one place
@@ -147,33 +147,11 @@ def lora_flags(load: dict) -> tuple[tuple[str, float], ...]:
     """--lora and --lora-scaled (consumed from `load`) as (path, scale) pairs, in llama.cpp's syntax: each
     value a comma-separated list (a name with a comma in double quotes), --lora-scaled's items FNAME:SCALE.
     The --lora ones come first, then the --lora-scaled ones (their ids on serve's /lora-adapters)."""
-    adapters = [(name, 1.0) for value in load.pop("lora", ()) for name in _csv_items("--lora", value)]
+    adapters = [(name, 1.0) for value in load.pop("lora", ()) for name in file_list("--lora", utf8_text("--lora", value))]
     for value in load.pop("lora_scaled", ()):
-        adapters += [_scaled_item(item) for item in _csv_items("--lora-scaled", value)]
+        adapters += [scaled_item("--lora-scaled", item, "adapter.gguf:0.5")
+                     for item in file_list("--lora-scaled", utf8_text("--lora-scaled", value))]
     return tuple(adapters)
-
-
-def _csv_items(flag: str, value: str) -> list[str]:
-    import csv
-    items = next(csv.reader([utf8_text(flag, value)]), [])
-    if not items or not all(items):
-        raise GgufspecError(f"{flag} {value!r}: an empty file name; give FNAME or a comma-separated list of them")
-    return items
-
-
-def _scaled_item(item: str) -> tuple[str, float]:
-    """FNAME:SCALE (the last colon splits, so a path may hold colons); llama.cpp has no other form."""
-    path, colon, scale = item.rpartition(":")
-    if not colon or not path:
-        raise GgufspecError(f"--lora-scaled takes FNAME:SCALE in one argument (e.g. --lora-scaled adapter.gguf:0.5), "
-                            f"got {item!r}")
-    try:
-        number = float(scale)
-    except ValueError:
-        raise GgufspecError(f"--lora-scaled {item}: the scale {scale!r} is not a number") from None
-    if not math.isfinite(number):
-        raise GgufspecError(f"--lora-scaled {item}: the scale must be a finite number")
-    return path, number
 
 
 def cache_type_options():

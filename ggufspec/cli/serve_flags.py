@@ -64,6 +64,9 @@ def llamacpp_server_options(command):
         click.option("--skip-chat-parsing/--no-skip-chat-parsing", "skip_chat_parsing", default=False,
                      help="Chat answers as the model wrote them: its thinking and tool calls left in the content, "
                           "not parsed into reasoning_content and tool_calls (grammars still apply)."),
+        click.option("-sp", "--special", "special", is_flag=True,
+                     help="Control tokens in answers as their text (<|im_start|>...), where they are otherwise left "
+                          "out, as llama-server's -sp."),
         click.option("-kvu", "--kv-unified", "kv_unified", **hidden_flag),  # what ggufspec does, but under --strict
         *unsupported_options(),  # llama-server's flags for what ggufspec does otherwise: refused, saying why
     )(command)
@@ -88,7 +91,7 @@ def server_flags(opts: dict) -> dict:
                         skip_chat_parsing=opts.pop("skip_chat_parsing"), preserve_reasoning=opts.pop("reasoning_preserve"))
     return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup"),
             "prompt_similarity": opts.pop("prompt_similarity"), "chat": chat, "tags": model_tags(opts.pop("model_tags")),
-            "stops": reverse_prompts(opts.pop("reverse_prompts"))}
+            "stops": reverse_prompts(opts.pop("reverse_prompts")), "special": opts.pop("special")}
 
 
 def model_tags(text: str | None) -> tuple[str, ...]:

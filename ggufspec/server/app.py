@@ -48,7 +48,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                session=None, exposure: Exposure | None = None, metrics: bool = False,
                template_defaults: dict | None = None, reasoning_format: str = "auto",
                endpoints: Endpoints | None = None, front: Front | None = None,
-               chat: ChatSettings | None = None, tags: tuple[str, ...] = (), stops: tuple[str, ...] = ()) -> FastAPI:
+               chat: ChatSettings | None = None, tags: tuple[str, ...] = (), stops: tuple[str, ...] = (),
+               special: bool = False) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
     `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
     defaults (no Host check: where it listens is not known here).
@@ -58,8 +59,10 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     (--chat-template-kwargs); `reasoning_format`: where chat answers put a reasoning model's thinking.
     `endpoints`: llama-server's optional ones (the page, /slots and its actions, POST /props); `front`:
     --api-prefix and --timeout, in front of the Guard (None: behind `serve --rpc`'s front, or none); `chat`:
-    --prefill-assistant, --reasoning-preserve, --skip-chat-parsing; `tags`: --tags, shown in /v1/models; `stops`: -r, the stop strings of a request that gives none."""
+    --prefill-assistant, --reasoning-preserve, --skip-chat-parsing; `tags`: --tags, shown in /v1/models; `stops`: -r, the stop strings of a request that gives none;
+    `special`: -sp, control tokens in answers as their text."""
     engine = Engine(decoder, max_queue)
+    engine.special = special
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
     if template.fallback:

@@ -176,6 +176,7 @@ class Engine:
         self._current: set[Part] = set()
         self.last: Stats | None = None   # the last finished generation's statistics (/health shows them)
         self.metrics = Metrics()        # every choice's, summed (/metrics with `serve --metrics`)
+        self.special = False            # serve -sp: control tokens in answers as their text (llama-server's)
         self._stopping = False
 
     @property
@@ -284,7 +285,7 @@ class Engine:
         choices after the first find it cached), until they are done or the job is cancelled."""
         job = part.job
         with self.slots.use(tokens) as decoder:  # the slot caching most of the prompt, its turns begun
-            pieces = PieceMaker(decoder, job, self._marker_texts(job.shape))
+            pieces = PieceMaker(decoder, job, self._marker_texts(job.shape), self.special)
             while part.choices and part.choices[0] // job.n == prompt_index and not job.cancelled.is_set():
                 index = part.choices[0]
                 choice_options = dict(options)
@@ -370,11 +371,13 @@ class Engine:
 
 
 class PieceMaker:
-    """A decoder's Piece as the dict that streams: StepTracker's fields, the text of a marker token,
-    and its log-probabilities (an OpenAI chat entry) when the request asked for them."""
+    """A decoder's Piece as the dict that streams: StepTracker's fields, the text of a marker token (or,
+    with `special`, of any control token), and its log-probabilities (an OpenAI chat entry) when the
+    request asked for them."""
 
-    def __init__(self, decoder, job: Job, markers: dict[int, str]):
+    def __init__(self, decoder, job: Job, markers: dict[int, str], special: bool = False):
         self.decoder, self.markers, self.logprobs = decoder, markers, job.shape.logprobs is not None
+        self.special = special
         target = decoder.target
 
         def token_bytes(token: int) -> bytes:  # a control token prints nothing: its name, as OpenAI's
@@ -385,6 +388,8 @@ class PieceMaker:
         made = steps.annotate(piece)
         if piece.token in self.markers:
             made["text"] = self.markers[piece.token]
+        elif self.special and not made["text"] and not self.decoder.target.piece(piece.token):  # a control token
+            made["text"] = self.decoder.target.token_text(piece.token).decode("utf-8", "replace")
         if self.logprobs:
             token_bytes = self.token_bytes
             top = [(token_bytes(token), value) for token, value in getattr(piece, "top_logprobs", ())]

@@ -100,9 +100,11 @@ class MessagesBody(CountTokensBody):
 
 def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str]:
     """The internal request, and the prefill: a last assistant message is the answer's start, which
-    the model continues (and the answer is what follows it, as Anthropic's is)."""
+    the model continues (and the answer is what follows it, as Anthropic's is); under serve's
+    --no-prefill-assistant a whole turn, as llama-server's /v1/messages takes it."""
     messages, prefill = conversation(body), ""
-    if len(messages) > 1 and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+    if serving.chat.prefill_assistant and len(messages) > 1 and messages[-1]["role"] == "assistant" \
+            and not messages[-1].get("tool_calls"):
         prefill = messages.pop()["content"] or ""
     translated: dict = {"messages": messages}
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
