@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_bench import LLAMA_SERVER, ROOT, Server, cpu_name, free_port, loadavg  # noqa: E402
+from server_bench import LLAMA_SERVER, ROOT, Server, cpu_name, demo_pair, free_port, loadavg  # noqa: E402
 
 SESSIONS = Path(__file__).resolve().parent / "agent" / "sessions.json"
 VARIANTS = ("gs-target", "gs-auto", "gs-lookup", "ls-target", "ls-ngram-simple", "ls-ngram-mod")
@@ -163,7 +162,7 @@ def run_variant(variant: str, args, target: Path, draft: Path, script: dict, rou
     env = {**os.environ, "GGUFSPEC_HOME": home, "PYTHONPATH": str(ROOT)}
     print(f"[round {round_index}] {variant}: {' '.join(cmd)}", file=sys.stderr)
     try:
-        with ServerWithEnv(variant, cmd, port, LOG_DIR / f"{variant}.{round_index}.log", env) as server:
+        with Server(variant, cmd, port, LOG_DIR / f"{variant}.{round_index}.log", env, ready_timeout=600) as server:
             record["startup_s"] = server.startup_seconds
             record["sessions"] = [run_session(server.url, script, s, CLIENTS[args.protocol]) for s in script["sessions"]]
     except Exception as exc:  # one variant failing must not lose the others' numbers
@@ -175,25 +174,6 @@ def run_variant(variant: str, args, target: Path, draft: Path, script: dict, rou
               + ", ".join(f"{t['wall_s']:.1f}s/{t['n_tokens']}" for t in s["turns"]), file=sys.stderr)
     record["loadavg_after"] = loadavg()
     return record
-
-
-class ServerWithEnv(Server):
-    def __init__(self, name, cmd, port, log_path, env):
-        super().__init__(name, cmd, port, log_path)
-        self.env = env
-
-    def __enter__(self):
-        self.log = open(self.log_path, "w")
-        started = time.perf_counter()
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                        stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
-        try:
-            self.wait_ready(timeout=600)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        self.startup_seconds = time.perf_counter() - started
-        return self
 
 
 # ---------------------------------------------------------------- the table
@@ -255,12 +235,6 @@ def versus_best_llama(records: list[dict], sessions: list[str]) -> str:
                          + (f"; {statistics.median(p[1] for p in per_round if p[1]):.2f}x the target alone"
                             if any(p[1] for p in per_round) else ""))
     return "\n".join(lines)
-
-
-def demo_pair() -> tuple[Path, Path]:
-    from ggufspec import store
-    target, draft = store.demo_pair_paths(progress=False)
-    return Path(target), Path(draft)
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_bench import LOG_DIR, ROOT, SESSIONS, ServerWithEnv, command, demo_pair, free_port, opening  # noqa: E402
-from server_bench import cpu_name  # noqa: E402
+from agent_bench import LOG_DIR, SESSIONS, command, opening  # noqa: E402
+from server_bench import ROOT, Server, cpu_name, demo_pair, free_port  # noqa: E402
 
 
 def first_prompt(url: str, script: dict, session: dict) -> tuple[float, dict]:
@@ -58,7 +58,8 @@ def main() -> None:
             port = free_port()
             env = {**os.environ, "GGUFSPEC_HOME": home, "PYTHONPATH": str(ROOT)}
             cmd = command(variant, target, draft, args.threads, args.ctx, port)
-            with ServerWithEnv(variant, cmd, port, LOG_DIR / f"prompt-{variant}.{round_index}.log", env) as server:
+            log_path = LOG_DIR / f"prompt-{variant}.{round_index}.log"
+            with Server(variant, cmd, port, log_path, env, ready_timeout=600) as server:
                 for repeat in range(2):
                     wall, timings = first_prompt(server.url, script, session)
                     print(f"{round_index} {variant} {repeat}: wall {wall:.2f} s, prompt_n {timings.get('prompt_n')}, "

@@ -27,9 +27,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_bench import ServerWithEnv, demo_pair  # noqa: E402
 from concurrent_bench import PROMPTS, ggufspec_command  # noqa: E402
-from server_bench import LLAMA_SERVER, ROOT, cpu_name, free_port, loadavg  # noqa: E402
+from server_bench import LLAMA_SERVER, ROOT, Server, cpu_name, demo_pair, free_port, loadavg  # noqa: E402
 
 MODES = ("list", "sequential")
 
@@ -78,7 +77,8 @@ def run_server(name: str, args, target: Path, draft: Path, round_index: int) -> 
     env = {**os.environ, "GGUFSPEC_HOME": tempfile.mkdtemp(prefix="choices-bench-home-"), "PYTHONPATH": str(ROOT)}
     log_path = Path(tempfile.gettempdir()) / f"choices_bench_{name}_{round_index}.log"
     records = []
-    with ServerWithEnv(name, server_command(name, args, target, draft, port), port, log_path, env) as server:
+    cmd = server_command(name, args, target, draft, port)
+    with Server(name, cmd, port, log_path, env, ready_timeout=600) as server:
         timed_request(server.url, completion_prompt("Say hello."), 8)  # warm-up, not counted
         for m, mode in enumerate(MODES if round_index % 2 == 0 else MODES[::-1]):
             first = (round_index * len(MODES) + MODES.index(mode)) * args.prompts % len(PROMPTS)

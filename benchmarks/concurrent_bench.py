@@ -49,8 +49,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_bench import ServerWithEnv, demo_pair  # noqa: E402
-from server_bench import LLAMA_SERVER, ROOT, cpu_name, free_port, llama_server_version, loadavg  # noqa: E402
+from server_bench import LLAMA_SERVER, ROOT, Server, cpu_name, demo_pair, free_port, llama_server_version, loadavg  # noqa: E402
 
 VARIANTS = ("gs-serial", "gs-parallel", "ls")
 LOG_DIR = Path(tempfile.gettempdir()) / "concurrent_bench_logs"
@@ -204,7 +203,7 @@ def run_variant(variant: str, args, target: Path, draft: Path, counts: list[int]
     log_path = LOG_DIR / f"{variant}.{round_index}.log"
     print(f"[round {round_index}] {variant}: {shlex.join(cmd)}  (log {log_path})", file=sys.stderr)
     try:
-        with ServerWithEnv(variant, cmd, port, log_path, env) as server:
+        with Server(variant, cmd, port, log_path, env, ready_timeout=600) as server:
             record["startup_s"] = server.startup_seconds
             record["total_slots"] = server_slots(server.url)
             stream_client(server.url, "Say hi.", 4, time.perf_counter())  # warm-up, not counted

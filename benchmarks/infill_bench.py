@@ -33,8 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_bench import ServerWithEnv, demo_pair  # noqa: E402
-from server_bench import LLAMA_SERVER, ROOT, cpu_name, free_port, loadavg  # noqa: E402
+from server_bench import LLAMA_SERVER, ROOT, Server, cpu_name, demo_pair, free_port, loadavg  # noqa: E402
 
 MODULES = ("textwrap.py", "csv.py", "difflib.py", "shlex.py", "fnmatch.py", "glob.py")
 VARIANTS = ("gs-target", "gs-auto", "ls-target", "ls-draft")
@@ -85,7 +84,7 @@ def run_variant(variant: str, chosen: list[dict], args, target: Path, draft: Pat
     record = {"variant": variant, "round": round_index, "loadavg_before": loadavg(), "cases": []}
     cmd = command(variant, target, draft, args.threads, port)
     print(f"[round {round_index}] {variant}: {' '.join(cmd)}", file=sys.stderr)
-    with ServerWithEnv(variant, cmd, port, LOG_DIR / f"{variant}.{round_index}.log", env) as server:
+    with Server(variant, cmd, port, LOG_DIR / f"{variant}.{round_index}.log", env, ready_timeout=600) as server:
         record["startup_s"] = server.startup_seconds
         for case in chosen:
             body = {k: case[k] for k in ("input_prefix", "input_suffix")}
@@ -113,7 +112,7 @@ def strict_check(chosen: list[dict], args, target: Path, draft: Path) -> None:
     env = {**os.environ, "GGUFSPEC_HOME": tempfile.mkdtemp(prefix="infill-bench-home-"), "PYTHONPATH": str(ROOT)}
     cmd = command("gs-auto", target, draft, args.threads, port) + ["--strict"]
     same = drafted = 0
-    with ServerWithEnv("gs-strict", cmd, port, LOG_DIR / "gs-strict.log", env) as server:
+    with Server("gs-strict", cmd, port, LOG_DIR / "gs-strict.log", env, ready_timeout=600) as server:
         for case in chosen:
             body = {"input_prefix": case["input_prefix"], "input_suffix": case["input_suffix"], "n_predict": N_PREDICT,
                     "temperature": 0, "return_tokens": True}

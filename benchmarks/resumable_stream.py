@@ -14,35 +14,25 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
 
-HOME = pathlib.Path("~/.local/share/ggufspec/models").expanduser()
-TARGET = HOME / "Qwen__Qwen2.5-Coder-1.5B-Instruct-GGUF/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-DRAFT = HOME / "Qwen__Qwen2.5-Coder-0.5B-Instruct-GGUF/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from server_bench import Server, demo_pair, free_port, server_command  # noqa: E402
+
 QUESTION = "Write a Python function that parses a CSV line with quoted fields, and explain it briefly."
 
 
-def start(folder: pathlib.Path, threads: int, draft: str) -> tuple[subprocess.Popen, str]:
-    log = folder / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "ggufspec.cli", "serve", "-m", str(TARGET), "-md", str(DRAFT),
-                             "-c", "4096", "-t", str(threads), "-np", "1", "--draft", draft, "--port", "0"],
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
-        if found:
-            return proc, found.group(1)
-        if proc.poll() is not None:
-            raise SystemExit(log.read_text())
-        time.sleep(0.2)
-    raise SystemExit("the server did not start")
+def serve(folder: pathlib.Path, threads: int, draft: str) -> Server:
+    """`ggufspec serve` on the demo pair with one slot and `--draft draft`, its log in `folder`."""
+    target, draft_model = demo_pair()
+    port = free_port()
+    command = server_command("ggufspec", target, draft_model, threads, 4096, port) + ["-np", "1", "--draft", draft]
+    return Server("ggufspec", command, port, folder / "server.log", ready_timeout=600)
 
 
 def body(max_tokens: int) -> dict:
@@ -93,8 +83,8 @@ def main() -> None:
     parser.add_argument("--json", dest="out", default=None)
     args = parser.parse_args()
     folder = pathlib.Path(tempfile.mkdtemp())
-    proc, url = start(folder, args.threads, args.draft)
-    try:
+    with serve(folder, args.threads, args.draft) as server:
+        url = server.url
         stream(url, 16, None)  # the step costs timed, the caches warm
         runs = {"plain": [], "resumable": []}
         texts = set()
@@ -110,9 +100,6 @@ def main() -> None:
                    "same_text": text_of(cut["raw"] + rest.content) in texts, **{
                        k: v for k, v in measured({"wall_s": 0, "first_s": 0, "raw": rest.content}).items()
                        if k in ("tokens", "decode_tps")}}
-    finally:
-        proc.terminate()
-        proc.wait(60)
     results = {"threads": args.threads, "draft": args.draft, "max_tokens": args.max_tokens, "runs": runs,
                "median_wall_s": {k: statistics.median(r["wall_s"] for r in v) for k, v in runs.items()},
                "median_decode_tps": {k: statistics.median(r["decode_tps"] for r in v) for k, v in runs.items()},

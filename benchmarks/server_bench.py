@@ -101,21 +101,30 @@ def server_command(name: str, target: Path, draft: Path, threads: int, n_ctx: in
     raise SystemExit(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
 
 
+def demo_pair() -> tuple[Path, Path]:
+    """The demo pair's target and draft GGUFs (ggufspec's default pair)."""
+    from ggufspec import store
+    target, draft = store.demo_pair_paths(progress=False)
+    return Path(target), Path(draft)
+
+
 class Server:
     """A server process on a free loopback port, ready when /health (or /v1/models) answers 200."""
 
-    def __init__(self, name: str, command: list[str], port: int, log_path: Path):
+    def __init__(self, name: str, command: list[str], port: int, log_path: Path, env: dict | None = None,
+                 ready_timeout: float = 300):
         self.name, self.command, self.port, self.log_path = name, command, port, log_path
+        self.env, self.ready_timeout = env, ready_timeout  # env None: this process's environment
         self.url = f"http://127.0.0.1:{port}"
         self.process: subprocess.Popen | None = None
 
     def __enter__(self):
         self.log = open(self.log_path, "w")
         started = time.perf_counter()
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
         try:
-            self.wait_ready(timeout=300)
+            self.wait_ready(timeout=self.ready_timeout)
         except BaseException:
             self.__exit__(None, None, None)
             raise

@@ -16,33 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
-import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
 
-HOME = pathlib.Path("~/.local/share/ggufspec/models").expanduser()
-TARGET = HOME / "Qwen__Qwen2.5-Coder-1.5B-Instruct-GGUF/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-DRAFT = HOME / "Qwen__Qwen2.5-Coder-0.5B-Instruct-GGUF/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from server_bench import Server, demo_pair, free_port, server_command  # noqa: E402
 
 
-def start(folder: pathlib.Path, threads: int, draft: str) -> tuple[subprocess.Popen, str]:
-    log = folder / f"server-{time.monotonic_ns()}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "ggufspec.cli", "serve", "-m", str(TARGET), "-md", str(DRAFT),
-                             "-c", "4096", "-t", str(threads), "-np", "1", "--draft", draft, "--port", "0", "--slot-save-path",
-                             str(folder)], stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
-        if found:
-            return proc, found.group(1)
-        if proc.poll() is not None:
-            raise SystemExit(log.read_text())
-        time.sleep(0.2)
-    raise SystemExit("the server did not start")
+def serve(folder: pathlib.Path, threads: int, draft: str) -> Server:
+    """`ggufspec serve` on the demo pair with one slot and `--draft draft`, its slot files and log in `folder`."""
+    target, draft_model = demo_pair()
+    port = free_port()
+    command = server_command("ggufspec", target, draft_model, threads, 4096, port)
+    command += ["-np", "1", "--draft", draft, "--slot-save-path", str(folder)]
+    return Server("ggufspec", command, port, folder / f"server-{time.monotonic_ns()}.log", ready_timeout=600)
 
 
 def ask(url: str, messages: list[dict], max_tokens: int) -> tuple[dict, float]:
@@ -67,10 +57,9 @@ def main() -> None:
     source = pathlib.Path(__file__).with_name("agent_bench.py").read_text()[:6000]
     first = [{"role": "user", "content": f"Here is a file:\n```python\n{source}\n```\nWhat does it measure?"}]
     folder = pathlib.Path(tempfile.mkdtemp())
-    proc, url = start(folder, args.threads, args.draft)
-    answer, _ = ask(url, first, args.max_tokens)
-    saved = slot(url, "save")
-    proc.terminate(), proc.wait(60)
+    with serve(folder, args.threads, args.draft) as server:
+        answer, _ = ask(server.url, first, args.max_tokens)
+        saved = slot(server.url, "save")
     turn = first + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
                     {"role": "user", "content": "Which function starts the server?"}]
     longer = turn[:-1] + [{"role": "user", "content": "Write a unit test for the function `chat`."}]
@@ -81,12 +70,13 @@ def main() -> None:
     for case in ("cold", "restored-target-only", "restored"):
         if case == "restored-target-only" and draft_file.exists():
             draft_file.rename(folder / "aside")
-        proc, url = start(folder, args.threads, args.draft)  # a fresh server each time: nothing cached but the files
-        set_up = (lambda: slot(url, "erase")) if case == "cold" else (lambda: slot(url, "restore"))
-        restored = set_up()
-        _, first_token = ask(url, turn, 1)
-        set_up()
-        reply, wall = ask(url, longer, args.answer_tokens)
+        # a fresh server each time: nothing cached but the files
+        with serve(folder, args.threads, args.draft) as server:
+            action = "erase" if case == "cold" else "restore"
+            restored = slot(server.url, action)
+            _, first_token = ask(server.url, turn, 1)
+            slot(server.url, action)
+            reply, wall = ask(server.url, longer, args.answer_tokens)
         timings = reply["timings"]
         results[case] = {"first_token_s": round(first_token, 2), "restore": restored,
                          "answer_s": round(wall, 2), "prompt_ms": round(timings["prompt_ms"]),
@@ -94,7 +84,6 @@ def main() -> None:
                          "predicted_n": timings["predicted_n"], "predicted_ms": round(timings["predicted_ms"]),
                          "draft_n": timings.get("draft_n"), "draft_n_accepted": timings.get("draft_n_accepted"),
                          "text": reply["choices"][0]["message"]["content"]}
-        proc.terminate(), proc.wait(60)
         if (folder / "aside").exists():
             (folder / "aside").rename(draft_file)
     results["same_text"] = len({results[case]["text"] for case in ("cold", "restored-target-only", "restored")}) == 1
