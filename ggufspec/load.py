@@ -174,52 +174,47 @@ def flash_attn_type(setting: str | bool) -> int:
 
 
 @contextlib.contextmanager
-def _model_params(load: LoadParams, overrides=None):
-    """Set llama_model_params fields Llama(...) has no argument for, for the next load only: load_mtp
-    (the MTP blocks), use_extra_bufts (repacking: never under --exact), check_tensors, no_host, lazy_mode
-    and tensor_buft_overrides (`placement.override_array`, kept alive by the caller). It builds the model
-    through `_internals.LlamaModel(params=...)`."""
+def _params_set(built_by: str, set_fields):
+    """For the next load only, `set_fields(params)` before llama-cpp-python's `_internals.<built_by>(params=...)`
+    builds the model (LlamaModel) or its context (LlamaContext): the fields Llama(...) has no argument for."""
     from llama_cpp import _internals
-    original = _internals.LlamaModel
+    original = getattr(_internals, built_by)
 
     def with_fields(*args, params, **kwargs):
+        set_fields(params)
+        return original(*args, params=params, **kwargs)
+    setattr(_internals, built_by, with_fields)
+    try:
+        yield
+    finally:
+        setattr(_internals, built_by, original)
+
+
+def _model_params(load: LoadParams, overrides=None):
+    """llama_model_params' load_mtp (the MTP blocks), use_extra_bufts (repacking: never under --exact),
+    check_tensors, no_host, lazy_mode and tensor_buft_overrides (`placement.override_array`, kept alive by
+    the caller), for the next load."""
+    def set_fields(params):
         params.load_mtp = params.load_mtp or load.load_mtp
         params.use_extra_bufts = params.use_extra_bufts and load.repack and not load.exact
         params.check_tensors, params.no_host = load.check_tensors, load.no_host
         params.lazy_mode = LAZY_MODES[load.lazy_mode]
         if overrides is not None:
             params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p).value
-        return original(*args, params=params, **kwargs)
-    _internals.LlamaModel = with_fields
-    try:
-        yield
-    finally:
-        _internals.LlamaModel = original
+    return _params_set("LlamaModel", set_fields)
 
 
-@contextlib.contextmanager
-def _context_flash_attn(kind: int, n_rs_seq: int = 0, n_seq: int = 1, unified: bool = True):
-    """Make the next llama context use flash-attention type `kind`.
-
-    Llama(flash_attn=...) is a bool (on or off); llama.cpp's own default, auto (on where the
-    backend supports it: CUDA, Metal, CPU), is not reachable through it. Llama builds its context
-    through `_internals.LlamaContext(params=...)`, so the field is set there, for this load only.
-    """
-    from llama_cpp import _internals
-    original = _internals.LlamaContext
-
-    def with_flash_attn(*args, params, **kwargs):
-        params.flash_attn_type = kind
+def _context_params(flash_attn: int, n_rs_seq: int = 0, n_seq: int = 1, unified: bool = True):
+    """llama_context_params' flash-attention type, recurrent-state cells and sequences, for the next load.
+    Llama(flash_attn=...) is a bool (on or off); llama.cpp's own default, auto (on where the backend
+    supports it: CUDA, Metal, CPU), is not reachable through it."""
+    def set_fields(params):
+        params.flash_attn_type = flash_attn
         if n_rs_seq and hasattr(params, "n_rs_seq"):
             params.n_rs_seq = n_rs_seq
         if n_seq > 1:
             params.n_seq_max, params.kv_unified = n_seq, unified
-        return original(*args, params=params, **kwargs)
-    _internals.LlamaContext = with_flash_attn
-    try:
-        yield
-    finally:
-        _internals.LlamaContext = original
+    return _params_set("LlamaContext", set_fields)
 
 
 # --exact: at most this many tokens a llama_decode step (ubatch). From 64 query rows of a sequence
@@ -292,7 +287,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     try:
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         options = _llama_options(params, strict, unified)
-        with _context_flash_attn(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
+        with _context_params(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
                 _model_params(params, overrides), interrupt_after_native():
             if devices is not None:  # placed on chosen devices: a loading concern, same Llama
                 llm = load_on_devices(path, devices, **options)

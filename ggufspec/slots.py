@@ -268,9 +268,10 @@ def _fit_sharing(slot: Slot, shared: int) -> tuple:
     decides what cached conversation it overwrites: the one losing the fewest cached tokens, then the
     one sharing the most, then an empty one, then the one used least recently. So an agent's sub-agent
     with the same system prompt goes to an empty slot instead of cutting the agent's conversation back
-    to that prompt, and a next turn still goes back to its own slot."""
+    to that prompt, and a next turn still goes back to its own slot (its last answer's tail, which may
+    tokenize otherwise, not counted as lost; a short conversation an unrelated prompt would drop is)."""
     lost = slot.target.n_past - shared
-    if lost <= _tokenized_otherwise(slot.target.n_past):
+    if lost <= _tokenized_otherwise(slot.target.n_past) and shared >= lost:  # its next turn: nothing lost
         lost = 0
     return -lost, shared, slot.target.n_past == 0, -slot.last_used
 

@@ -43,10 +43,11 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def differs_at_near_tie(got: list[int], expected: list[int], margins: list[float]) -> bool:
-    """Whether `got` leaves the target-alone `expected` at a near-tie (undecidable), not at a real difference."""
+def differs_at_near_tie(got: list[int], expected: list[int], margins: list[float], tie: float = NEAR_TIE) -> bool:
+    """Whether `got` leaves the target-alone `expected` at a near-tie (a top-2 margin under `tie`:
+    undecidable), not at a real difference."""
     diff = first_difference(got, expected)
-    return diff is not None and diff < len(margins) and margins[diff] < NEAR_TIE
+    return diff is not None and diff < len(margins) and margins[diff] < tie
 
 
 def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:

@@ -60,6 +60,17 @@ def test_a_prompt_goes_to_the_slot_caching_most_of_it(tiny_pair):
             assert after.stats.n_prompt_cached >= len(prompt) - 3
 
 
+def test_a_short_conversation_is_not_overwritten_while_a_slot_is_empty(tiny_pair):
+    """A conversation short enough that all of it lies within the tail a next turn may tokenize otherwise is
+    still a conversation: a new prompt sharing only its BOS goes to the empty slot, not over it."""
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1, n_parallel=2) as decoder:
+        short = decoder.generate_many([PROMPTS[0][:2]], n_predict=8, n_draft=0)[0]
+        other = decoder.generate_many([[PROMPTS[0][0]] + [270] * 12], n_predict=8, n_draft=0)[0]
+        assert other.stats.id_slot != short.stats.id_slot
+        again = decoder.generate_many([PROMPTS[0][:2] + short.tokens + [260]], n_predict=4, n_draft=0)[0]
+        assert again.stats.id_slot == short.stats.id_slot and again.stats.n_prompt_cached >= 2 + 8 - 1
+
+
 def test_a_full_unified_cache_drops_idle_slots_conversations_first(tiny_pair):
     """Two slots share one cache (llama.cpp pads 128 cells to 256): a second long prompt fits once the
     first slot's cached conversation goes."""
@@ -143,8 +154,9 @@ def test_slots_that_fill_the_unified_cache_wait_or_end_early_never_wrong(endless
     assert any(a.stats.stop_reason == "context" for a in answers)  # 3 x 191 tokens: not all at once
     for prompt, got in zip(prompts, answers):
         want, margins, _ = target_alone(endless_pair[0], prompt, len(got.tokens), n_ctx=256)
-        if got.tokens != want:
-            assert differs_at_near_tie(got.tokens, want, margins), first_difference(got.tokens, want)
+        if got.tokens != want:  # batched rows over scattered cells differ from single-token ones by up to
+            # 0.012 in this model past position 128 (measured, F16 and F32 caches alike): closer calls are ties
+            assert differs_at_near_tie(got.tokens, want, margins, tie=0.05), first_difference(got.tokens, want)
 
 
 def test_a_slot_left_mid_answer_leaves_the_others_exact(tiny_pair):
