@@ -51,17 +51,22 @@ LOG_DIR = Path(tempfile.gettempdir()) / "agent_bench_logs"
 
 # ---------------------------------------------------------------- the client
 
+def post_timed(url: str, body: dict) -> tuple[dict, float]:
+    """POST `body` to `url`: the answer's JSON and the wall time it took (an HTTP error raises)."""
+    sent = time.perf_counter()
+    response = httpx.post(url, json=body, timeout=900)
+    wall = time.perf_counter() - sent
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+    return response.json(), wall
+
+
 def chat(url: str, messages: list[dict], tools: list[dict], max_tokens: int) -> dict:
     """One chat completion through /v1/chat/completions: the answer's text, its wall time, tokens and the
     server's `timings` (both servers send llama.cpp's: predicted_n/_ms, draft_n, draft_n_accepted)."""
     body = {"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": 0, "stream": False,
             "cache_prompt": True}
-    sent = time.perf_counter()
-    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=900)
-    wall = time.perf_counter() - sent
-    if response.status_code != 200:
-        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-    data = response.json()
+    data, wall = post_timed(url + "/v1/chat/completions", body)
     message = data["choices"][0]["message"]
     timings = data.get("timings") or {}
     return {"text": message.get("content") or "", "wall_s": wall,
@@ -92,12 +97,7 @@ def anthropic_messages(url: str, messages: list[dict], tools: list[dict], max_to
     body = {"system": messages[0]["content"], "messages": turns, "max_tokens": max_tokens, "temperature": 0,
             "stream": False, "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
                                         "input_schema": t["function"]["parameters"]} for t in tools]}
-    sent = time.perf_counter()
-    response = httpx.post(url + "/v1/messages", json=body, timeout=900)
-    wall = time.perf_counter() - sent
-    if response.status_code != 200:
-        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-    data = response.json()
+    data, wall = post_timed(url + "/v1/messages", body)
     timings = data.get("timings") or {}
     n_tokens = (data.get("usage") or {}).get("output_tokens") or timings.get("predicted_n", 0)
     return {"text": "".join(b["text"] for b in data["content"] if b["type"] == "text"), "wall_s": wall,

@@ -27,18 +27,12 @@ TEXT = ("def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    piv
         "    return quicksort(left) + [pivot] + quicksort(right)\n")
 
 
-def measure(path: str, mode: str, threads: int) -> dict:
-    """One mode, in this process: the logit differences and the batch times."""
+def batch_minus_single(ctx, tokens: list[int], sizes) -> dict:
+    """For each n of `sizes`: max |logits of the last n tokens decoded in one batch - the same n decoded one at
+    a time| (a native.Context; tests/test_exact_batch.py runs it too)."""
     import numpy as np
-
-    from ggufspec.load import LoadParams, open_model, tokenize
-    from ggufspec.native import Context
-    llm = open_model(path, "target", LoadParams(n_ctx=1024, n_threads=threads, exact=mode == "exact"),
-                     strict=mode == "strict")
-    ctx = Context(llm, "target")
-    tokens = tokenize(llm, TEXT)
     worst = {}
-    for n in (3, 8, 17):
+    for n in sizes:
         head, tail = tokens[:-n], tokens[-n:]
         ctx.keep(0)
         ctx.decode(head, n_logits=0)
@@ -50,6 +44,18 @@ def measure(path: str, mode: str, threads: int) -> dict:
             ctx.decode([token], n_logits=1)
             single.append(ctx.logits(0).copy())
         worst[n] = float(np.abs(batched - np.array(single)).max())
+    return worst
+
+
+def measure(path: str, mode: str, threads: int) -> dict:
+    """One mode, in this process: the logit differences and the batch times."""
+    from ggufspec.load import LoadParams, open_model, tokenize
+    from ggufspec.native import Context
+    llm = open_model(path, "target", LoadParams(n_ctx=1024, n_threads=threads, exact=mode == "exact"),
+                     strict=mode == "strict")
+    ctx = Context(llm, "target")
+    tokens = tokenize(llm, TEXT)
+    worst = batch_minus_single(ctx, tokens, (3, 8, 17))
     times = {}
     for n in SIZES:
         runs = []

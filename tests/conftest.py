@@ -46,6 +46,15 @@ def tiny_decoder(tiny_pair):
         yield decoder
 
 
+@pytest.fixture(scope="module")
+def tiny_vocab(tiny_pair):
+    """The tiny target's llama_vocab (its vocabulary alone loaded): what llama.cpp's grammar sampler parses against."""
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=str(tiny_pair[0]), vocab_only=True, verbose=False)
+    yield llama_cpp.llama_model_get_vocab(llm._model.model)
+    llm.close()
+
+
 @pytest.fixture
 def loads(monkeypatch):
     """What each llama_cpp.Llama a test opens got, in load order (the target, then the draft): its keywords

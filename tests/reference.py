@@ -73,6 +73,25 @@ def same_as_target_alone(got, expected: list[int], margins: list[float], label: 
     return True
 
 
+def greedy_every_k_is_target_alone(decoder, path, chosen: list[list[int]], n_predict: int, n_ctx: int,
+                                   flash_attn: str = "off") -> tuple[int, int]:
+    """Greedy speculation at K = 1 to 5 and auto, for each prompt of `chosen`: the text and stop reason of
+    the target alone (`path` through target_alone), but at a near-tie (no verdict: counted, the caller
+    says how many it allows). Returns (runs checked, near-ties)."""
+    near_ties = checked = 0
+    for prompt in chosen:
+        expected, margins, reason = target_alone(path, prompt, n_predict, n_ctx, flash_attn)
+        for k in [1, 2, 3, 4, 5, "auto"]:
+            got = decoder.generate(prompt, n_predict=n_predict, n_draft=k, temperature=0)
+            if not same_as_target_alone(got, expected, margins, f"K={k} prompt={prompt}"):
+                near_ties += 1
+                continue
+            assert got.stats.stop_reason == reason
+            checked += 1
+    print(f"{checked} runs identical, {near_ties} at a near-tie < {NEAR_TIE}")
+    return checked, near_ties
+
+
 # the drafting modes the greedy identity tests run: (drafter, K)
 GREEDY_RUNS = [("model", 1), ("model", 3), ("model", "auto"), ("lookup", 3), ("hybrid", 3)]
 

@@ -1,6 +1,7 @@
 """`ggufspec serve` as a real process on loopback (test_server, test_chat_page), the tiny chat pair
-that test_server and test_chat_cli serve, and a server over conftest's slow target with the resumable
-streams' helpers (test_server_resumable, test_chat_page_resume)."""
+that test_server and test_chat_cli serve, a module's server over a pair (the server tests' fixture), and a
+server over conftest's slow target with the resumable streams' helpers (test_server_resumable,
+test_chat_page_resume)."""
 from __future__ import annotations
 
 import contextlib
@@ -85,6 +86,17 @@ def serving(tmp_path: Path, *args: str):
         yield running
     finally:
         stop_server(running)
+
+
+def pair_server_fixture(*args: str, pair: str = "chat_pair", name: str = "server"):
+    """A module-scoped fixture `name`: a server over the (target, draft) the fixture `pair` gives (conftest's
+    chat_pair unless told); `args`: more serve flags."""
+    @pytest.fixture(scope="module", name=name)
+    def pair_server(request, tmp_path_factory):
+        target, draft = request.getfixturevalue(pair)
+        with serving(tmp_path_factory.mktemp(name), "-m", str(target), "-md", str(draft), *args) as running:
+            yield running
+    return pair_server
 
 
 def slow_server_fixture(key: str, *args: str, name: str = "slow_server"):

@@ -82,19 +82,14 @@ def test_rm_a_pair_removes_its_own_target_and_keeps_the_shared_draft(ggufspec_ho
     assert "t1: removed" in last.stdout and "d: removed" in last.stdout and "kept" not in last.stderr
 
 
-def test_rm_the_shared_model_by_name_removes_it(ggufspec_home):
+@pytest.mark.parametrize("name, removed", [("d", "d: removed"), ("hf://org/d-GGUF/d.gguf", "removed")],
+                         ids=["by-name", "by-hub-reference"])
+def test_rm_the_shared_model_removes_it_and_says_which_pair_it_breaks(ggufspec_home, name, removed):
+    """By its registry name, or its file's hub reference."""
     registry = shared_draft_home(ggufspec_home, "t1", "d")
-    result = CliRunner().invoke(main, ["rm", "d"])
+    result = CliRunner().invoke(main, ["rm", name])
     assert result.exit_code == 0, result.output
-    assert "d: removed" in result.stdout and "p1 has no draft on disk now" in result.stderr
-    assert not on_disk(registry, "d")
-
-
-def test_rm_a_registry_models_file_by_hub_reference_says_which_pair_it_breaks(ggufspec_home):
-    registry = shared_draft_home(ggufspec_home, "t1", "d")
-    result = CliRunner().invoke(main, ["rm", "hf://org/d-GGUF/d.gguf"])
-    assert result.exit_code == 0, result.output
-    assert "removed" in result.stdout and "p1 has no draft on disk now" in result.stderr
+    assert removed in result.stdout and "p1 has no draft on disk now" in result.stderr
     assert not on_disk(registry, "d")
 
 

@@ -28,29 +28,22 @@ from ggufspec.load import flags_tag
 from ggufspec.modelflags import offload_given
 from ggufspec.session import ModelOptions, _as_loaded, load_flags_by_role
 from ggufspec.tinymodels import Shape, make_weights, write_model
-from clierrors import one_line_error
+from clierrors import one_line_error, run_pair
 from reference import prompts
 
 N_CTX = 256
 
 
-def run(pair, *flags, n_predict=8):
-    target, draft = pair
-    return CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the cat sat", "-n",
-                                     str(n_predict), "-c", str(N_CTX), "-t", "1", "--temp", "0", "--json", *flags],
-                              input="")
-
-
 # ---------------------------------------------------------------- honoured: read back where llama.cpp took them
 
 def test_the_switches_reach_both_models_params(tiny_pair, loads):
-    result = run(tiny_pair, "-nkvo", "--no-op-offload", "-nr", "--no-host", "--check-tensors", "-lzm", "off",
-                 "--no-perf", "--numa", "isolate")
+    result = run_pair(tiny_pair, "-nkvo", "--no-op-offload", "-nr", "--no-host", "--check-tensors", "-lzm", "off",
+                      "--no-perf", "--numa", "isolate")
     assert result.exit_code == 0, result.output
     assert [g["numa"] for g in loads] == [llama_cpp.GGML_NUMA_STRATEGY_ISOLATE] * 2
-    result = run(tiny_pair, "-nkvo", "--no-op-offload", "-nr", "--no-host", "--check-tensors", "-lzm", "off",
-                 "--no-perf", "-C", "0x1", "-Cr", "1-1", "--prio", "1", "-Cd", "3", "--prio-draft", "1", "-Cbd",
-                 "0x3", "--prio-batch", "1")
+    result = run_pair(tiny_pair, "-nkvo", "--no-op-offload", "-nr", "--no-host", "--check-tensors", "-lzm", "off",
+                      "--no-perf", "-C", "0x1", "-Cr", "1-1", "--prio", "1", "-Cd", "3", "--prio-draft", "1", "-Cbd",
+                      "0x3", "--prio-batch", "1")
     assert result.exit_code == 0, result.output
     assert len(loads) == 4
     for got in loads:
@@ -59,12 +52,12 @@ def test_the_switches_reach_both_models_params(tiny_pair, loads):
         assert got["lazy_mode"] == llama_cpp.LLAMA_LAZY_MODE_OFF
     # -C 0x1 and -Cr 1-1 together (as far as this machine has CPUs); the draft's and the batches' the same: taken
     assert [g["process"] for g in loads[2:]] == [(cpu_set("0x1", "1-1"), 1)] * 2
-    assert run(tiny_pair, "-kvo", "--op-offload", "--repack", "--perf", "-lzm", "on").exit_code == 0
+    assert run_pair(tiny_pair, "-kvo", "--op-offload", "--repack", "--perf", "-lzm", "on").exit_code == 0
     for got in loads[4:]:
         assert (got["offload_kqv"], got["op_offload"], got["no_perf"], got["use_extra_bufts"]) == (True, True, False,
                                                                                                      True)
         assert got["lazy_mode"] == llama_cpp.LLAMA_LAZY_MODE_ON and got["process"] == (None, 0)
-    assert run(tiny_pair).exit_code == 0  # llama.cpp's defaults
+    assert run_pair(tiny_pair).exit_code == 0  # llama.cpp's defaults
     assert [(g["offload_kqv"], g["no_host"], g["check_tensors"], g["lazy_mode"], g["numa"]) for g in loads[6:]] \
         == [(True, False, False, llama_cpp.LLAMA_LAZY_MODE_AUTO, 0)] * 2
 
@@ -82,7 +75,7 @@ def test_n_cpu_ffn_keeps_the_targets_dense_ffn_on_the_cpu(tiny_pair, loads):
     assert overrides[0] == ("x", "CPU") and overrides[-2:] == (("blk\\.0\\.ffn_(up|down|gate)\\.", "CPU"),
                                                                ("blk\\.1\\.ffn_(up|down|gate)\\.", "CPU"))
     assert len(overrides) == 4  # -ot's first, then --cpu-moe's, then -ncffn's (llama.cpp's ffn block regex)
-    assert run(tiny_pair, "-ncffn", "1").exit_code == 0
+    assert run_pair(tiny_pair, "-ncffn", "1").exit_code == 0
     assert [g["overrides"] for g in loads] == [True, False]  # the target's only, as llama.cpp's
     sizes = dict(P.read_tensor_sizes(tiny_pair[0]))
     shape = P.kept_on_host(P.read_shape(tiny_pair[0]), tiny_pair[0], overrides[2:])
@@ -219,14 +212,14 @@ def test_costs_are_remembered_per_flag_that_changes_them():
     (["--numa", "distribute", "-Cr", "0-0"], ["--numa distribute and -C/-Cr"]),
 ])
 def test_bad_values_are_one_line_before_anything_loads(tiny_pair, loads, flags, words):
-    one_line_error(run(tiny_pair, *flags), *words)
+    one_line_error(run_pair(tiny_pair, *flags), *words)
     assert loads == []
 
 
 def test_does_nothing_values_are_taken(tiny_pair, loads):
-    result = run(tiny_pair, "--cpu-strict", "0", "--cpu-strict-batch", "0", "--spec-draft-cpu-strict", "0",
-                 "--poll", "50", "--poll-batch", "50", "--poll-draft", "50", "--poll-batch-draft", "50",
-                 "--no-spec-draft-backend-sampling", "-fit", "on", "-dt", "0.1", "-C", "", "--prio", "0")
+    result = run_pair(tiny_pair, "--cpu-strict", "0", "--cpu-strict-batch", "0", "--spec-draft-cpu-strict", "0",
+                      "--poll", "50", "--poll-batch", "50", "--poll-draft", "50", "--poll-batch-draft", "50",
+                      "--no-spec-draft-backend-sampling", "-fit", "on", "-dt", "0.1", "-C", "", "--prio", "0")
     assert result.exit_code == 0, result.output
     assert "--defrag-thold is deprecated" in result.stderr  # as llama.cpp says it
     assert [g["process"] for g in loads] == [(None, 0)] * 2

@@ -18,31 +18,21 @@ from conftest import demo_pair_paths
 
 pytestmark = pytest.mark.slow
 
-HELD_OUT = Path(__file__).parent.parent / "benchmarks" / "held-out-prompts.jsonl"
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+HELD_OUT = BENCHMARKS / "held-out-prompts.jsonl"
 
 LOGITS = """
 import json, sys
-import numpy as np
+sys.path.insert(0, sys.argv[3])
+from exact_batch import batch_minus_single
 from ggufspec.load import LoadParams, open_model, tokenize
 from ggufspec.native import Context
 llm = open_model(sys.argv[1], "target", LoadParams(n_ctx=512, n_threads=2, exact=sys.argv[2] == "exact"))
 ctx = Context(llm, "target")
 tokens = tokenize(llm, "def identity(a):\\n    return a\\n" * 8 + "def quicksort(arr):\\n    if len(arr) <= 1:\\n        return arr\\n    pivot = arr[0]\\n"
                        "    left = [x for x in arr if x < pivot]\\n    return quicksort(left) + [pivot]\\n")
-worst = {}
-for n in (3, 8, 17, 65):  # 65: past llama.cpp's flash-attention tile of 64 query rows
-    head, tail = tokens[:-n], tokens[-n:]
-    ctx.keep(0)
-    ctx.decode(head, n_logits=0)
-    ctx.decode(tail, n_logits=n)
-    batched = np.array([ctx.logits(i) for i in range(n)])
-    ctx.keep(len(head))
-    single = []
-    for token in tail:
-        ctx.decode([token], n_logits=1)
-        single.append(ctx.logits(0).copy())
-    worst[n] = float(np.abs(batched - np.array(single)).max())
-print(json.dumps(worst))
+# 65: past llama.cpp's flash-attention tile of 64 query rows
+print(json.dumps(batch_minus_single(ctx, tokens, (3, 8, 17, 65))))
 """
 
 GREEDY = """
@@ -88,9 +78,9 @@ def run_script(code: str, *args) -> object:
 
 def test_a_batch_gives_the_single_token_logits_only_with_exact_kernels():
     target, _ = demo_pair_paths()
-    exact = run_script(LOGITS, target, "exact")
+    exact = run_script(LOGITS, target, "exact", BENCHMARKS)
     assert exact == {"3": 0.0, "8": 0.0, "17": 0.0, "65": 0.0}
-    default = run_script(LOGITS, target, "default")  # llama.cpp's kernels: batch rounding at every size here
+    default = run_script(LOGITS, target, "default", BENCHMARKS)  # llama.cpp's kernels: batch rounding at every size here
     assert max(default.values()) > 0.0
 
 

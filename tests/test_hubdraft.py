@@ -41,18 +41,28 @@ def pull(*args):
     return CliRunner().invoke(main, ["pull", *args])
 
 
+def pull_with_draft(hub, files, candidates: dict, *flags):
+    """`pull TARGET --with-draft FLAGS` (exit code 0) from a hub holding the big target, then `candidates`
+    ({(repo, file name): bytes})."""
+    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
+    for (repo, name), data in candidates.items():
+        hub.state.add(repo, name, data)
+    result = pull(TARGET, "--with-draft", *flags)
+    assert result.exit_code == 0, result.output
+    return result
+
+
 def on_disk(repo, file):
     return store.final_path(ModelEntry("x", repo, (file,)), file).is_file()
 
 
 def test_a_family_draft_is_found_from_headers_and_pulled(hub, files):
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-Q8_0.gguf", files["target"])        # not 5x smaller
-    hub.state.add("org/Tiny-1B-GGUF", "tiny-1b-F32.gguf", files["other"])          # another vocabulary
-    hub.state.add("org/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf", files["draft"])      # the draft
-    hub.state.add("org/Other-0.5B-GGUF", "other-0.5b-F32.gguf", files["draft"])    # another family
-    result = pull(TARGET, "--with-draft", "--json")
-    assert result.exit_code == 0, result.output
+    result = pull_with_draft(hub, files, {
+        ("org/Tiny-7B-GGUF", "tiny-7b-Q8_0.gguf"): files["target"],        # not 5x smaller
+        ("org/Tiny-1B-GGUF", "tiny-1b-F32.gguf"): files["other"],          # another vocabulary
+        ("org/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf"): files["draft"],      # the draft
+        ("org/Other-0.5B-GGUF", "other-0.5b-F32.gguf"): files["draft"],    # another family
+    }, "--json")
     out = json.loads(result.output)
     assert [r["model"] for r in out] == [TARGET, "hf://org/Tiny-0.5B-GGUF/tiny-0.5b-F32.gguf"]
     search = out[0]["draft_search"]
@@ -72,30 +82,22 @@ def test_a_family_draft_is_found_from_headers_and_pulled(hub, files):
 
 
 def test_a_draft_in_the_same_repository_is_said_in_words(hub, files):
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-other-F32.gguf", files["other"])
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-draft-F32.gguf", files["draft"])
-    result = pull(TARGET, "--with-draft", "-q")
-    assert result.exit_code == 0, result.output
+    result = pull_with_draft(hub, files, {("org/Tiny-7B-GGUF", "tiny-other-F32.gguf"): files["other"],
+                                          ("org/Tiny-7B-GGUF", "tiny-draft-F32.gguf"): files["draft"]}, "-q")
     assert f"draft for {TARGET}: hf://org/Tiny-7B-GGUF/tiny-draft-F32.gguf: its tokenizer matches" in result.output
     assert "skipped hf://org/Tiny-7B-GGUF/tiny-other-F32.gguf: tokenizer differs" in result.output
     assert on_disk("org/Tiny-7B-GGUF", "tiny-draft-F32.gguf") and not on_disk("org/Tiny-7B-GGUF", "tiny-other-F32.gguf")
 
 
 def test_only_another_tokenizer_pulls_the_target_and_says_no_draft(hub, files):
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
-    hub.state.add("org/Tiny-1B-GGUF", "tiny-1b-F32.gguf", files["other"])
-    result = pull(TARGET, "--with-draft", "-q")
-    assert result.exit_code == 0, result.output
+    result = pull_with_draft(hub, files, {("org/Tiny-1B-GGUF", "tiny-1b-F32.gguf"): files["other"]}, "-q")
     assert f"no draft on the hub for {TARGET}: 1 with another tokenizer" in result.output
     assert "skipped hf://org/Tiny-1B-GGUF/tiny-1b-F32.gguf: tokenizer differs" in result.output
     assert on_disk("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf")
 
 
 def test_no_candidate_says_so_in_one_line(hub, files):
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
-    result = pull(TARGET, "--with-draft", "--json")
-    assert result.exit_code == 0, result.output
+    result = pull_with_draft(hub, files, {}, "--json")
     search = json.loads(result.output)[0]["draft_search"]
     assert search["chosen"] is None and "no other .gguf file" in search["why"]
     text = pull(TARGET, "--with-draft", "-q")
@@ -103,16 +105,14 @@ def test_no_candidate_says_so_in_one_line(hub, files):
 
 
 def test_a_registry_family_repository_is_searched(hub, files, ggufspec_home):
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
-    hub.state.add("elsewhere/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf", files["draft"])  # another owner: not listed
     ggufspec_home.mkdir(parents=True, exist_ok=True)
     (ggufspec_home / "models.toml").write_text(textwrap.dedent("""
         [models.tiny-small]
         repo = "elsewhere/Tiny-0.5B-GGUF"
         file = "tiny-0.5b-F32.gguf"
     """))
-    result = pull(TARGET, "--with-draft", "--dry-run", "--json")
-    assert result.exit_code == 0, result.output
+    another_owner = ("elsewhere/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf")  # another owner: not listed
+    result = pull_with_draft(hub, files, {another_owner: files["draft"]}, "--dry-run", "--json")
     out = json.loads(result.output)
     assert out[0]["draft_search"]["chosen"] == "hf://elsewhere/Tiny-0.5B-GGUF/tiny-0.5b-F32.gguf"
     assert out[1]["files"] == ["tiny-0.5b-F32.gguf"] and not on_disk("elsewhere/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf")
@@ -152,10 +152,8 @@ def test_a_prefix_fingerprint_is_the_file_fingerprint(files, tmp_path, ggufspec_
 
 
 def test_a_candidate_that_is_not_gguf_is_skipped_with_the_reason(hub, files):
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
-    hub.state.add("org/Tiny-7B-GGUF", "broken-F32.gguf", b"GGUF" + b"\xff" * 50_000)
-    result = pull(TARGET, "--with-draft", "--dry-run", "-q")
-    assert result.exit_code == 0, result.output
+    result = pull_with_draft(hub, files, {("org/Tiny-7B-GGUF", "broken-F32.gguf"): b"GGUF" + b"\xff" * 50_000},
+                             "--dry-run", "-q")
     assert "skipped hf://org/Tiny-7B-GGUF/broken-F32.gguf: header not read" in result.output
     assert "no draft on the hub" in result.output
 
@@ -172,10 +170,7 @@ def test_a_draft_whose_vocabulary_is_a_few_ids_longer_is_found_when_the_ids_both
     good = write_model(tmp_path / "good.gguf", padded, weights).read_bytes()
     bad = write_model(tmp_path / "bad.gguf", padded, weights, tokens=tokens).read_bytes()
     assert len(good) * 5 <= len(files["target"])
-    hub.state.add("org/Tiny-7B-GGUF", "tiny-7b-F32.gguf", files["target"])
-    hub.state.add("org/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf", good)
-    result = pull(TARGET, "--with-draft", "--json")
-    assert result.exit_code == 0, result.output
+    result = pull_with_draft(hub, files, {("org/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf"): good}, "--json")
     assert json.loads(result.output)[0]["draft_search"]["chosen"] == "hf://org/Tiny-0.5B-GGUF/tiny-0.5b-F32.gguf"
     hub.state.add("org/Tiny-0.5B-GGUF", "tiny-0.5b-F32.gguf", bad)  # one shared id's text differs
     search = hubdraft.find_draft(ModelEntry(TARGET, "org/Tiny-7B-GGUF", ("tiny-7b-F32.gguf",)))

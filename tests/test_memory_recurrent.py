@@ -5,8 +5,9 @@ import pytest
 from ggufspec import SamplingParams, SpeculativeDecoder
 from ggufspec.costs import Costs
 from ggufspec.stepcosts import measure_step_costs
-from reference import (NEAR_TIE, draw_samples, exact_first_and_next_two, first_difference, prompts,
-                       same_as_target_alone, sampling_pvalues, target_alone)
+from reference import (NEAR_TIE, draw_samples, exact_first_and_next_two, first_difference,
+                       greedy_every_k_is_target_alone, prompts, same_as_target_alone, sampling_pvalues,
+                       target_alone)
 from ggufspec.tinymodels import make_mamba_pair
 
 
@@ -36,17 +37,7 @@ def test_the_memory_is_known(decoder):
 
 
 def test_greedy_equals_target_alone_for_every_k(mamba_pair, decoder):
-    near_ties = checked = 0
-    for prompt in prompts(5, seed=11):
-        expected, margins, reason = target_alone(mamba_pair[0], prompt, 40, decoder.n_ctx)
-        for k in [1, 2, 3, 4, 5, "auto"]:
-            got = decoder.generate(prompt, n_predict=40, n_draft=k, temperature=0)
-            if not same_as_target_alone(got, expected, margins, f"K={k} prompt={prompt}"):
-                near_ties += 1
-                continue
-            assert got.stats.stop_reason == reason
-            checked += 1
-    print(f"{checked} runs identical, {near_ties} skipped at a near-tie < {NEAR_TIE}")
+    checked, near_ties = greedy_every_k_is_target_alone(decoder, mamba_pair[0], prompts(5, seed=11), 40, decoder.n_ctx)
     assert near_ties <= checked // 10
 
 

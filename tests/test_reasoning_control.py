@@ -15,7 +15,7 @@ import pytest
 from ggufspec.processing import Constraints
 from ggufspec.sampling import SamplingParams, distribution
 from ggufspec.thinking import ReasoningControl, ThinkingBlock, ThinkingTags
-from reference import chi_square_pvalue, differs_at_near_tie, first_difference, prompts
+from reference import chi_square_pvalue, differs_at_near_tie, first_difference, prompts, same_as_target_alone
 from test_reasoning_budget import reference_greedy, tag_ids
 
 KS = [0, 1, 3, "auto"]
@@ -81,12 +81,10 @@ def test_an_end_asked_before_the_first_token_is_forced_at_once(tiny_decoder, pla
                 got = tiny_decoder.generate(prompt, n_predict=24, n_draft=k, temperature=0, drafter=drafter,
                                             constraints=Constraints(reasoning_control=control,
                                                                     reasoning_budget_message=message))
-                if differs_at_near_tie(got.tokens, expected, margins):
+                if same_as_target_alone(got, expected, margins, f"{drafter} K={k}"):
+                    decided += 1
+                else:
                     near_ties += 1
-                    continue
-                assert got.tokens == expected, f"{drafter} K={k}: first difference at " \
-                                               f"{first_difference(got.tokens, expected)}"
-                decided += 1
     assert decided >= 0.8 * (decided + near_ties), (decided, near_ties)
 
 

@@ -23,7 +23,7 @@ from ggufspec.load import LoadParams, flags_tag, open_model
 from ggufspec.modelflags import check_split, kv_overrides, rope_keywords
 from ggufspec.session import ModelOptions, load_flags_by_role, open_session, planned_rpc_split
 from ggufspec.tinymodels import Shape, make_pair
-from clierrors import one_line_error
+from clierrors import one_line_error, run_pair
 from reference import greedy_runs_are_target_alone, prompts, target_alone
 
 N_CTX = 256
@@ -68,13 +68,6 @@ def plain_logits(path, tokens=LONG, **keywords) -> np.ndarray:
         return last_row(llm, tokens)
     finally:
         llm.close()
-
-
-def run(pair, *flags, n_predict=8):
-    target, draft = pair
-    return CliRunner().invoke(main, ["run", "-m", str(target), "-md", str(draft), "-p", "the cat sat", "-n",
-                                     str(n_predict), "-c", str(N_CTX), "-t", "1", "--temp", "0", "--json", *flags],
-                              input="")
 
 
 # ---------------------------------------------------------------- RoPE/YaRN: applied, to both models
@@ -161,13 +154,13 @@ def test_override_kv_reaches_both_models(pair):
 
 
 def test_override_kv_changes_the_text_and_a_wrong_type_is_one_line(pair, loads):
-    plain = json.loads(run(pair, n_predict=16).stdout)["tokens"]
-    result = run(pair, "--override-kv", "llama.attention.layer_norm_rms_epsilon=float:0.5", n_predict=16)
+    plain = json.loads(run_pair(pair, n_predict=16).stdout)["tokens"]
+    result = run_pair(pair, "--override-kv", "llama.attention.layer_norm_rms_epsilon=float:0.5", n_predict=16)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["tokens"] != plain
     assert loads[-1]["kv_overrides"] == {"llama.attention.layer_norm_rms_epsilon": 0.5}  # the draft's too
     # llama.cpp would read the file's int and say so in its log only
-    one_line_error(run(pair, "--override-kv", "llama.context_length=float:4096"), "llama.context_length",
+    one_line_error(run_pair(pair, "--override-kv", "llama.context_length=float:4096"), "llama.context_length",
                    "as int", "llama.context_length=int:VALUE")
 
 
@@ -181,14 +174,14 @@ def test_override_kv_values_as_llamacpp_parses_them():
 # ---------------------------------------------------------------- several GPUs: the kwargs Llama gets
 
 def test_split_flags_reach_both_models_llama_kwargs(pair, loads):
-    result = run(pair, "-sm", "row", "-mg", "1", "-ts", "3/1", "--rope-scale", "2", "--override-kv", "x.y=str:z")
+    result = run_pair(pair, "-sm", "row", "-mg", "1", "-ts", "3/1", "--rope-scale", "2", "--override-kv", "x.y=str:z")
     assert result.exit_code == 0, result.output
     assert len(loads) == 2
     for kwargs in loads:
         assert (kwargs["split_mode"], kwargs["main_gpu"], kwargs["tensor_split"]) == (llama_cpp.LLAMA_SPLIT_MODE_ROW,
                                                                                        1, [3.0, 1.0])
         assert (kwargs["rope_freq_scale"], kwargs["kv_overrides"]) == (0.5, {"x.y": "z"})
-    assert run(pair).exit_code == 0
+    assert run_pair(pair).exit_code == 0
     assert (loads[-1]["split_mode"], loads[-1]["main_gpu"], loads[-1]["tensor_split"]) == (1, 0, None)  # defaults
 
 
@@ -197,7 +190,7 @@ def test_split_flags_reach_both_models_llama_kwargs(pair, loads):
 def test_device_none_keeps_a_model_on_the_cpu(pair, loads, flags, offloaded):
     """-dev none: an empty device list (llama.cpp's: nothing offloaded, whatever -ngl), the draft following
     it; -devd none: the draft's alone."""
-    result = run(pair, *flags)
+    result = run_pair(pair, *flags)
     assert result.exit_code == 0, result.output
     assert len(loads) == 2
     for kwargs, none in zip(loads, offloaded):
@@ -271,7 +264,7 @@ def test_costs_are_remembered_per_placement_not_per_rope():
     (["-dev", "none", "--rpc", "127.0.0.1:1"], ["-dev and --rpc"]),
 ])
 def test_bad_values_are_one_line_before_anything_loads(pair, loads, flags, words):
-    one_line_error(run(pair, *flags), *words)
+    one_line_error(run_pair(pair, *flags), *words)
     assert loads == []
 
 

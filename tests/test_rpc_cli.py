@@ -3,6 +3,7 @@ a worker that stops without closing its connection (SIGSTOP), bench's lost-worke
 on loopback (tests/rpcworkers.py), the tiny models written at test time."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -113,14 +114,25 @@ def wait_for(path, text: str, process, seconds: float = 60) -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def host_process(err, *args: str, out=None):
+    """`ggufspec ARGS` in the background through the block (stderr to the file `err`, stdout to `out` or
+    nowhere), killed if the block leaves it running."""
+    with err.open("w") as stderr, (out.open("w") if out else contextlib.nullcontext(subprocess.DEVNULL)) as stdout:
+        host = subprocess.Popen([GGUFSPEC, *args], stdout=stdout, stderr=stderr)
+    try:
+        yield host
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
 def test_a_worker_stopped_mid_generation_ends_run_after_rpc_timeout(worker, slow_target, tmp_path):
     """`run --rpc` waited for ever on a SIGSTOPped worker: its kernel keeps the connection open."""
     out, err = tmp_path / "out", tmp_path / "err"
-    with out.open("w") as stdout, err.open("w") as stderr:
-        host = subprocess.Popen([GGUFSPEC, "run", "-m", str(slow_target), "--no-draft", "-p", "the cat", "-n", "-1",
-                                 "-t", "1", "--rpc", str(worker.endpoint), "--rpc-timeout", "2"],
-                                stdout=stdout, stderr=stderr)
-    try:
+    with host_process(err, "run", "-m", str(slow_target), "--no-draft", "-p", "the cat", "-n", "-1", "-t", "1",
+                      "--rpc", str(worker.endpoint), "--rpc-timeout", "2", out=out) as host:
         deadline = time.monotonic() + 60
         while not out.read_text(errors="replace"):  # generating
             assert host.poll() is None and time.monotonic() < deadline, err.read_text()
@@ -129,10 +141,6 @@ def test_a_worker_stopped_mid_generation_ends_run_after_rpc_timeout(worker, slow
         start = time.monotonic()
         host.wait(timeout=20)
         elapsed = time.monotonic() - start
-    finally:
-        if host.poll() is None:
-            host.kill()
-            host.wait()
     text = err.read_text()
     assert host.returncode == rpc.ABORT_EXIT_CODE, text
     errors = [line for line in text.split("\n") if "ggufspec: error:" in line]
@@ -179,19 +187,12 @@ def test_bench_starts_the_lost_worker_line_on_its_own_line(worker, slow_target, 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "kind": "raw", "prompt": "the cat"}\n')
     err = tmp_path / "err"
-    with err.open("w") as stderr:
-        host = subprocess.Popen([GGUFSPEC, "bench", "-m", str(slow_target), "--prompts", str(prompts), "--draft", "auto",
-                                 "-n", "3000", "-t", "1", "--rpc", str(worker.endpoint)],
-                                stdout=subprocess.DEVNULL, stderr=stderr)
-    try:
+    with host_process(err, "bench", "-m", str(slow_target), "--prompts", str(prompts), "--draft", "auto", "-n", "3000",
+                      "-t", "1", "--rpc", str(worker.endpoint)) as host:
         wait_for(err, "bench:", host)
         time.sleep(0.5)  # generating
         worker.process.send_signal(signal.SIGKILL)
         host.wait(timeout=20)
-    finally:
-        if host.poll() is None:
-            host.kill()
-            host.wait()
     text = err.read_text()
     assert host.returncode == rpc.ABORT_EXIT_CODE, text
     assert (f"ggufspec: error: lost the RPC worker {worker.endpoint} mid-run (it stopped or its port closed); "

@@ -17,16 +17,12 @@ import openai
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from serverproc import serving, start_server, stop_server
+from serverproc import pair_server_fixture, start_server, stop_server, wait_idle
 
 API_KEY = "sesame"
 
 
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", "512") as running:
-        yield running
+server = pair_server_fixture("-c", "512")
 
 
 @pytest.fixture(scope="module")
@@ -296,16 +292,6 @@ def test_api_key(busy_server):
     assert answer.usage.completion_tokens == 3
 
 
-def wait_until_idle(server, seconds=10.0) -> dict:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        health = server.health()
-        if not health["busy"]:
-            return health
-        time.sleep(0.02)
-    raise AssertionError(f"still generating after {seconds} s: {health}")
-
-
 def test_queue_full_is_429_and_a_closed_stream_frees_the_server(busy_server):
     body = {"prompt": "x", "max_tokens": 2000, "stream": True}
     with httpx.Client(timeout=30) as client:
@@ -317,7 +303,7 @@ def test_queue_full_is_429_and_a_closed_stream_frees_the_server(busy_server):
                               headers=auth(), timeout=30)
             assert busy.status_code == 429 and int(busy.headers["Retry-After"]) >= 1
             assert busy.json()["error"]["type"] == "rate_limit_error"
-    health = wait_until_idle(busy_server)  # closing the stream stopped the generation
+    health = wait_idle(busy_server)  # closing the stream stopped the generation
     assert health["last"]["stop_reason"] == "interrupted" and health["last"]["n_predict"] < 2000
 
 
@@ -342,7 +328,7 @@ def test_a_client_killed_mid_answer_leaves_the_server_serving(busy_server, slow_
     finally:
         client.kill()
         client.wait()
-    health = wait_until_idle(busy_server)
+    health = wait_idle(busy_server)
     assert health["last"]["stop_reason"] == "interrupted" and health["last"]["n_predict"] < 2000
     with SpeculativeDecoder(slow_target, n_ctx=2048, n_threads=1) as decoder:
         expected = decoder.generate("the cat", n_predict=6).text

@@ -16,7 +16,7 @@ import pytest
 
 from ggufspec import SpeculativeDecoder
 from ggufspec.tinymodels import Shape, make_weights, write_model
-from serverproc import serving, start_server, stop_server
+from serverproc import pair_server_fixture, start_server, stop_server
 
 N_CTX = 2048  # the tiny models write text byte by byte: a tool list is a few hundred tokens
 
@@ -27,12 +27,7 @@ UNIT = {"type": "function", "function": {
 FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 HI = [{"role": "user", "content": "hi"}]
 
-
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", str(N_CTX)) as running:
-        yield running
+server = pair_server_fixture("-c", str(N_CTX))
 
 
 @pytest.fixture(scope="module")

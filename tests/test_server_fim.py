@@ -16,7 +16,7 @@ import pytest
 from ggufspec import SpeculativeDecoder, fim
 from ggufspec.tinymodels import Shape, make_pair
 from reference import differs_at_near_tie, target_alone
-from serverproc import serving
+from serverproc import pair_server_fixture, serving
 
 N_CTX = 1024
 PREFIX, SUFFIX = "def the cat sat on the mat\n    if x", "\n    return y and the dog"
@@ -28,12 +28,7 @@ def fim_pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("fim-pair"), seed=3, shape=Shape(fim=True, eos_bias=1.0))
 
 
-@pytest.fixture(scope="module")
-def server(fim_pair, tmp_path_factory):
-    target, draft = fim_pair
-    with serving(tmp_path_factory.mktemp("fim-server"), "-m", str(target), "-md", str(draft), "-c", str(N_CTX),
-                 "--draft", "3") as running:
-        yield running
+server = pair_server_fixture("-c", str(N_CTX), "--draft", "3", pair="fim_pair")
 
 
 @pytest.fixture(scope="module")

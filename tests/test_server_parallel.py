@@ -6,6 +6,7 @@ clients arriving with one system prompt evaluate it once.
 The target is slow enough (a few milliseconds per token, no end of sequence) for the requests to
 overlap; --strict makes every answer bit-identical to the target alone's, whatever the batch.
 """
+import contextlib
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from ggufspec import SpeculativeDecoder
-from serverproc import serving
+from serverproc import serving, wait_idle
 
 PROMPTS = ["the cat", "a dog sat", "the mat the", "a cat a dog"]
 N_TOKENS = 120
@@ -63,14 +64,18 @@ class Stream:
                     return  # the connection closes: the client is gone
 
 
-def busy_slots(server, max_tokens: int) -> list[Stream]:
-    """Three long answers under way, one in each slot (their threads to join)."""
+@contextlib.contextmanager
+def busy_slots(server, max_tokens: int):
+    """Three long answers under way, one in each slot, through the block; after it, their end and an idle server."""
     running = [Stream(server.url, p, max_tokens=max_tokens) for p in PROMPTS[:3]]
     for stream in running:
         stream.thread.start()
     while server.health()["slots_processing"] < 3:
         time.sleep(0.02)
-    return running
+    yield
+    for stream in running:
+        stream.thread.join()
+    wait_idle(server, 20)
 
 
 def run_together(streams):
@@ -79,16 +84,6 @@ def run_together(streams):
     for s in streams:
         s.thread.join()
     return streams
-
-
-def wait_idle(server, seconds=20):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        health = server.health()
-        if not health["busy"]:
-            return health
-        time.sleep(0.05)
-    raise AssertionError(f"still busy: {health}")
 
 
 def test_three_clients_are_served_at_once_each_with_its_answer_alone(server, alone):
@@ -106,7 +101,7 @@ def test_a_client_gone_mid_answer_frees_its_slot_and_the_others_stay_exact(serve
                Stream(server.url, PROMPTS[2])]
     run_together(streams)
     assert streams[1].text == alone[PROMPTS[1]] and streams[2].text == alone[PROMPTS[2]]
-    health = wait_idle(server)
+    health = wait_idle(server, 20)
     assert health["slots_idle"] == 3
     # the slot that was left serves the next request, exactly
     assert run_together([Stream(server.url, PROMPTS[3])])[0].text == alone[PROMPTS[3]]
@@ -127,24 +122,21 @@ def test_beyond_the_slots_and_the_queue_429(server):
     run_together(streams)
     statuses = sorted(s.status for s in streams)
     assert statuses == [200, 200, 200, 200, 429]  # 3 slots + 1 waiting; the fifth is refused
-    wait_idle(server)
+    wait_idle(server, 20)
 
 
 def test_a_client_that_leaves_the_queue_gives_its_place_back(server):
     """Three slots busy, the one queue place taken by a client that gives up (a timeout): the next
     client is queued, not refused with 429 until the slots finish (llama-server drops such a task too)."""
-    running = busy_slots(server, max_tokens=400)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4}, timeout=0.5)
-    deadline = time.monotonic() + 5
-    while server.health()["waiting"] and time.monotonic() < deadline:  # noticed within a poll (0.25 s)
-        time.sleep(0.05)
-    assert server.health()["waiting"] == 0
-    queued = run_together([Stream(server.url, "a", max_tokens=4)])[0]
-    assert queued.status == 200 and queued.text
-    for stream in running:
-        stream.thread.join()
-    wait_idle(server)
+    with busy_slots(server, max_tokens=400):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4}, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while server.health()["waiting"] and time.monotonic() < deadline:  # noticed within a poll (0.25 s)
+            time.sleep(0.05)
+        assert server.health()["waiting"] == 0
+        queued = run_together([Stream(server.url, "a", max_tokens=4)])[0]
+        assert queued.status == 200 and queued.text
 
 
 @pytest.fixture(scope="module")
@@ -273,13 +265,10 @@ def test_the_system_fingerprint_names_the_backend_and_changes_with_the_rounding(
 def test_several_choices_queue_in_the_room_left_not_a_429(server):
     """Three slots busy and one queue place: a request for 2 choices takes that place as one part
     (its choices one after another) instead of a 429 for wanting two."""
-    running = busy_slots(server, max_tokens=300)
-    body = {"prompt": "a", "max_tokens": 4, "n": 2, "temperature": 0}
-    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
-    assert answer.status_code == 200 and [c["index"] for c in answer.json()["choices"]] == [0, 1], answer.text
-    for stream in running:
-        stream.thread.join()
-    wait_idle(server)
+    with busy_slots(server, max_tokens=300):
+        body = {"prompt": "a", "max_tokens": 4, "n": 2, "temperature": 0}
+        answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200 and [c["index"] for c in answer.json()["choices"]] == [0, 1], answer.text
 
 
 @pytest.fixture(scope="module")

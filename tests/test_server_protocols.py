@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from serverproc import serving
+from serverproc import pair_server_fixture, serving
 
 N_CTX = 2048  # the tiny models write text byte by byte: a tool list is a few hundred tokens
 SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
@@ -27,12 +27,7 @@ RESPONSES_TOOL = {"type": "function", "name": "set_unit", "description": "choose
 FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 HI = [{"role": "user", "content": "hi"}]
 
-
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("server"), "-m", str(target), "-md", str(draft), "-c", str(N_CTX)) as running:
-        yield running
+server = pair_server_fixture("-c", str(N_CTX))
 
 
 @pytest.fixture(scope="module")

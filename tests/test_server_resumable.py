@@ -10,20 +10,13 @@ import anthropic
 import httpx
 import pytest
 
-from serverproc import answer_text, replay, serving, slow_server_fixture, wait_idle
+from serverproc import answer_text, pair_server_fixture, replay, slow_server_fixture, wait_idle
 
 KEY = "k-resume"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("resumable"), "-m", str(target), "-md", str(draft), "--api-key", KEY,
-                 "--temp", "0", "-np", "2") as running:
-        yield running
-
-
+server = pair_server_fixture("--api-key", KEY, "--temp", "0", "-np", "2")
 slow_server = slow_server_fixture(KEY, "-np", "1")
 
 
@@ -36,6 +29,15 @@ def streamed_bytes(server, body: dict, conversation: str | None, path: str = "/v
     with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=60) as response:
         assert response.status_code == 200, response.read()
         return b"".join(response.iter_raw())
+
+
+def started_and_left(server, conversation: str) -> None:
+    """A long streamed answer of `conversation`, its client gone at the first data: the answer goes on."""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat_body(4000), timeout=60,
+                      headers={**AUTH, "X-Conversation-Id": conversation}) as response:
+        for chunk in response.iter_raw():
+            if b"data: " in chunk:
+                break
 
 
 def lookup(server, *ids) -> list[dict]:
@@ -78,11 +80,7 @@ def test_a_client_gone_leaves_the_answer_running_for_the_next_reader(slow_server
 
 
 def test_delete_stops_the_answer_and_drops_the_stream(slow_server):
-    with httpx.stream("POST", slow_server.url + "/v1/chat/completions", json=chat_body(4000), timeout=60,
-                      headers={**AUTH, "X-Conversation-Id": "conv-stop"}) as response:
-        for chunk in response.iter_raw():
-            if b"data: " in chunk:
-                break
+    started_and_left(slow_server, "conv-stop")
     assert lookup(slow_server, "conv-stop")[0]["is_done"] is False  # still answering, nobody reading
     stopped = httpx.delete(slow_server.url + "/v1/stream", params={"conv_id": "conv-stop"}, headers=AUTH)
     assert stopped.status_code == 204
@@ -92,11 +90,7 @@ def test_delete_stops_the_answer_and_drops_the_stream(slow_server):
 
 
 def test_a_new_stream_of_the_conversation_replaces_the_old(slow_server):
-    with httpx.stream("POST", slow_server.url + "/v1/chat/completions", json=chat_body(4000), timeout=60,
-                      headers={**AUTH, "X-Conversation-Id": "conv-twice"}) as response:
-        for chunk in response.iter_raw():
-            if b"data: " in chunk:
-                break
+    started_and_left(slow_server, "conv-twice")
     second = streamed_bytes(slow_server, chat_body(6), "conv-twice")  # waits for the slot the first held
     assert replay(slow_server, "conv-twice").content == second
 
@@ -152,11 +146,7 @@ def occupy(server, conversation: str = "conv-holder"):
 
     @contextlib.contextmanager
     def held():
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat_body(4000), timeout=60,
-                          headers={**AUTH, "X-Conversation-Id": conversation}) as response:
-            for chunk in response.iter_raw():
-                if b"data: " in chunk:
-                    break
+        started_and_left(server, conversation)
         try:
             yield
         finally:

@@ -8,18 +8,13 @@ import httpx
 import openai
 import pytest
 
-from serverproc import serving
+from serverproc import pair_server_fixture
 
 KEY = "k-alias"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("aliases"), "-m", str(target), "-md", str(draft), "--api-key", KEY,
-                 "--temp", "0", "--tags", "tiny, test,", "-r", "FY") as running:
-        yield running
+server = pair_server_fixture("--api-key", KEY, "--temp", "0", "--tags", "tiny, test,", "-r", "FY")
 
 
 def test_v1_health_is_open_as_health(server):

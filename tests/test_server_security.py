@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from browser import chromium
-from serverproc import serving, start_server
+from serverproc import pair_server_fixture, serving, start_server
 
 KEY = "sesame"
 MIB = 1 << 20
@@ -32,21 +32,10 @@ EVIL = "http://evil.example"
 COMPLETION = {"prompt": "the cat", "max_tokens": 2}
 
 
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    """Defaults: loopback, no key."""
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("plain"), "-m", str(target), "-md", str(draft), "-c", "512") as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def keyed(chat_pair, tmp_path_factory):
-    """A key, one more origin and one more Host name."""
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("keyed"), "-m", str(target), "-md", str(draft), "-c", "512",
-                 "--api-key", KEY, "--cors-origins", ALLOWED_ORIGIN, "--allowed-hosts", PROXY_NAME) as running:
-        yield running
+server = pair_server_fixture("-c", "512")  # defaults: loopback, no key
+# a key, one more origin and one more Host name
+keyed = pair_server_fixture("-c", "512", "--api-key", KEY, "--cors-origins", ALLOWED_ORIGIN, "--allowed-hosts",
+                            PROXY_NAME, name="keyed")
 
 
 def address(server) -> tuple[str, int]:

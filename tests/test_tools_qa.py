@@ -186,19 +186,11 @@ def test_a_structured_answer_is_json_a_client_can_read(schema):
         json.loads(sample(rules, rng))
 
 
-@pytest.fixture(scope="module")
-def vocab(tiny_pair):
-    import llama_cpp
-    llm = llama_cpp.Llama(model_path=str(tiny_pair[0]), vocab_only=True, verbose=False)
-    yield llama_cpp.llama_model_get_vocab(llm._model.model)
-    llm.close()
-
-
-def test_llama_cpp_parses_the_json_string_classes(vocab):
+def test_llama_cpp_parses_the_json_string_classes(tiny_vocab):
     for key in sorted(TOOL_SETS):
         for fmt in ALL_FORMATS:
-            assert parses(vocab, toolkit.call_grammar(toolkit.check_tools(TOOL_SETS[key]), fmt)), (key, fmt.name)
-    assert parses(vocab, toolkit.schema_grammar({"type": "string", "pattern": "^[^0-9-]+.$"}))
+            assert parses(tiny_vocab, toolkit.call_grammar(toolkit.check_tools(TOOL_SETS[key]), fmt)), (key, fmt.name)
+    assert parses(tiny_vocab, toolkit.schema_grammar({"type": "string", "pattern": "^[^0-9-]+.$"}))
     assert toolkit.json_strings_only('a ::= "[^x]" | ["\\\\] [^a]') == 'a ::= "[^x]" | ["\\\\] [^"\\\\\\x7F\\x00-\\x1Fa]'
 
 
@@ -303,7 +295,7 @@ def test_a_pattern_left_open_at_an_end_is_followed_as_json_schema_reads_it(patte
         assert re.search(pattern, json.loads(sample(rules, rng))), pattern
 
 
-def test_a_tool_parameter_whose_pattern_the_grammar_cannot_write_is_any_string(vocab):
+def test_a_tool_parameter_whose_pattern_the_grammar_cannot_write_is_any_string(tiny_vocab):
     """A lookahead or \\s in one tool's pattern refused the whole request (a tool's schema is not refused,
     as response_format's is: agents check the arguments); that string is now free, the rest followed."""
     fmt = toolkit.detect_format("")
@@ -311,7 +303,7 @@ def test_a_tool_parameter_whose_pattern_the_grammar_cannot_write_is_any_string(v
         "a": {"type": "string", "pattern": "^(?=x)x+$"}, "b": {"type": "string", "pattern": "^\\s+$"},
         "n": {"type": "integer", "minimum": 1, "maximum": 3}}})])
     grammar = toolkit.call_grammar(tools, fmt)
-    assert parses(vocab, grammar)
+    assert parses(tiny_vocab, grammar)
     rules, rng = gbnf_rules(grammar), random.Random(1)
     for _ in range(20):
         for name, arguments in calls_in(sample(rules, rng), fmt):
