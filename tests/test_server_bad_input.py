@@ -11,17 +11,13 @@ import pytest
 
 from ggufspec.errors import GgufspecError
 from ggufspec.tools import ToolError, schema_grammar
-from serverproc import serving
+from serverproc import pair_server_fixture
 
 HI = {"role": "user", "content": "hi"}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    target, draft = chat_pair  # a context of 2048: a tool list is a few hundred of the tiny models' tokens
-    with serving(tmp_path_factory.mktemp("bad-input"), "-m", str(target), "-md", str(draft), "-c", "2048") as running:
-        yield running
+server = pair_server_fixture("-c", "2048")  # a tool list is a few hundred of the tiny models' tokens
 
 
 def post(server, path, body, **kwargs):

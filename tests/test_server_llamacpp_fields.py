@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from serverproc import serving
+from serverproc import pair_server_fixture
 
 # hot enough that each of the server's samplers changes these 16 tokens (the tiny target is sure of itself)
 SAMPLED = {"prompt": "the cat", "n_predict": 16, "temperature": 2.5, "seed": 3, "ignore_eos": True,
@@ -22,12 +22,7 @@ LONG = "the cat sat on the mat and " * 4  # over a hundred of the tiny vocabular
 LLAMA_DEFAULT_NAMES = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
 
 
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("llamacpp-fields"), "-m", str(target), "-md", str(draft), "-c", "1024",
-                 "-np", "2", "--strict", "-b", "16", "--repeat-penalty", "1.3") as running:
-        yield running
+server = pair_server_fixture("-c", "1024", "-np", "2", "--strict", "-b", "16", "--repeat-penalty", "1.3")
 
 
 def post(server, path: str, body: dict) -> httpx.Response:

@@ -18,7 +18,7 @@ import pytest
 
 from ggufspec.server.app import create_app
 from ggufspec.server.chatturn import AnswerStart
-from serverproc import serving
+from serverproc import pair_server_fixture, serving
 from test_server_reasoning import OPENED_GRAMMAR, QWEN3_LIKE, THINK_GRAMMAR, reasoner
 
 HI = [{"role": "user", "content": "hi"}]
@@ -33,11 +33,7 @@ SHOWN = ("{% if preserve_thinking is defined %}{{ '[keep]' if preserve_thinking 
 WIRED = "chat" in inspect.signature(create_app).parameters  # serve_flags' ChatSettings passed on to Serving
 
 
-@pytest.fixture(scope="module")
-def server(chat_pair, tmp_path_factory):
-    target, draft = chat_pair
-    with serving(tmp_path_factory.mktemp("prefill"), "-m", str(target), "-md", str(draft), "-c", "2048") as running:
-        yield running
+server = pair_server_fixture("-c", "2048")
 
 
 @pytest.fixture(scope="module")

@@ -143,14 +143,6 @@ def test_call_ids_fit_the_family():
     assert toolkit.openai_tool_calls([ToolCall("now", "{}")], HERMES)[0]["id"].startswith("call_")
 
 
-@pytest.fixture(scope="module")
-def vocab(tiny_pair):
-    import llama_cpp
-    llm = llama_cpp.Llama(model_path=str(tiny_pair[0]), vocab_only=True, verbose=False)
-    yield llama_cpp.llama_model_get_vocab(llm._model.model)
-    llm.close()
-
-
 def parses(vocab, grammar: str) -> bool:
     import llama_cpp
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
@@ -160,29 +152,29 @@ def parses(vocab, grammar: str) -> bool:
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL])
-def test_llama_cpp_accepts_the_call_grammars(vocab, fmt):
+def test_llama_cpp_accepts_the_call_grammars(tiny_vocab, fmt):
     for parallel in (True, False):
-        assert parses(vocab, toolkit.call_grammar(toolkit.check_tools([WEATHER, NOW]), fmt, parallel=parallel))
-    assert parses(vocab, toolkit.call_grammar(toolkit.check_tools([WEATHER, NOW]), fmt, only="get_weather"))
+        assert parses(tiny_vocab, toolkit.call_grammar(toolkit.check_tools([WEATHER, NOW]), fmt, parallel=parallel))
+    assert parses(tiny_vocab, toolkit.call_grammar(toolkit.check_tools([WEATHER, NOW]), fmt, only="get_weather"))
 
 
-def test_llama_cpp_accepts_the_json_grammars(vocab):
-    assert parses(vocab, toolkit.json_object_grammar())
+def test_llama_cpp_accepts_the_json_grammars(tiny_vocab):
+    assert parses(tiny_vocab, toolkit.json_object_grammar())
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "$defs": {"unused": {"type": "null"}}}
-    assert parses(vocab, toolkit.schema_grammar(schema))
-    assert not parses(vocab, "root ::= undefined-rule")  # the check can fail
+    assert parses(tiny_vocab, toolkit.schema_grammar(schema))
+    assert not parses(tiny_vocab, "root ::= undefined-rule")  # the check can fail
 
 
-def test_a_call_grammar_follows_json_refs_inside_parameters(vocab):
+def test_a_call_grammar_follows_json_refs_inside_parameters(tiny_vocab):
     tool = {"type": "function", "function": {"name": "move", "parameters": {
         "type": "object", "properties": {"to": {"$ref": "#/$defs/point"}},
         "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}}}}}}
     grammar = toolkit.call_grammar(toolkit.check_tools([tool]), HERMES)
-    assert parses(vocab, grammar) and json.dumps("x") in grammar.replace("\\", "")
+    assert parses(tiny_vocab, grammar) and json.dumps("x") in grammar.replace("\\", "")
 
 
-def test_a_call_grammar_follows_integer_bounds_and_takes_annotation_only_properties(vocab):
+def test_a_call_grammar_follows_integer_bounds_and_takes_annotation_only_properties(tiny_vocab):
     """A forced call's "level" from 1 to 5 came back as 99: tool parameters went through the plain
     converter, without the integer bounds response_format follows; pydantic's {"title": "Any"} was refused."""
     import re
@@ -191,7 +183,7 @@ def test_a_call_grammar_follows_integer_bounds_and_takes_annotation_only_propert
         "type": "object", "properties": {"level": {"type": "integer", "minimum": 1, "maximum": 5},
                                          "note": {"title": "Any"}}, "required": ["level"]}}}
     grammar = toolkit.call_grammar(toolkit.check_tools([tool]), HERMES)
-    assert parses(vocab, grammar)
+    assert parses(tiny_vocab, grammar)
     rule = re.search(r"^(\S*level\S*) ::= (.*?) space$", grammar, re.M)
     assert rule is not None, grammar
     pattern = as_regex(rule.group(2))
@@ -270,10 +262,10 @@ def test_a_bare_json_call_cut_off_is_dropped_too():
     {"type": "string", "pattern": "^\\d{3}-[\\w.]+$"}, {"type": "string", "pattern": "^\\d+\\.\\d\\d$"},
     {"type": "string", "pattern": "^[\\w.\\-]+@example\\.com$"},
 ])
-def test_quotes_backslashes_and_class_escapes_make_grammars_llama_cpp_parses(vocab, schema):
+def test_quotes_backslashes_and_class_escapes_make_grammars_llama_cpp_parses(tiny_vocab, schema):
     """A quote in an enum, const or property name ended the GBNF literal, and \\d in a pattern was kept
     as literal text: valid schemas were refused as "the grammar does not parse"."""
-    assert parses(vocab, toolkit.schema_grammar(schema))
+    assert parses(tiny_vocab, toolkit.schema_grammar(schema))
 
 
 def test_class_escapes_the_grammar_cannot_follow_are_named():
