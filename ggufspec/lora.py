@@ -7,13 +7,15 @@ proposes, and the target with its adapters decides every token, so the output st
 
 An adapter is freed with the Llama it was loaded for (on its exit stack, so before the model: llama.cpp
 frees what is left of a model's adapters with it). Scale 0 leaves an adapter out (llama.cpp skips it).
+Scales change on the contexts (`rescale`, the server's per-request `lora` and POST /lora-adapters): every
+cell those contexts cached was computed under the old ones, so the caller drops them.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -99,6 +101,23 @@ def attach(llm: llama_cpp.Llama, adapters: Sequence[tuple[str, float]]) -> tuple
 def adapters_of(llm) -> tuple[LoraAdapter, ...]:
     """The adapters attached to `llm` (none for a draft, or a target loaded without)."""
     return getattr(llm, "_ggufspec_lora", ())
+
+
+def scales_of(llm) -> tuple[float, ...]:
+    """The scales `llm`'s adapters are set to now, in the order they were loaded."""
+    return tuple(a.scale for a in adapters_of(llm))
+
+
+def rescale(llm, scales: Sequence[float], contexts: Sequence = ()) -> None:
+    """`llm`'s adapters set to `scales` (one each) on `contexts` (llama.cpp's context pointers over its
+    model: its own, an MTP head's). What those contexts cached is stale after: the caller drops it."""
+    adapters = adapters_of(llm)
+    if len(scales) != len(adapters):
+        raise GgufspecError(f"{len(scales)} LoRA scales for {len(adapters)} adapters")
+    rescaled = tuple(replace(a, scale=float(s)) for a, s in zip(adapters, scales))
+    for ctx in contexts:
+        set_on(ctx, rescaled)
+    llm._ggufspec_lora = rescaled
 
 
 def set_on(ctx, adapters: Sequence[LoraAdapter]) -> None:

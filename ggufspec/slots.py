@@ -29,6 +29,7 @@ from .checks import check_generation_args, check_token_ids
 from .costs import Costs
 from .errors import CacheFullError, GgufspecError
 from .lockstep import TARGET, DecodeCounts, Lockstep
+from .lora import rescale, scales_of
 from .native import Context, common_prefix_length
 
 
@@ -60,6 +61,7 @@ class Slots:
             self.lockstep.make_room = self._make_room
             self._share_prefixes()
         self._free = threading.Condition()
+        self._scale_waits: list[list] = []  # [scales] of each generation waiting in `_take_scaled`, in order
         self._counts: DecodeCounts | None = None  # one slot's target decodes, once asked for (`decode_counts`)
         # llama-server's -sps: the share of a prompt a slot's cache must hold to be cut back to it (`_fit`)
         self.prompt_similarity = SLOT_PROMPT_SIMILARITY
@@ -72,10 +74,11 @@ class Slots:
         return sum(slot.busy for slot in self.slots)
 
     @contextlib.contextmanager
-    def use(self, tokens: Sequence[int]) -> Iterator:
+    def use(self, tokens: Sequence[int], lora: Sequence[float] | None = None) -> Iterator:
         """A slot for a prompt of `tokens` (waiting for one to be free): the decoder over its sequence,
-        generating in turn with the other slots'. Close its generators before leaving."""
-        slot = self._take(tokens)
+        generating in turn with the other slots'. Close its generators before leaving. `lora`: the target's
+        adapter scales it needs (`_take_scaled`), None for those set now."""
+        slot = self._take(tokens) if lora is None else self._take_scaled(tokens, tuple(map(float, lora)))
         view = self._view(slot)
         if self.lockstep is not None:
             self.lockstep.join()
@@ -123,11 +126,52 @@ class Slots:
 
     def _take(self, tokens: Sequence[int]) -> Slot:
         with self._free:
-            self._free.wait_for(lambda: any(not slot.busy for slot in self.slots))
-            slot = max((slot for slot in self.slots if not slot.busy),
-                       key=lambda s: _fit(s, tokens, self.prompt_similarity))
-            slot.busy = True
-            return slot
+            self._free.wait_for(lambda: self._may_start(None))
+            return self._pick(tokens)
+
+    def _pick(self, tokens: Sequence[int]) -> Slot:
+        """The free slot that suits the prompt best, marked busy (`_free` held, a slot free)."""
+        slot = max((slot for slot in self.slots if not slot.busy), key=lambda s: _fit(s, tokens, self.prompt_similarity))
+        slot.busy = True
+        return slot
+
+    def _take_scaled(self, tokens: Sequence[int], scales: tuple[float, ...]) -> Slot:
+        """`_take` for a generation under other LoRA scales than the context's: the slots share one llama
+        context, whose adapters apply to every sequence in it, so (as llama-server batches only slots with
+        equal adapters) it waits until no slot runs, sets them (`_rescale`), then runs beside the
+        generations under the same scales. Waiting changes go first, in arrival order: a steady stream of
+        requests under the scales set now would otherwise hold one off for ever."""
+        ticket = [scales]  # its identity marks its place among the waiting
+        with self._free:
+            self._scale_waits.append(ticket)
+            try:
+                self._free.wait_for(lambda: self._may_start(ticket))
+            finally:
+                self._scale_waits.remove(ticket)
+                self._free.notify_all()  # the others' turns may have come
+            if scales != scales_of(self.decoder.target_llm):
+                self._rescale(scales)
+            return self._pick(tokens)
+
+    def _may_start(self, ticket: list | None) -> bool:
+        if all(slot.busy for slot in self.slots):
+            return False
+        now = scales_of(self.decoder.target_llm)
+        changes = [t for t in self._scale_waits if t[0] != now]
+        if ticket is None or ticket[0] == now:
+            return not changes
+        return changes[0] is ticket and not any(slot.busy for slot in self.slots)
+
+    def _rescale(self, scales: tuple[float, ...]) -> None:
+        """The adapters at `scales` on every context over the target's model (its slots' sequences share
+        one; an MTP head has its own), their caches dropped: each cell there was computed under the old
+        scales. The draft model's contexts keep theirs (it has no adapters). No slot runs meanwhile."""
+        llm = self.decoder.target_llm
+        adapted = [inner for slot in self.slots for inner in (getattr(c, "inner", c) for c in slot.contexts())
+                   if inner.llm._model is llm._model]
+        rescale(llm, scales, list({id(c.ctx): c.ctx for c in adapted}.values()))
+        for ctx in adapted:
+            ctx.keep(0)
 
     def _share_prefixes(self) -> None:
         """In a unified cache a prompt takes the longest prefix any slot's sequence holds, for each

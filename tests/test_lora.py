@@ -8,6 +8,7 @@ is one line; and `serve` lists the adapters in llama-server's shape, behind the 
 the same as `run`'s."""
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import llama_cpp
@@ -112,6 +113,27 @@ def test_mtp_heads_draft_under_the_adapter_and_the_text_is_the_adapted_targets(t
     assert sum(accepted for _, accepted in with_adapter) > 0
     monkeypatch.setattr(mtp, "set_lora", lambda ctx, adapters: None)  # an MTP context left without it
     assert drafts(chosen) != with_adapter
+
+
+def test_other_scales_reach_the_mtp_heads_context_too(tmp_path):
+    """A generation under other scales (a server request's `lora`) sets them on the MTP head's context
+    as well: its drafts are those of a decoder loaded with those scales."""
+    from ggufspec.tinymodels_mtp import ARCH, make_mtp_model
+    model = make_mtp_model(tmp_path, seed=0, shape=SHAPE)
+    adapter = write_lora(tmp_path / "mtp-lora.gguf", SHAPE, seed=1, arch=ARCH, n_blocks=SHAPE.n_layer + 1)
+
+    def generated(scale, asked=None) -> list[tuple]:
+        with SpeculativeDecoder(model, "mtp", n_ctx=N_CTX, n_threads=1, strict=True, lora=[(adapter, scale)]) as decoder:
+            seen = []
+            for prompt in prompts(3, seed=5):
+                tokens = decoder.tokenize(prompt)
+                with decoder.slots.use(tokens, lora=asked) as view:
+                    got = view.generate(tokens, n_predict=24, n_draft=3, temperature=0)
+                seen.append((got.tokens, got.stats.n_drafted, got.stats.n_accept))
+            return seen
+    at_half = generated(0.5)
+    assert generated(1.0) != at_half
+    assert generated(1.0, asked=(0.5,)) == at_half
 
 
 # ---------------------------------------------------------------- sampling: chi-square
@@ -242,6 +264,10 @@ def test_the_system_fingerprint_follows_the_adapters(tiny_pair, adapters):
     adapted = fingerprint(lora=[adapters["one"]])
     assert adapted == fingerprint(lora=[adapters["one"]])
     assert adapted not in (fingerprint(), fingerprint(lora=[(adapters["one"], 0.5)]))
+    with SpeculativeDecoder(tiny_pair[0], None, n_ctx=64, n_threads=1, lora=[adapters["one"]]) as decoder:
+        # an answer under other scales (a request's `lora`): the fingerprint of a server started with them
+        assert props.system_fingerprint(decoder, lora=(0.5,)) == fingerprint(lora=[(adapters["one"], 0.5)])
+        assert props.system_fingerprint(decoder, lora=(1.0,)) == adapted
 
 
 KEY = "sesame"
@@ -266,11 +292,64 @@ def test_serve_lists_the_adapters_behind_the_key_and_answers_as_run(tiny_pair, a
             return httpx.post(server.url + "/completion", json=body, headers=keyed, timeout=60)
         assert complete().json()["tokens"] == expected
         same = [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.5}]
-        assert complete(lora=same).json()["tokens"] == expected  # the scales set: taken
+        assert complete(lora=same).json()["tokens"] == expected
         assert httpx.post(server.url + "/lora-adapters", json=same, headers=keyed, timeout=10).json() == {"success": True}
-        for refused in (httpx.post(server.url + "/lora-adapters", json=[{"id": 0, "scale": 1.0}], headers=keyed, timeout=10),
-                        complete(lora=[{"id": 1, "scale": 0.5}])):  # adapter 0 left out: scale 0, another text
-            assert refused.status_code == 400
+        for refused, says in ((complete(lora=[{"id": 7, "scale": 1}]), "lora: no LoRA adapter has id 7"),
+                              (httpx.post(server.url + "/lora-adapters", json=[{"id": 0, "scale": "high"}],
+                                          headers=keyed, timeout=10), "body: the scale of adapter 0 must be"),
+                              (httpx.post(server.url + "/lora-adapters", json={"id": 0}, headers=keyed, timeout=10),
+                               'body must be a list of {"id": N, "scale": S} objects')):
+            assert refused.status_code == 400, refused.text
             message = refused.json()["error"]["message"]
-            assert "--lora-scaled FNAME:SCALE" in message and "\n" not in message
-        assert complete(lora=[{"id": 7, "scale": 1}]).status_code == 400
+            assert message.startswith(says) and "\n" not in message, message
+
+
+# each request's scales as llama-server's `lora` field gives them; None: the server's (as POST set them last)
+ASKED = {"both": None, "one": [{"id": 0, "scale": 1.0}], "two": [{"id": 1, "scale": 0.5}], "none": []}
+
+
+def test_each_request_runs_under_its_own_lora_scales_and_post_sets_the_default(tiny_pair, adapters, tmp_path):
+    """A request's `lora` and POST /lora-adapters (llama-server's): each answer is `run`'s with those scales
+    alone, one after another on the same prompt (no cell cached under other scales is reused) and four at
+    once in two slots (generations under other scales wait until the slots are free, then the scales change)."""
+    target, draft = tiny_pair
+    one, two = str(adapters["one"]), str(adapters["two"])
+    started = ["--lora", one, "--lora-scaled", f"{two}:0.5"]
+    alone = {"both": started, "one": ["--lora", one], "two": ["--lora-scaled", f"{two}:0.5"], "none": []}
+    expected = {name: tokens_of(run(tiny_pair, "--strict", "--no-draft", *flags)) for name, flags in alone.items()}
+    assert len({tuple(tokens) for tokens in expected.values()}) == 4  # four different texts
+    with serving(tmp_path, "-m", str(target), "-md", str(draft), "-c", str(N_CTX), "-np", "2", "--strict",
+                 *started) as server:
+        def complete(name):
+            body = {"prompt": "the cat sat", "n_predict": 16, "temperature": 0, "draft": 3, "return_tokens": True}
+            if name is not None and ASKED[name] is not None:
+                body["lora"] = ASKED[name]
+            answer = httpx.post(server.url + "/completion", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["tokens"]
+        order = ["one", "both", "two", "none", "both", "one", "one"]
+        assert [complete(name) for name in order] == [expected[name] for name in order]
+        with ThreadPoolExecutor(4) as pool:
+            order = ["one", "two", "both", "none", "two", "both", "one", "none"]
+            assert list(pool.map(complete, order)) == [expected[name] for name in order]
+        posted = httpx.post(server.url + "/lora-adapters", json=ASKED["one"], timeout=10)
+        assert posted.json() == {"success": True}
+        assert [a["scale"] for a in httpx.get(server.url + "/lora-adapters", timeout=10).json()] == [1.0, 0.0]
+        assert complete(None) == expected["one"]  # a request without `lora`: the scales posted
+        assert complete("two") == expected["two"]
+
+
+def test_lora_init_without_apply_serves_without_the_adapters_until_post_sets_them(tiny_pair, adapters, tmp_path):
+    target, draft = tiny_pair
+    one = str(adapters["one"])
+    bare, adapted = (tokens_of(run(tiny_pair, "--strict", "--no-draft", *flags)) for flags in ([], ["--lora", one]))
+    with serving(tmp_path, "-m", str(target), "-md", str(draft), "-c", str(N_CTX), "--strict", "--lora", one,
+                 "--lora-init-without-apply") as server:
+        def complete(**extra):
+            body = {"prompt": "the cat sat", "n_predict": 16, "temperature": 0, "return_tokens": True, **extra}
+            return httpx.post(server.url + "/completion", json=body, timeout=60).json()["tokens"]
+        assert [a["scale"] for a in httpx.get(server.url + "/lora-adapters", timeout=10).json()] == [0.0]
+        assert complete() == bare
+        assert complete(lora=[{"id": 0, "scale": 1.0}]) == adapted
+        assert httpx.post(server.url + "/lora-adapters", json=[{"id": 0, "scale": 1}], timeout=10).status_code == 200
+        assert complete() == adapted

@@ -380,7 +380,6 @@ def test_the_prefix_and_the_timeout_at_serve_rpcs_front(needs_rpc, chat_pair, tm
     (["--models-dir", "m"], "one target (and its draft) per server"),
     (["--tools", "all"], "runs no tools itself"),
     (["--path", "www"], "serves its own chat page"),
-    (["--lora-init-without-apply"], "--lora-scaled FNAME:0"),
     (["--pooling", "mean"], "for embeddings run llama-server"),
     (["--video-fps", "2"], "images and audio are not supported"),
     (["-cms", "512"], "checkpoints sliding-window and recurrent memory itself"),

@@ -383,7 +383,7 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
                                "defaults": defaults}, session=session, metrics=metrics,
                          template_defaults=template_defaults, reasoning_format=reasoning_format,
                          endpoints=llamacpp["endpoints"], chat=llamacpp["chat"], tags=llamacpp["tags"],
-                         stops=llamacpp["stops"], special=llamacpp["special"],
+                         stops=llamacpp["stops"], special=llamacpp["special"], lora_off=llamacpp["lora_off"],
                          front=llamacpp["front"] if serve_fd is None else None,
                          exposure=exposure if serve_fd is None else exposure.behind_front())  # --rpc: its front checks
         if serve_fd is not None:  # `serve --rpc`'s model process, loaded: from now on a lost worker is recovered from

@@ -67,6 +67,9 @@ def llamacpp_server_options(command):
         click.option("-sp", "--special", "special", is_flag=True,
                      help="Control tokens in answers as their text (<|im_start|>...), where they are otherwise left "
                           "out, as llama-server's -sp."),
+        click.option("--lora-init-without-apply", "lora_init_without_apply", is_flag=True,
+                     help="Load the --lora adapters at scale 0: requests without a `lora` field run without them "
+                          "until POST /lora-adapters sets their scales (llama-server's)."),
         click.option("-kvu", "--kv-unified", "kv_unified", **hidden_flag),  # what ggufspec does, but under --strict
         *unsupported_options(),  # llama-server's flags for what ggufspec does otherwise: refused, saying why
     )(command)
@@ -91,7 +94,8 @@ def server_flags(opts: dict) -> dict:
                         skip_chat_parsing=opts.pop("skip_chat_parsing"), preserve_reasoning=opts.pop("reasoning_preserve"))
     return {"front": front, "endpoints": endpoints, "reuse_port": opts.pop("reuse_port"), "warmup": opts.pop("warmup"),
             "prompt_similarity": opts.pop("prompt_similarity"), "chat": chat, "tags": model_tags(opts.pop("model_tags")),
-            "stops": reverse_prompts(opts.pop("reverse_prompts")), "special": opts.pop("special")}
+            "stops": reverse_prompts(opts.pop("reverse_prompts")), "special": opts.pop("special"),
+            "lora_off": opts.pop("lora_init_without_apply")}
 
 
 def model_tags(text: str | None) -> tuple[str, ...]:

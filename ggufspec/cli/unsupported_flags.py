@@ -87,8 +87,6 @@ REFUSED = [
     (("--ui-config-file", "--webui-config-file"), True, None,
      "ggufspec's chat page takes no configuration; leave it out"),
     (("--path",), True, None, "ggufspec serves its own chat page at / (--no-webui: none); serve other files elsewhere"),
-    (("--lora-init-without-apply",), False, None,
-     "ggufspec sets the adapters' scales at start: --lora-scaled FNAME:0 loads one switched off"),
     (("--cors-methods",), True, None, "ggufspec's CORS answers GET, POST and OPTIONS for --cors-origins; leave it out"),
     (("--cors-headers",), True, None, "ggufspec's CORS allows the headers its API reads; leave it out"),
     (("--cors-credentials",), False, None, "ggufspec's CORS never allows credentials; leave it out"),

@@ -1,9 +1,11 @@
-"""llama-server's LoRA endpoints over the target's adapters (`ggufspec.lora`).
+"""llama-server's LoRA endpoints and a request's `lora` field over the target's adapters (`ggufspec.lora`).
 
-GET /lora-adapters lists them in llama-server's shape. Their scales are fixed at start (--lora,
---lora-scaled): the slots share one llama context, where llama.cpp sets adapters per context, and every
-slot's cached prefix was computed under those scales. So POST /lora-adapters and a request's `lora`
-field are taken where they ask for the scales already set, and refused in one line otherwise."""
+GET /lora-adapters lists them in llama-server's shape, with the scales a request without `lora` runs
+under: those set at start (--lora, --lora-scaled) until POST /lora-adapters sets others. A request's
+`lora` field gives its own. The slots share one llama context, where llama.cpp sets adapters per context,
+so a generation under other scales than the context's waits until no slot runs, and the scales change
+with every cached cell dropped (`Slots._take_scaled`): generations under equal scales run together, as
+llama-server batches only slots with equal adapters."""
 from __future__ import annotations
 
 import asyncio
@@ -11,19 +13,20 @@ import json
 
 from fastapi import FastAPI, Request
 
-from ..lora import adapters_of
+from ..errors import GgufspecError
+from ..lora import adapters_of, check_exact
 from .errors import APIError
 
 
-def adapter_list(decoder) -> list[dict]:
+def adapter_list(decoder, scales) -> list[dict]:
     """[{id, path, scale, task_name, prompt_prefix}, ...]: llama-server's GET /lora-adapters."""
-    return [{"id": i, "path": a.path, "scale": a.scale, "task_name": a.task_name, "prompt_prefix": a.prompt_prefix}
-            for i, a in enumerate(adapters_of(decoder.target_llm))]
+    return [{"id": i, "path": a.path, "scale": scale, "task_name": a.task_name, "prompt_prefix": a.prompt_prefix}
+            for i, (a, scale) in enumerate(zip(adapters_of(decoder.target_llm), scales))]
 
 
-def check_scales(requested, decoder, param: str = "lora") -> None:
+def requested_scales(requested, decoder, param: str = "lora") -> tuple[float, ...]:
     """`requested` as llama-server reads it ([{"id": N, "scale": S}, ...], an adapter left out: scale 0)
-    must be the scales the server was started with; else a 400 saying how to get others."""
+    as one scale per adapter; a 400 where it is not that shape or names no adapter of this server."""
     adapters = adapters_of(decoder.target_llm)
     if not isinstance(requested, list) or not all(isinstance(entry, dict) for entry in requested):
         raise APIError(400, f'{param} must be a list of {{"id": N, "scale": S}} objects (GET /lora-adapters '
@@ -34,15 +37,16 @@ def check_scales(requested, decoder, param: str = "lora") -> None:
         if not _is_int(index) or not 0 <= index < len(adapters):
             raise APIError(400, f"{param}: no LoRA adapter has id {index!r} (this server has {len(adapters)}: "
                                 f"GET /lora-adapters)", code="invalid_value", param=param)
-        if not _is_number(scale):
-            raise APIError(400, f"{param}: the scale of adapter {index} must be a number, got {scale!r}",
+        if not _is_number(scale) or scale != scale or abs(scale) == float("inf"):
+            raise APIError(400, f"{param}: the scale of adapter {index} must be a finite number, got {scale!r}",
                            code="invalid_value", param=param)
         scales[index] = float(scale)
-    current = [a.scale for a in adapters]
-    if scales != current:
-        raise APIError(400, f"{param}: LoRA scales are set at start here and do not change per request or later "
-                            f"(now {current}, asked {scales}): start the server with --lora-scaled FNAME:SCALE",
-                       code="unsupported_parameter", param=param)
+    if getattr(decoder, "verification", "batch") == "exact":  # as at start: --exact refuses what it cannot keep exact
+        try:
+            check_exact([(a.path, scale) for a, scale in zip(adapters, scales)])
+        except GgufspecError as exc:
+            raise APIError(400, f"{param}: {exc}", code="unsupported_parameter", param=param) from None
+    return tuple(scales)
 
 
 def _is_int(value) -> bool:
@@ -53,12 +57,12 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def add_adapter_routes(app: FastAPI, decoder) -> None:
+def add_adapter_routes(app: FastAPI, decoder, engine) -> None:
     """GET and POST /lora-adapters (behind the app's Guard, as every route but the page and /health)."""
 
     @app.get("/lora-adapters")
     async def lora_adapters():
-        return adapter_list(decoder)
+        return adapter_list(decoder, engine.lora_scales)
 
     @app.post("/lora-adapters")
     async def set_lora_adapters(request: Request):
@@ -67,5 +71,5 @@ def add_adapter_routes(app: FastAPI, decoder) -> None:
             requested = await asyncio.to_thread(json.loads, body)
         except ValueError:
             raise APIError(400, 'malformed JSON body: send [{"id": N, "scale": S}, ...]') from None
-        check_scales(requested, decoder, "body")
+        engine.lora_scales = requested_scales(requested, decoder, "body")  # for the requests from now on
         return {"success": True}

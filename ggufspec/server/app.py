@@ -49,7 +49,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                template_defaults: dict | None = None, reasoning_format: str = "auto",
                endpoints: Endpoints | None = None, front: Front | None = None,
                chat: ChatSettings | None = None, tags: tuple[str, ...] = (), stops: tuple[str, ...] = (),
-               special: bool = False) -> FastAPI:
+               special: bool = False, lora_off: bool = False) -> FastAPI:
     """The OpenAI-compatible app over `decoder`. `defaults`: stream() keywords from the command line.
     `exposure`: who may use it and how large a body may be (`guard`); without it, `api_key` and the
     defaults (no Host check: where it listens is not known here).
@@ -60,9 +60,12 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
     `endpoints`: llama-server's optional ones (the page, /slots and its actions, POST /props); `front`:
     --api-prefix and --timeout, in front of the Guard (None: behind `serve --rpc`'s front, or none); `chat`:
     --prefill-assistant, --reasoning-preserve, --skip-chat-parsing; `tags`: --tags, shown in /v1/models; `stops`: -r, the stop strings of a request that gives none;
-    `special`: -sp, control tokens in answers as their text."""
+    `special`: -sp, control tokens in answers as their text; `lora_off`: --lora-init-without-apply, the
+    adapters' scales 0 for requests without `lora` until POST /lora-adapters sets others."""
     engine = Engine(decoder, max_queue)
     engine.special = special
+    if lora_off:
+        engine.lora_scales = (0.0,) * len(engine.lora_scales)
     template = load.chat_template(decoder.target_llm)
     tool_format = toolkit.detect_format(template.text)
     if template.fallback:
@@ -92,11 +95,11 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         front.add_to(app)  # outside the Guard: it sees the paths without the prefix
 
     # OpenAI's chat and completions, Anthropic's Messages, OpenAI's Responses: the same requests to the same engine
-    fingerprint = system_fingerprint(decoder)
+    fingerprint = system_fingerprint(decoder, lora=engine.lora_scales)  # of requests without `lora`
     serving = protocols.Serving(engine, decoder, tool_format, defaults, model_name, accepted_models,
                                 fingerprint=fingerprint, template_defaults=dict(template_defaults or {}),
                                 reasoning_format=reasoning_format, sse_ping_interval=endpoints.sse_ping_interval,
-                                chat=chat or ChatSettings(), default_stops=stops)
+                                chat=chat or ChatSettings(), default_stops=stops, start_lora=engine.lora_scales)
     protocols.add_routes(app, serving)
     add_stream_routes(app)  # GET/DELETE /v1/stream, POST /v1/streams/lookup: X-Conversation-Id's streams
 
@@ -120,7 +123,7 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
                                  headers={"Process-Start-Time-Unix": str(engine.metrics.started)})
 
     add_slot_routes(app, engine, endpoints)
-    add_adapter_routes(app, decoder)  # GET /lora-adapters; POST only to the scales set at start
+    add_adapter_routes(app, decoder, engine)  # GET and POST /lora-adapters: the scales of requests without `lora`
     props = {**pair_props(decoder, model_name, defaults),  # read once, before the worker runs anything
              **chat_props(template, tool_format, session, decoder), "system_fingerprint": fingerprint,
              "endpoint_slots": endpoints.slots, "endpoint_props": endpoints.props, "endpoint_metrics": metrics,

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from ..errors import CacheFullError, ContextFullError, GgufspecError
+from ..lora import scales_of
 from ..checks import check_token_ids
 from ..stats import Stats
 from ..stops import LineLimits, StopFilter
@@ -72,6 +73,7 @@ class Job:
         self.timings_per_token, self.return_progress = timings_per_token, return_progress
         self.opens_thinking = False  # the rendered prompt ends in <think>: the answer starts inside it
         self.sse_ping_interval = 30  # seconds between its stream's keep-alive pings (0 or less: none)
+        self.lora: tuple[float, ...] | None = None  # the target's LoRA scales it runs under (None: the context's)
         self._lock = threading.Lock()  # the parts' shared state below
         self._tokens: list | Exception | None = None  # every prompt's tokens (or why they cannot run)
         self._results: dict[int, Stats] = {}  # each ended choice's statistics, by index
@@ -177,6 +179,7 @@ class Engine:
         self.last: Stats | None = None   # the last finished generation's statistics (/health shows them)
         self.metrics = Metrics()        # every choice's, summed (/metrics with `serve --metrics`)
         self.special = False            # serve -sp: control tokens in answers as their text (llama-server's)
+        self.lora_scales = scales_of(decoder.target_llm)  # of requests without `lora` (POST /lora-adapters)
         self._stopping = False
 
     @property
@@ -284,7 +287,7 @@ class Engine:
         """The part's choices of one prompt, one after another in the slot caching most of it (the
         choices after the first find it cached), until they are done or the job is cancelled."""
         job = part.job
-        with self.slots.use(tokens) as decoder:  # the slot caching most of the prompt, its turns begun
+        with self.slots.use(tokens, job.lora) as decoder:  # the slot caching most of the prompt, its turns begun
             pieces = PieceMaker(decoder, job, self._marker_texts(job.shape), self.special)
             while part.choices and part.choices[0] // job.n == prompt_index and not job.cancelled.is_set():
                 index = part.choices[0]

@@ -82,10 +82,11 @@ def chat_props(template, tool_format, session, decoder) -> dict:
             "draft_choice": draft_choice}
 
 
-def system_fingerprint(decoder) -> str:
+def system_fingerprint(decoder, lora: tuple[float, ...] | None = None) -> str:
     """OpenAI's `system_fingerprint`: a hash of what decides an answer's bits besides the request (the
     builds, the CPU features llama.cpp uses, the model files, their placement, the verification's
-    rounding), so that a client comparing seeded answers sees when the backend changed."""
+    rounding), so that a client comparing seeded answers sees when the backend changed. `lora`: the
+    adapters' scales an answer ran under, where not those set now."""
     import llama_cpp
     verification = getattr(decoder, "verification", "batch")
     # the draft decides the batches, so their rounding, but not under --strict or --exact
@@ -99,6 +100,8 @@ def system_fingerprint(decoder) -> str:
     # what changes the target's logits besides its file, each left out where not given (so that
     # fingerprints without them stay what they were before it was counted)
     setup = cache_setup(decoder.target_llm)
+    if lora is not None and "lora" in setup:
+        setup["lora"] = [[name, size, scale] for (name, size, _), scale in zip(setup["lora"], lora)]
     config.update({key: setup[key] for key in MODEL_CHANGES if key in setup})
     return "fp_" + hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

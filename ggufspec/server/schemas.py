@@ -71,7 +71,7 @@ class GenerationBody(Strict):
     lookup: bool | None = Field(None, strict=True)
     hybrid: bool | None = Field(None, strict=True)
     cache_prompt: bool | None = Field(None, strict=True)  # llama.cpp's: False evaluates the whole prompt again (default: reuse)
-    lora: Any = None  # llama-server's [{"id": N, "scale": S}, ...]: only the scales set at start (`adapters`)
+    lora: Any = None  # llama-server's [{"id": N, "scale": S}, ...]: the LoRA scales it runs under (`adapters`)
     # what changes the distribution: OpenAI's, then llama.cpp's
     logit_bias: dict[str, float | bool] | list[list[Any]] | None = None
     frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True)

@@ -29,10 +29,11 @@ from ..chatturn import AnswerStart, ChatSettings, chat_text
 from ..choices import ChoiceState, with_calls
 from ..constraints import Shaping, shaping
 from ..control import Controls
-from ..adapters import check_scales
+from ..adapters import requested_scales
 from ..errors import APIError, engine_error, validation_message
 from ..guard import validated_data
 from ..jobs import ClientGone, Engine, Job
+from ..props import system_fingerprint
 from .. import resumable
 from ..samplers import sampler_chain
 from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts, request_options, stop_strings
@@ -94,6 +95,8 @@ class Serving:
     sse_ping_interval: int = 30  # --sse-ping-interval: a stream's keep-alive pings (0 or less: none)
     chat: ChatSettings = field(default_factory=ChatSettings)  # --prefill-assistant, --skip-chat-parsing...
     default_stops: tuple[str, ...] = ()  # serve -r: the stop strings of a request that gives none (llama-server's)
+    start_lora: tuple[float, ...] = ()  # the LoRA scales `fingerprint` was computed under (the command line's)
+    _fingerprints: dict = field(default_factory=dict)  # other scales' fingerprints (`fingerprint_of`)
 
     def check_model(self, requested: str | None) -> None:
         # Lenient like llama.cpp where it costs nothing: no model, or any of the served model's names.
@@ -136,8 +139,6 @@ class Serving:
         `prefill`: where the answer starts (chatturn.AnswerStart: a continued message), or Anthropic's
         prefill, a text written after the template's assistant turn, which the answer continues."""
         def prepared() -> dict:  # off the event loop: thousands of messages take a while
-            if body.lora is not None:
-                check_scales(body.lora, self.decoder)
             if prompts is not None or prompt is not None:
                 source = {"prompts": prompts if prompts is not None else [prompt]}
             else:
@@ -147,14 +148,32 @@ class Serving:
             stops = stop_strings(body.stop) or list(self.default_stops)
             return {"options": options, "stops": stops, "shape": shape, **source}
         try:
+            lora = self.lora_of(body)
             job = Job(**await asyncio.to_thread(prepared), n=n, fit_to_context=fit_to_context, prefill=prefill,
                       line_limits=line_limits, timings_per_token=body.stream and body.timings_per_token,
                       return_progress=body.stream and body.return_progress)
         except APIError as exc:
             raise renamed(exc, names) from None
+        job.lora = lora
         job.sse_ping_interval = self.sse_ping_interval if body.sse_ping_interval is None else body.sse_ping_interval
         self.engine.submit(job)
         return job
+
+    def lora_of(self, body) -> tuple[float, ...] | None:
+        """The target's LoRA scales the request runs under: its `lora` field's, else those POST /lora-adapters
+        set last (at first, the command line's); None where the target has no adapters."""
+        if not self.engine.lora_scales:
+            return None if body.lora is None else requested_scales(body.lora, self.decoder)  # the 400 for bad ids
+        return self.engine.lora_scales if body.lora is None else requested_scales(body.lora, self.decoder)
+
+    def fingerprint_of(self, job) -> str | None:
+        """The system fingerprint of a job's answer: the server's, but with its LoRA scales where they differ
+        from those set at start (they change the target's logits)."""
+        if job.lora is None or job.lora == self.start_lora:
+            return self.fingerprint
+        if job.lora not in self._fingerprints:
+            self._fingerprints[job.lora] = system_fingerprint(self.decoder, lora=job.lora)
+        return self._fingerprints[job.lora]
 
     async def fim(self, prefix: str, suffix: str, *, status: int, **options) -> list[int]:
         """A fill-in-the-middle prompt's tokens (`fim.fim_prompt`'s options), built off the event loop; a

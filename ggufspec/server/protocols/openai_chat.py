@@ -66,7 +66,7 @@ async def answer(serving: Serving, request: Request, body: GenerationBody, chat:
     job = await serving.submit(body, start, prompts=prompts, n=body.n, fit_to_context=False,
                                line_limits=line_limits(body))
     reasoning = reasoning_content_for(serving, body, job) if chat else None
-    reply = Reply(serving.model_name, chat, job.shape, job.n_choices, serving.fingerprint, reasoning,
+    reply = Reply(serving.model_name, chat, job.shape, job.n_choices, serving.fingerprint_of(job), reasoning,
                   post_sampling_probs=body.post_sampling_probs)
     if chat:
         serving.controls.add(reply.id, job, job.shape.constraints.get("reasoning_control"))
