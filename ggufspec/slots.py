@@ -29,7 +29,7 @@ from .checks import check_generation_args, check_token_ids
 from .costs import Costs
 from .errors import CacheFullError, GgufspecError
 from .lockstep import TARGET, DecodeCounts, Lockstep
-from .lora import rescale, scales_of
+from .lora import adapters_of, check_exact, rescale, scales_of
 from .native import Context, common_prefix_length
 
 
@@ -152,6 +152,18 @@ class Slots:
             if scales != scales_of(self.decoder.target_llm):
                 self._rescale(scales)
             return self._pick(tokens)
+
+    def set_lora(self, scales: Sequence[float]) -> None:
+        """The target's LoRA adapters at `scales` (one each, in the order loaded) from now on: once no slot
+        runs, with every cached prompt dropped (`_rescale`). The Python API's way; the server's requests
+        give theirs to `use`."""
+        scales = tuple(map(float, scales))
+        if self.decoder.verification == "exact":
+            check_exact([(a.path, scale) for a, scale in zip(adapters_of(self.decoder.target_llm), scales)])
+        with self._free:
+            self._free.wait_for(lambda: not any(slot.busy for slot in self.slots))
+            if scales != scales_of(self.decoder.target_llm):
+                self._rescale(scales)
 
     def _may_start(self, ticket: list | None) -> bool:
         if all(slot.busy for slot in self.slots):

@@ -115,6 +115,25 @@ def test_mtp_heads_draft_under_the_adapter_and_the_text_is_the_adapted_targets(t
     assert drafts(chosen) != with_adapter
 
 
+def test_the_python_api_sets_other_scales_on_a_loaded_decoder(tiny_pair, adapters):
+    """`slots.set_lora`: the text is then a decoder's loaded with those scales (the same prompts again:
+    nothing cached under the old ones is reused)."""
+    target, draft = tiny_pair
+    chosen = prompts(3, seed=17)
+
+    def greedy(decoder) -> list:
+        return [decoder.generate(prompt, n_predict=24, n_draft=3, temperature=0).tokens for prompt in chosen]
+    with SpeculativeDecoder(target, draft, n_ctx=N_CTX, n_threads=1, strict=True, lora=[(adapters["one"], 0.5)]) as half:
+        at_half = greedy(half)
+    with SpeculativeDecoder(target, draft, n_ctx=N_CTX, n_threads=1, strict=True, lora=[adapters["one"]]) as decoder:
+        assert greedy(decoder) != at_half
+        decoder.slots.set_lora([0.5])
+        assert [a.scale for a in adapters_of(decoder.target_llm)] == [0.5]
+        assert greedy(decoder) == at_half
+        with pytest.raises(GgufspecError, match="^2 LoRA scales for 1 adapters$"):
+            decoder.slots.set_lora([0.5, 1.0])
+
+
 def test_other_scales_reach_the_mtp_heads_context_too(tmp_path):
     """A generation under other scales (a server request's `lora`) sets them on the MTP head's context
     as well: its drafts are those of a decoder loaded with those scales."""

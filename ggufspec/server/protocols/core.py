@@ -162,9 +162,8 @@ class Serving:
     def lora_of(self, body) -> tuple[float, ...] | None:
         """The target's LoRA scales the request runs under: its `lora` field's, else those POST /lora-adapters
         set last (at first, the command line's); None where the target has no adapters."""
-        if not self.engine.lora_scales:
-            return None if body.lora is None else requested_scales(body.lora, self.decoder)  # the 400 for bad ids
-        return self.engine.lora_scales if body.lora is None else requested_scales(body.lora, self.decoder)
+        scales = self.engine.lora_scales if body.lora is None else requested_scales(body.lora, self.decoder)
+        return scales or None  # (): no adapters
 
     def fingerprint_of(self, job) -> str | None:
         """The system fingerprint of a job's answer: the server's, but with its LoRA scales where they differ
