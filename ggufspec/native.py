@@ -117,11 +117,11 @@ class Context:
         """Append `tokens` to the cache; keep logits for the last `n_logits` of them.
 
         Long inputs go in chunks of n_batch; only the final chunk's tail gets logits. Where
-        `should_stop` says so before a chunk, Interrupted (the cache holds the chunks before it).
+        `should_stop` says so before a chunk (the first too), Interrupted (the cache holds the chunks before it).
         """
         self._check_open()
         for start in range(0, len(tokens), self.n_batch):
-            if start and self.should_stop is not None and self.should_stop():
+            if self.should_stop is not None and self.should_stop():
                 raise Interrupted(f"stopped after {start} of {len(tokens)} tokens")
             chunk = tokens[start:start + self.n_batch]
             is_last = start + self.n_batch >= len(tokens)

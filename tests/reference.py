@@ -164,3 +164,10 @@ def sampling_pvalues(samples: list[tuple], p1: np.ndarray, x: int, joint: dict) 
     expected_first = {int(t): float(p1[t]) for t in np.flatnonzero(p1)}
     return (chi_square_pvalue(first, expected_first, len(samples)),
             chi_square_pvalue(pairs, joint, sum(pairs.values())))
+
+
+def stops_at_call(n: int):
+    """A `Context.should_stop` that says stop from its n-th call on (asked before each chunk: 2 stops a
+    long decode between its first two chunks)."""
+    calls = iter(range(1, 1 << 30))
+    return lambda: next(calls) >= n

@@ -3,7 +3,7 @@ import pytest
 
 from ggufspec import GgufspecError, SpeculativeDecoder
 from ggufspec.costs import Costs
-from reference import NEAR_TIE, first_difference, prompts, target_alone
+from reference import NEAR_TIE, first_difference, prompts, stops_at_call, target_alone
 
 
 def check_identity(path, prompt, got, n_ctx, flash_attn="auto"):
@@ -129,7 +129,7 @@ def test_a_long_prompt_stops_between_its_chunks_and_the_cache_stays_true(tiny_pa
     target, draft = tiny_pair
     prompt = [1] + [259 + (7 * i) % 22 for i in range(1400)]
     with SpeculativeDecoder(target, draft, n_ctx=2048, n_threads=1) as decoder:
-        decoder.target.should_stop = lambda: True
+        decoder.target.should_stop = stops_at_call(2)  # asked before each chunk: the first goes in
         assert list(decoder.stream(prompt, n_predict=8, n_draft=3)) == []
         assert decoder.last_stats.stop_reason == "interrupted" and decoder.target.n_past == decoder.target.n_batch
         decoder.target.should_stop = None
@@ -151,7 +151,7 @@ def test_a_draft_models_long_catch_up_stops_between_its_chunks_too(tiny_pair):
     with SpeculativeDecoder(target, draft, n_ctx=2048, n_threads=1) as decoder:
         drafter = ModelDrafter(decoder.draft)
         params = SamplingParams(temperature=0)
-        decoder.draft.should_stop = lambda: True
+        decoder.draft.should_stop = stops_at_call(2)
         assert drafter.propose(prompt, 3, params, Draws(0)) == []
         assert decoder.draft.n_past == decoder.draft.n_batch  # the first chunk stays
         decoder.draft.should_stop = None

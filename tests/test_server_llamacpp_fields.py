@@ -166,18 +166,26 @@ def progress_of(chunks: list[dict], first_token: int) -> list[dict]:
     return [block for _, block in blocks]
 
 
+def first_token(chunks: list[dict]) -> int:
+    return next(i for i, c in enumerate(chunks) if c["tokens"])
+
+
 def test_return_progress_streams_the_prompts_progress_before_the_first_token(server):
-    """A block after each chunk of -b 16 tokens, then the whole prompt's; a prompt of one chunk has that
-    one alone (llama-server's block of the cache's share before the first chunk is not sent here)."""
+    """As llama-server's: a block of the cache's share as the prompt starts, one after each chunk of -b 16
+    tokens, then the whole prompt's; a prompt of one chunk has the first and the last."""
     body = {**SAMPLED, "prompt": LONG, "return_progress": True, "cache_prompt": False}
     chunks = stream(server, "/completion", body)
-    blocks = progress_of(chunks, next(i for i, c in enumerate(chunks) if c["tokens"]))
+    blocks = progress_of(chunks, first_token(chunks))
     processed = [b["processed"] for b in blocks]
-    assert len(blocks) > 3 and processed == sorted(set(processed)) and processed[0] == 16
+    assert len(blocks) > 3 and processed == sorted(set(processed)) and processed[:2] == [0, 16]
     assert blocks[-1]["processed"] == blocks[-1]["total"] == chunks[-1]["tokens_evaluated"]
     assert all(b["cache"] == 0 and b["time_ms"] >= 0 for b in blocks)
     short = stream(server, "/completion", {**SAMPLED, "return_progress": True})
-    assert [b["processed"] for b in progress_of(short, 1)] == [short[-1]["tokens_evaluated"]]
+    assert [b["processed"] for b in progress_of(short, first_token(short))] == [0, short[-1]["tokens_evaluated"]]
+    again = stream(server, "/completion", {**SAMPLED, "return_progress": True})  # cached but its last token
+    cached = [(b["cache"], b["processed"]) for b in progress_of(again, first_token(again))]
+    n = again[-1]["tokens_evaluated"]
+    assert cached == [(n - 1, n - 1), (n - 1, n)]
     assert not any("prompt_progress" in c for c in stream(server, "/completion", {**SAMPLED, "prompt": LONG}))
 
     chat = stream(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 3,

@@ -5,7 +5,7 @@ import pytest
 
 from ggufspec import SamplingParams, SpeculativeDecoder
 from ggufspec.sampling import distribution
-from reference import prompts, same_as_target_alone, target_alone
+from reference import prompts, same_as_target_alone, stops_at_call, target_alone
 from ggufspec.tinymodels import Shape, make_weights, vocabulary, write_model
 
 EXTRA = 16  # the bigger model's extra words
@@ -94,7 +94,7 @@ def test_a_bridged_drafts_long_catch_up_stops_between_chunks_and_stays_consisten
         bridge = decoder.draft
         assert isinstance(bridge, VocabBridge)
         drafter, params = ModelDrafter(bridge), SamplingParams(temperature=0)
-        bridge.should_stop = lambda: True
+        bridge.should_stop = stops_at_call(2)
         assert drafter.propose(prompt, 3, params, Draws(0)) == []
         assert 0 < len(bridge.tokens) < len(prompt) and bridge.ends[-1] == len(bridge.inner.tokens)
         bridge.should_stop = None

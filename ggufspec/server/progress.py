@@ -2,12 +2,12 @@
 chunks while the prompt is evaluated, before the first token) and `timings_per_token` (each chunk
 carries the `timings` so far).
 
-The engine evaluates a prompt in chunks of n_batch tokens and asks its context's `should_stop` between
-them (to stop the prompt of a client gone): `PromptProgress` answers that question for the target and
-reports how many tokens the cache holds by then, as llama-server reports after each batch. The last
-block (all of the prompt processed) follows from the "prompt" event, when the first token is decided.
-What the engine does not ask about is not reported: the block before the first chunk (llama-server's
-0%, the cache's share alone) and anything within a prompt that fits one batch."""
+The engine evaluates a prompt in chunks of n_batch tokens and asks its context's `should_stop` before
+each (to stop the prompt of a client gone): `PromptProgress` answers that question for the target and
+reports how many tokens the cache holds by then: before the first chunk the cache's share alone
+(llama-server's first block, sent as the prompt starts), then after each chunk, as llama-server reports
+after each batch. The last block (all of the prompt processed) follows from the "prompt" event, when the
+first token is decided. Within a chunk nothing is reported (the engine does not ask there)."""
 from __future__ import annotations
 
 import time
