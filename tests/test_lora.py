@@ -325,6 +325,7 @@ def test_serve_lists_the_adapters_behind_the_key_and_answers_as_run(tiny_pair, a
 
 # each request's scales as llama-server's `lora` field gives them; None: the server's (as POST set them last)
 ASKED = {"both": None, "one": [{"id": 0, "scale": 1.0}], "two": [{"id": 1, "scale": 0.5}], "none": []}
+STRONG = [{"id": 0, "scale": 4.0}, {"id": 1, "scale": -4.0}]  # cells computed under it differ the most
 
 
 def test_each_request_runs_under_its_own_lora_scales_and_post_sets_the_default(tiny_pair, adapters, tmp_path):
@@ -372,3 +373,28 @@ def test_lora_init_without_apply_serves_without_the_adapters_until_post_sets_the
         assert complete(lora=[{"id": 0, "scale": 1.0}]) == adapted
         assert httpx.post(server.url + "/lora-adapters", json=[{"id": 0, "scale": 1}], timeout=10).status_code == 200
         assert complete() == adapted
+
+
+def test_in_the_unified_cache_no_prompt_is_reused_across_scales(tiny_pair, adapters, tmp_path):
+    """Batch verification, one cache shared by three slots (prefixes shared between them): after each change
+    of scales the prompt is evaluated whole (every cell computed under the old ones dropped, in every slot),
+    under the same scales again it is cached, and each answer is the one those scales gave before."""
+    target, draft = tiny_pair
+    with serving(tmp_path, "-m", str(target), "-md", str(draft), "-c", str(3 * N_CTX), "-np", "3", "--lora",
+                 str(adapters["one"]), "--lora-scaled", f"{adapters['two']}:0.5") as server:
+        asked = {**ASKED, "strong": STRONG}
+
+        def complete(name):
+            body = {"prompt": "the cat sat on", "n_predict": 16, "temperature": 0, "draft": 3, "return_tokens": True}
+            if asked[name] is not None:
+                body["lora"] = asked[name]
+            return httpx.post(server.url + "/completion", json=body, timeout=60).json()
+        first = {name: complete(name) for name in asked}
+        assert len({tuple(answer["tokens"]) for answer in first.values()}) == len(asked)
+        before = "strong"
+        for name in ("one", "strong", "both", "both", "strong", "two", "none", "strong", "one", "none", "none"):
+            again = complete(name)
+            assert again["tokens"] == first[name]["tokens"], name
+            # after a change the prompt is evaluated whole; under the same scales again, all but its last token cached
+            assert again["timings"]["cache_n"] == (0 if name != before else again["tokens_evaluated"] - 1), name
+            before = name
