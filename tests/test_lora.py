@@ -357,6 +357,9 @@ def test_each_request_runs_under_its_own_lora_scales_and_post_sets_the_default(t
         assert [a["scale"] for a in httpx.get(server.url + "/lora-adapters", timeout=10).json()] == [1.0, 0.0]
         assert complete(None) == expected["one"]  # a request without `lora`: the scales posted
         assert complete("two") == expected["two"]
+        answer = httpx.post(server.url + "/completion", json={"prompt": "the cat", "n_predict": 2, "lora": ASKED["two"]},
+                            timeout=60).json()
+        assert answer["generation_settings"]["lora"] == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.5}]
 
 
 def test_lora_init_without_apply_serves_without_the_adapters_until_post_sets_them(tiny_pair, adapters, tmp_path):

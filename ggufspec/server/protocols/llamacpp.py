@@ -134,7 +134,8 @@ class NativeReply:
     def settings(self) -> dict:
         options = self.job.options
         return {**{name: options[name] for name in SETTINGS if name in options}, "stop": self.job.stops,
-                "n_probs": self.job.shape.logprobs or 0, "stream": self.body.stream}
+                "n_probs": self.job.shape.logprobs or 0, "stream": self.body.stream,
+                "lora": [{"id": i, "scale": scale} for i, scale in enumerate(self.job.lora or ())]}
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
