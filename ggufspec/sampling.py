@@ -1,8 +1,11 @@
 """Turning logits into choices: greedy, the filtered sampling distribution, and the acceptance rule.
 
-The filters run in llama.cpp's default chain order: top-k, top-p, min-p (on the untempered
-distribution), then temperature over the survivors. Target and draft go through the same filters, so
-p and q in the acceptance rule are the distributions each model would actually sample from.
+The filters run in llama.cpp's default chain order: top-n-sigma, top-k, locally typical, top-p, min-p
+(on the untempered distribution), XTC, then temperature over the survivors. Target and draft go through
+the same filters, so p and q in the acceptance rule are the distributions each model would actually
+sample from. XTC is random in llama.cpp (it cuts the likeliest tokens with probability xtc_probability);
+here its distribution is that mixture, drawn from as any other, so the tokens are distributed as
+llama.cpp's and still one seeded draw per position.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ SAMPLER_NAMES = {**{name: name for name in SAMPLER_LETTERS.values()},
                  **{name.replace("_", "-"): name for name in SAMPLER_LETTERS.values() if "_" in name},
                  **{name.replace("_", ""): name for name in SAMPLER_LETTERS.values() if "_" in name},
                  "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
-CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")  # ggufspec's samplers, in the order it applies them
+# ggufspec's samplers, in the order it applies them (llama.cpp's default order, DRY left out)
+CHAIN = ("penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 
 
 @dataclass(frozen=True)
@@ -35,14 +39,26 @@ class SamplingParams:
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int | None = None
+    typical_p: float = 1.0         # llama.cpp's --typical (1: off)
+    top_n_sigma: float = -1.0      # --top-nsigma (<= 0: off)
+    xtc_probability: float = 0.0   # --xtc-probability (0: off)
+    xtc_threshold: float = 0.1     # --xtc-threshold (above 0.5: off)
 
     def __post_init__(self):
         for name, value, kinds in (("temperature (--temp)", self.temperature, REALS), ("top_k", self.top_k, INTEGERS),
                                    ("top_p", self.top_p, REALS), ("min_p", self.min_p, REALS),
-                                   ("seed", 0 if self.seed is None else self.seed, INTEGERS)):
+                                   ("seed", 0 if self.seed is None else self.seed, INTEGERS),
+                                   *((name, getattr(self, name), REALS) for name in LLAMACPP_FILTERS)):
             if isinstance(value, bool) or not isinstance(value, kinds):
                 kind = "a whole number" if kinds is INTEGERS else "a number"
                 raise GgufspecError(f"{name} must be {kind}, got {value!r}")
+        for name in LLAMACPP_FILTERS:
+            if not np.isfinite(getattr(self, name)):
+                raise GgufspecError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.typical_p < 0:
+            raise GgufspecError(f"--typical must be >= 0 (1: off), got {self.typical_p}")
+        if not 0 <= self.xtc_probability <= 1:
+            raise GgufspecError(f"--xtc-probability must be in [0, 1] (0: off), got {self.xtc_probability}")
         if self.seed is not None and self.seed < -1:
             raise GgufspecError(f"seed must be >= 0 (or -1 for a random one), got {self.seed}")
         if self.seed == -1:  # llama.cpp's (and the CLI's and the server's) "random": a seed drawn per generation
@@ -63,6 +79,9 @@ class SamplingParams:
         return self.temperature <= 0
 
 
+LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+
+
 def greedy_token(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
@@ -71,15 +90,20 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The probability vector the sampler draws from (zeros for filtered-out tokens)."""
     logits = logits.astype(np.float64)
     n_vocab = logits.shape[0]
-    if 0 < params.top_k < n_vocab:
-        candidates = np.argpartition(-logits, params.top_k - 1)[:params.top_k]
+    pool = _top_n_sigma(logits, params.top_n_sigma) if params.top_n_sigma > 0 else None  # None: every id
+    values = logits if pool is None else logits[pool]
+    if 0 < params.top_k < len(values):
+        chosen = np.argpartition(-values, params.top_k - 1)[:params.top_k]
     else:
-        candidates = np.arange(n_vocab)
-    order = np.argsort(-logits[candidates], kind="stable")
-    candidates = candidates[order]
+        chosen = np.arange(len(values))
+    chosen = chosen[np.argsort(-values[chosen], kind="stable")]
+    candidates = chosen if pool is None else pool[chosen]
     kept = logits[candidates]
-    probs = np.exp(kept - kept[0])
-    probs /= probs.sum()
+    probs = _softmax(kept)
+    if params.typical_p < 1.0:
+        typical = _typical(probs, params.typical_p)
+        candidates, kept = candidates[typical], kept[typical]
+        probs = _softmax(kept)
     n_keep = len(candidates)
     if params.top_p < 1.0:
         # smallest prefix whose mass reaches top_p (at least one token)
@@ -87,10 +111,48 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.min_p > 0.0:
         n_keep = min(n_keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
     candidates, kept = candidates[:n_keep], kept[:n_keep]
-    tempered = np.exp((kept - kept[0]) / params.temperature)
     result = np.zeros(n_vocab)
-    result[candidates] = tempered / tempered.sum()
+    result[candidates] = _softmax(kept / params.temperature)
+    cut = _xtc_cut(kept, params) if params.xtc_probability > 0 else 0
+    if cut:  # llama.cpp's XTC, which happens with probability P: the mixture (1 - P) p + P p_cut
+        chance = min(params.xtc_probability, 1.0)
+        result *= 1 - chance
+        result[candidates[cut:]] += chance * _softmax(kept[cut:] / params.temperature)
     return result
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    """Over logits sorted best first (the first is the largest)."""
+    weights = np.exp(logits - logits[0])
+    return weights / weights.sum()
+
+
+def _top_n_sigma(logits: np.ndarray, n: float) -> np.ndarray:
+    """The ids whose logit is within n standard deviations of the best (llama.cpp's top-n-sigma: the
+    mean and deviation over every finite logit, a banned token's -inf left out)."""
+    finite = logits[np.isfinite(logits)]
+    return np.flatnonzero(logits >= finite.max() - n * finite.std())
+
+
+def _typical(probs: np.ndarray, p: float) -> np.ndarray:
+    """llama.cpp's locally typical sampling over `probs`: tokens taken by how close their information
+    (-log p) is to the entropy, until their mass exceeds p (one at least). A mask of those kept."""
+    with np.errstate(divide="ignore"):  # a banned token (p 0: its information infinite) is never taken
+        information = -np.log(probs)
+    entropy = float(np.sum(probs[probs > 0] * information[probs > 0]))
+    order = np.argsort(np.abs(information - entropy), kind="stable")
+    n_keep = min(len(order), int(np.searchsorted(np.cumsum(probs[order]), p, side="right")) + 1)
+    kept = np.zeros(len(probs), dtype=bool)
+    kept[order[:n_keep]] = True
+    return kept
+
+
+def _xtc_cut(kept: np.ndarray, params: SamplingParams) -> int:
+    """How many of the likeliest tokens XTC removes when it acts: every one at or above the threshold but
+    the last of them (none where fewer than two are, or the threshold is above 0.5: off)."""
+    if params.xtc_threshold > 0.5 or len(kept) < 2:
+        return 0
+    return max(0, int(np.count_nonzero(_softmax(kept) >= params.xtc_threshold)) - 1)
 
 
 # ---------------------------------------------------------------- a draw tied to each position

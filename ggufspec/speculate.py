@@ -376,7 +376,7 @@ class SpeculativeDecoder:
               seed: int | None = None, chat: bool = False, system: str | None = None,
               drafter: str | None = None, draft_p_min: float = 0.0,
               draft_max: int = 8, draft_min: int = 0, constraints: Constraints | None = None,
-              logprobs: int | None = None, cache_prompt: bool = True) -> Iterator[Step]:
+              logprobs: int | None = None, cache_prompt: bool = True, **filters: float) -> Iterator[Step]:
         """The step generator: a `Step` per token (id, from_draft, logprobs). Statistics land in `last_stats`.
 
         n_draft: K (0: the target alone), or "auto" (K chosen at every step, up to draft_max, 0 included).
@@ -385,7 +385,8 @@ class SpeculativeDecoder:
         draft_p_min / draft_min: as llama.cpp's --draft-p-min / --draft-min, a draft model stops
         when unsure of its next token, and a draft shorter than draft_min is not verified.
         constraints: logit bias, penalties and a grammar over the target's logits (`processing`).
-        logprobs: None (none), 0 (the chosen token's) or n <= 20 (and the n most likely).
+        logprobs: None (none), 0 (the chosen token's) or n <= 20 (and the n most likely). filters: llama.cpp's
+        typical_p, top_n_sigma, xtc_probability and xtc_threshold (`SamplingParams`; off by default).
         cache_prompt: False evaluates the whole prompt again instead of reusing what the caches hold
         (llama-server's field: the same batches, so the same rounding, whatever came before).
         """
@@ -393,7 +394,7 @@ class SpeculativeDecoder:
         drafter = drafter or self.default_drafter
         if isinstance(prompt, str) and not prompt:
             raise GgufspecError("the prompt is empty")
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed, **filters)
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise GgufspecError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
         tokens = self.tokenize(prompt, chat=chat, system=system)

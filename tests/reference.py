@@ -5,7 +5,7 @@ import numpy as np
 from llama_cpp import Llama
 from scipy import stats as scipy_stats
 
-from ggufspec.sampling import distribution
+from ggufspec.sampling import LLAMACPP_FILTERS, distribution
 
 NEAR_TIE = 1e-3  # batched vs single-token F32 logits differ by ~1e-4; closer calls are not decidable
 
@@ -149,8 +149,8 @@ def exact_first_and_next_two(path, prompt: list[int], params, **llama_options) -
 
 def draw_samples(decoder, prompt, params, k, draws) -> list[tuple]:
     """`draws` seeded generations, each long enough for a step of k drafts after the first token."""
-    return [tuple(decoder.generate(prompt, n_predict=k + 3, n_draft=k, temperature=params.temperature,
-                                   top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed).tokens)
+    chain = {name: getattr(params, name) for name in ("temperature", "top_k", "top_p", "min_p", *LLAMACPP_FILTERS)}
+    return [tuple(decoder.generate(prompt, n_predict=k + 3, n_draft=k, seed=seed, **chain).tokens)
             for seed in range(draws)]
 
 

@@ -1,6 +1,8 @@
 """llama.cpp's sampler flags for samplers ggufspec lacks, and its chain's order, on run, chat and serve:
 their off values taken (the command goes on to the model), a value that turns one on, or a chain in
-another order than ggufspec's, refused in one line before anything loads."""
+another order than ggufspec's, refused in one line before anything loads. --typical, --top-nsigma and
+--xtc-* are ggufspec's own samplers now (tests/test_llamacpp_samplers.py): a chain may leave them out
+where they are off; a bad value is one line."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +29,8 @@ def invoke(command: str, *flags: str):
     ["--samplers", DEFAULT_CHAIN],
     ["--samplers", "penalties;top-k;nucleus;min-p;temp"],
     ["--sampling-seq", "edkypmxt"],
+    ["--typical", "0.9", "--top-nsigma", "1.5", "--xtc-probability", "0.5", "--xtc-threshold", "0.2"],
+    ["--typical", "0.9", "--samplers", "penalties;top_k;typ_p;top_p;min_p;temperature"],
 ])
 def test_off_values_and_the_default_chain_are_taken(command, flags):
     said = invoke(command, *flags).stderr
@@ -35,9 +39,11 @@ def test_off_values_and_the_default_chain_are_taken(command, flags):
 
 @pytest.mark.parametrize("flags, words", [
     (["--mirostat", "2"], "--mirostat 2 is not supported: ggufspec has no Mirostat"),
-    (["--typical", "0.9"], "no locally typical sampling"),
-    (["--top-nsigma", "1.5"], "no top-n-sigma"),
-    (["--xtc-probability", "0.5"], "no XTC"),
+    (["--typical", "0.9", "--samplers", "penalties;top_k;top_p;min_p;temperature"], "all and in that order"),
+    (["--xtc-probability", "0.5", "--sampling-seq", "ekpmt"], "all and in that order"),
+    (["--typical", "-0.5"], "--typical must be >= 0"),
+    (["--xtc-probability", "2"], "--xtc-probability must be in [0, 1]"),
+    (["--top-nsigma", "nan"], "top_n_sigma must be a finite number"),
     (["--dry-multiplier", "0.8"], "no DRY"),
     (["--dynatemp-range", "0.5"], "no dynamic temperature"),
     (["--adaptive-target", "0.3"], "no adaptive-p"),

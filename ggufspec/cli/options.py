@@ -12,7 +12,7 @@ from ..errors import GgufspecError
 from ..gguffiles import file_list, scaled_item
 from ..load import KV_CACHE_TYPES
 from ..ngram import DEFAULT_POOL_SIZE
-from ..sampling import SamplingParams  # the sampling defaults, in one place
+from ..sampling import LLAMACPP_FILTERS, SamplingParams  # the sampling defaults, in one place
 from .app import not_utf8_file, utf8_text
 from .constraint_options import constraint_options, constraints_from
 from .hub_flags import hub_flag_options
@@ -190,6 +190,14 @@ def generation_options(n_predict: int):
         click.option("--top-k", default=SamplingParams.top_k, help="Top-k (0: off)."),
         click.option("--top-p", default=SamplingParams.top_p, help="Top-p (1: off)."),
         click.option("--min-p", default=SamplingParams.min_p, help="Min-p (0: off)."),
+        click.option("--typical", "--typical-p", "typical_p", type=float, default=SamplingParams.typical_p,
+                     help="Locally typical sampling, p (1: off)."),
+        click.option("--top-nsigma", "--top-n-sigma", "top_n_sigma", type=float, default=SamplingParams.top_n_sigma,
+                     help="Top-n-sigma: the tokens within n standard deviations of the best logit (<= 0: off)."),
+        click.option("--xtc-probability", "xtc_probability", type=float, default=SamplingParams.xtc_probability,
+                     help="XTC: the chance that a step removes its likeliest tokens (0: off)."),
+        click.option("--xtc-threshold", "xtc_threshold", type=float, default=SamplingParams.xtc_threshold,
+                     help="XTC: tokens at least this likely are removed, all but the least of them (above 0.5: off)."),
         click.option("-s", "--seed", type=int, default=None, help="Sampling seed (-1: random) [default: random]."),
         *constraint_options(),
     )
@@ -357,7 +365,8 @@ def stream_options(opts: dict) -> dict:
             "draft_max": opts.pop("draft_max"), "draft_min": opts.pop("draft_min"),
             "draft_p_min": opts.pop("draft_p_min"), "drafter": "lookup" if lookup else "hybrid" if hybrid else "model",
             "temperature": opts.pop("temperature"), "top_k": opts.pop("top_k"), "top_p": opts.pop("top_p"),
-            "min_p": opts.pop("min_p"), "seed": parse_seed(opts.pop("seed")), "constraints": constraints_from(opts)}
+            "min_p": opts.pop("min_p"), "seed": parse_seed(opts.pop("seed")), "constraints": constraints_from(opts),
+            **{name: opts.pop(name) for name in LLAMACPP_FILTERS}}
 
 
 def parse_seed(seed: int | None) -> int | None:
@@ -378,7 +387,8 @@ def parse_draft(value: str):
 
 def check_defaults(opts: dict) -> None:
     """Sampling and draft defaults that would fail every request fail at start instead."""
-    SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], parse_seed(opts["seed"]))
+    SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["min_p"], parse_seed(opts["seed"]),
+                   **{name: opts[name] for name in LLAMACPP_FILTERS})
     if opts.get("lookup") and opts.get("hybrid"):
         raise GgufspecError("choose one of --lookup and --hybrid")
     constraints_from(dict(opts))  # a bad bias, penalty or grammar flag (the grammar itself is parsed at load)

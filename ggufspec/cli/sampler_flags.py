@@ -1,9 +1,9 @@
-"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --mirostat, --typical,
---top-nsigma, --xtc-*, --dry-*, --dynatemp-*, --adaptive-*, --min-keep) and its chain's order (--samplers,
+"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --mirostat, --dry-*,
+--dynatemp-*, --adaptive-*, --min-keep) and its chain's order (--samplers,
 --sampling-seq), on run, chat and serve. Their "off" values are what ggufspec does and are taken (a
 pasted command line often spells them out); a value that would turn one on is refused in one line, as
 the answer would come from another distribution than the one asked for. A setting that acts only inside
-a sampler (--mirostat-lr, --dry-base, --xtc-threshold...) is taken: with its sampler off it changes
+a sampler (--mirostat-lr, --dry-base...) is taken: with its sampler off it changes
 nothing, in llama.cpp too."""
 from __future__ import annotations
 
@@ -12,26 +12,26 @@ import functools
 import click
 
 from ..errors import GgufspecError
-from ..sampling import CHAIN, SAMPLER_LETTERS, SAMPLER_NAMES
+from ..sampling import CHAIN, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
 from .options import options
 
-HAD = "ggufspec's samplers are the penalties, top-k, top-p, min-p and temperature"
+HAD = ("ggufspec's samplers are the penalties, top-n-sigma, top-k, typical, top-p, min-p, XTC and "
+       "temperature")
 # (flags, the param, whether a value leaves the sampler off, what it is)
 SWITCHES = [
     (("--mirostat",), "mirostat", lambda v: v == 0, "Mirostat"),
-    (("--typical", "--typical-p"), "typical_p", lambda v: v >= 1, "locally typical sampling"),
-    (("--top-nsigma", "--top-n-sigma"), "top_n_sigma", lambda v: v <= 0, "top-n-sigma"),
-    (("--xtc-probability",), "xtc_probability", lambda v: v <= 0, "XTC"),
     (("--dry-multiplier",), "dry_multiplier", lambda v: v <= 0, "DRY"),
     (("--dynatemp-range",), "dynatemp_range", lambda v: v <= 0, "dynamic temperature"),
     (("--adaptive-target",), "adaptive_target", lambda v: v < 0, "adaptive-p"),
     (("--min-keep",), "min_keep", lambda v: v <= 1, "min-keep above 1"),
 ]
-INNER = [("--mirostat-lr",), ("--mirostat-ent",), ("--xtc-threshold",), ("--dry-base",), ("--dry-allowed-length",),
+INNER = [("--mirostat-lr",), ("--mirostat-ent",), ("--dry-base",), ("--dry-allowed-length",),
          ("--dry-penalty-last-n",), ("--dry-sequence-breaker",), ("--dynatemp-exp",), ("--adaptive-decay",)]
 # llama.cpp's default chain (common.h), by --samplers' names
 DEFAULT_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 FIXED = CHAIN
+OPTIONAL = {"top_n_sigma": ("top_n_sigma", lambda v: v <= 0), "typ_p": ("typical_p", lambda v: v >= 1),
+            "xtc": ("xtc_probability", lambda v: v <= 0)}  # kind: (its setting, whether a value leaves it off)
 
 
 def _param(flags: tuple[str, ...]) -> str:
@@ -64,14 +64,16 @@ def check_sampler_flags(opts: dict) -> None:
     for flags in INNER:
         opts.pop(_param(flags))  # a setting of a sampler that is off: nothing to do, here as there
     names, letters = opts.pop("sampler_names"), opts.pop("sampler_letters")
+    # llama.cpp's samplers ggufspec took on later may be left out of a chain where they are off
+    optional = {kind for kind, (name, is_off) in OPTIONAL.items() if is_off(opts.get(name, getattr(SamplingParams, name)))}
     if names is not None:
         _check_chain("--samplers", [SAMPLER_NAMES.get(n.strip().lower(), n.strip().lower()) for n in names.split(";")
-                                    if n.strip()])
+                                    if n.strip()], optional)
     if letters is not None:
-        _check_chain("--sampling-seq", [SAMPLER_LETTERS.get(letter, letter) for letter in letters])
+        _check_chain("--sampling-seq", [SAMPLER_LETTERS.get(letter, letter) for letter in letters], optional)
 
 
-def _check_chain(flag: str, chain: list[str]) -> None:
+def _check_chain(flag: str, chain: list[str], optional: set[str]) -> None:
     """A chain is taken where it applies ggufspec's samplers all, in ggufspec's order (llama.cpp's default
     is one); the others it lists are off unless their own flags turned them on (refused above)."""
     unknown = [kind for kind in chain if kind not in DEFAULT_NAMES and kind not in ("infill", "adaptive_p")]
@@ -80,7 +82,8 @@ def _check_chain(flag: str, chain: list[str]) -> None:
     if "infill" in chain:
         raise GgufspecError(f"{flag}: the infill sampler is not supported ({HAD}); leave it out")
     ours = [kind for kind in chain if kind in FIXED]
-    if ours != list(FIXED):
+    if ours != [kind for kind in FIXED if kind in ours or kind not in optional]:
         raise GgufspecError(f"{flag} {'; '.join(chain)}: ggufspec applies {', '.join(FIXED)}, all and in that order "
-                            f"(top-k 0, top-p 1, min-p 0 or --temp 1 turn one off); leave {flag} out "
+                            f"(top-k 0, top-p 1, min-p 0, --typical 1, --top-nsigma -1, --xtc-probability 0 "
+                            f"or --temp 1 turn one off); leave {flag} out "
                             f"(serve: a request's `samplers` is followed as far as it maps)")

@@ -17,7 +17,8 @@ log = logging.getLogger("ggufspec.server")
 # The engine's messages name the command-line flags; a client sent these JSON fields instead.
 FLAG_TO_FIELD = {"-n/--n-predict": "max_tokens", "--spec-draft-p-min": "speculative.p_min",
                  "--spec-draft-n-min": "speculative.n_min", "--draft": "draft", "--temp": "temperature",
-                 "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p"}
+                 "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p", "--typical": "typical_p",
+                 "--xtc-probability": "xtc_probability"}
 
 
 # Anthropic's error types (https://docs.anthropic.com/en/api/errors) by HTTP status.

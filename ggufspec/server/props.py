@@ -10,7 +10,7 @@ from pathlib import Path
 from .. import __version__, cvec, load
 from ..backends import build_backends
 from ..lora import adapters_of
-from ..sampling import SamplingParams
+from ..sampling import LLAMACPP_FILTERS, SamplingParams
 
 QUANT_IN_NAME = re.compile(r"(?i)(?:^|[-_.])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)$")
 
@@ -62,6 +62,7 @@ def pair_props(decoder, model_name: str, defaults: dict) -> dict:
               "temperature": defaults.get("temperature", sampling.temperature),
               "top_k": defaults.get("top_k", sampling.top_k), "top_p": defaults.get("top_p", sampling.top_p),
               "min_p": defaults.get("min_p", sampling.min_p), "seed": defaults.get("seed"),
+              **{name: defaults.get(name, getattr(sampling, name)) for name in LLAMACPP_FILTERS},
               "speculative.n_max": defaults.get("draft_max", 8), "speculative.n_min": defaults.get("draft_min", 0),
               "speculative.p_min": defaults.get("draft_p_min", 0.0)}
     return {"model": model_name, "version": __version__, "n_ctx": decoder.n_ctx,

@@ -1,8 +1,8 @@
 """llama.cpp's sampler chain as a request sets it: `samplers` (the chain's order, llama-server's names
 or letters), and the settings that act only within that chain (`min_keep`, `adaptive_target`).
 
-ggufspec's chain is fixed: logit_bias, penalties and the grammar over the logits, then top_k, top_p
-and min_p on the untempered distribution, then temperature over what is left (`sampling.distribution`,
+ggufspec's chain is fixed: logit_bias, penalties and the grammar over the logits, then top_n_sigma, top_k,
+typical, top_p and min_p on the untempered distribution, XTC, then temperature over what is left (`sampling.distribution`,
 `processing`). A request's chain is done as llama.cpp does it where it maps onto that: a sampler
 ggufspec has that the list leaves out is not applied (its setting made neutral; temperature left out
 samples the untempered distribution, as llama.cpp's final `dist` does), an order that gives the same
@@ -16,7 +16,10 @@ from ..sampling import CHAIN, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
 from .errors import APIError
 
 HAD = CHAIN  # ggufspec's samplers, in the order it applies them
-NEUTRAL = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "temperature": 1.0}  # a sampler that changes nothing
+# a sampler's setting that changes nothing, by the sampler's name (`SETTING`: its option's, where another)
+NEUTRAL = {"top_n_sigma": -1.0, "top_k": 0, "typ_p": 1.0, "top_p": 1.0, "min_p": 0.0, "xtc": 0.0, "temperature": 1.0}
+SETTING = {"typ_p": "typical_p", "xtc": "xtc_probability"}
+OFF = {"top_n_sigma": lambda v: v <= 0, "typ_p": lambda v: v >= 1, "xtc": lambda v: v <= 0}  # else: NEUTRAL's value
 NEUTRAL_PENALTIES = {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 PENALTY_FIELDS = ("repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n")
 
@@ -42,10 +45,11 @@ def sampler_chain(body, options: dict, shape, default_constraints: Constraints |
     """The decoder's options and the request's Shaping with the request's chain applied (`samplers`,
     `min_keep`, `adaptive_target`); `default_constraints`: the server's (its penalties)."""
     kinds = sampler_kinds(body.samplers) if body.samplers is not None else list(HAD)
-    options = {**options, **{name: value for name, value in NEUTRAL.items() if name not in kinds}}
+    options = {**options, **{SETTING.get(name, name): value for name, value in NEUTRAL.items() if name not in kinds}}
     if "penalties" not in kinds:  # the server's penalties off too: theirs is the same sampler
         shape = dataclasses.replace(shape, constraints={**shape.constraints, **NEUTRAL_PENALTIES})
-    settings = {name: options.get(name, getattr(SamplingParams, name)) for name in NEUTRAL}
+    settings = {name: options.get(SETTING.get(name, name), getattr(SamplingParams, SETTING.get(name, name)))
+                for name in NEUTRAL}
     active = [kind for kind in kinds if kind in HAD and is_active(kind, settings, shape, default_constraints)]
     check_order(active, settings["temperature"])
     check_settings_of_the_chain(body, kinds, active, settings["temperature"])
@@ -59,7 +63,7 @@ def is_active(kind: str, settings: dict, shape, default_constraints: Constraints
         base = default_constraints or Constraints()
         return Constraints(**{name: shape.constraints.get(name, getattr(base, name))
                               for name in PENALTY_FIELDS}).penalises
-    return settings[kind] != NEUTRAL[kind]
+    return not OFF.get(kind, lambda value: value == NEUTRAL[kind])(settings[kind])
 
 
 def commute(first: str, then: str, temperature: float) -> bool:
@@ -104,7 +108,7 @@ def check_settings_of_the_chain(body, kinds: list[str], active: list[str], tempe
         raise APIError(400, "adaptive_target is not supported (llama.cpp's adaptive-p sampler, on with adaptive_p "
                             "in samplers): leave it out, or send a negative one", code="unsupported_parameter",
                        param="adaptive_target")
-    if (body.min_keep or 0) > 1 and ("top_p" in active or "min_p" in active):
-        raise APIError(400, f"min_keep {body.min_keep} is not supported (top_p and min_p keep what they keep, one "
-                            "token at least): leave it out, or send 0 or 1", code="unsupported_parameter",
+    if (body.min_keep or 0) > 1 and any(kind in active for kind in ("typ_p", "top_p", "min_p", "xtc")):
+        raise APIError(400, f"min_keep {body.min_keep} is not supported (typical, top_p, min_p and XTC keep what "
+                            "they keep, one token at least): leave it out, or send 0 or 1", code="unsupported_parameter",
                        param="min_keep")

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from ..chat_templates import RENDERER_VARIABLES
+from ..sampling import LLAMACPP_FILTERS
 from .errors import APIError
 
 
@@ -60,6 +61,10 @@ class GenerationBody(Strict):
     top_p: float | None = Field(None, strict=True)
     top_k: int | None = Field(None, strict=True)
     min_p: float | None = Field(None, strict=True)
+    typical_p: float | None = Field(None, strict=True)        # llama.cpp's samplers: 1 off
+    top_n_sigma: float | None = Field(None, strict=True)      # <= 0 off
+    xtc_probability: float | None = Field(None, strict=True)  # 0 off
+    xtc_threshold: float | None = Field(None, strict=True)    # above 0.5 off
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16, strict=True)  # choices, in as many slots at once as are free
@@ -131,16 +136,15 @@ class GenerationBody(Strict):
         for name, is_off in SAMPLERS_NOT_HAD.items():
             value = data.get(name) if isinstance(data, dict) else None
             if value is not None and not (isinstance(value, (int, float)) and is_off(value)):
-                raise APIError(400, f"{name} is not supported (llama.cpp's sampler; ggufspec has temperature, "
-                                    f"top_k, top_p, min_p, the penalties and logit_bias): leave it out",
+                raise APIError(400, f"{name} is not supported (llama.cpp's sampler; ggufspec has temperature, top_k, "
+                                    f"top_p, min_p, typical_p, top_n_sigma, xtc_*, the penalties and logit_bias): "
+                                    f"leave it out",
                                code="unsupported_parameter")
         return data
 
 
 # llama.cpp's samplers ggufspec lacks, and which of their values leave them off
-SAMPLERS_NOT_HAD = {"mirostat": lambda v: v == 0, "typical_p": lambda v: v >= 1, "top_n_sigma": lambda v: v <= 0,
-                    "dynatemp_range": lambda v: v <= 0, "xtc_probability": lambda v: v <= 0,
-                    "dry_multiplier": lambda v: v <= 0}
+SAMPLERS_NOT_HAD = {"mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v <= 0, "dry_multiplier": lambda v: v <= 0}
 
 
 class CompletionBody(GenerationBody):
@@ -246,7 +250,7 @@ def request_options(body: GenerationBody, defaults: dict) -> dict:
         if max_tokens == 0 and body.n_predict is None and not isinstance(body, NativeBody):
             raise APIError(400, "max_tokens must be >= 1, got 0", code="invalid_value")
         options["n_predict"] = max_tokens
-    for name in ("temperature", "top_k", "top_p", "min_p"):
+    for name in ("temperature", "top_k", "top_p", "min_p", *LLAMACPP_FILTERS):
         if getattr(body, name) is not None:
             options[name] = getattr(body, name)
     if body.seed is not None:

@@ -17,6 +17,7 @@ import json
 
 from fastapi import FastAPI, Request
 
+from ...sampling import LLAMACPP_FILTERS
 from ...stats import Stats
 from ..errors import APIError, engine_error
 from ..jobs import Job
@@ -27,7 +28,7 @@ from .core import Serving, answer_or_stream
 
 STOP_TYPES = {"eos": "eos", "stop": "word", "n_predict": "limit", "context": "limit"}
 SETTINGS = ("n_predict", "temperature", "top_k", "top_p", "min_p", "seed", "n_draft", "draft_max", "draft_min",
-            "draft_p_min", "drafter", "cache_prompt")
+            "draft_p_min", "drafter", "cache_prompt", *LLAMACPP_FILTERS)
 
 
 def add_routes(app: FastAPI, serving: Serving) -> None:

@@ -1,0 +1,103 @@
+"""llama.cpp's locally typical, top-n-sigma and XTC samplers (--typical, --top-nsigma, --xtc-*).
+
+The distribution is llama.cpp's own: its sampler chain run through llama-cpp-python's bindings
+(top-n-sigma, top-k, typical, top-p, min-p, XTC, temperature, as common/sampling.cpp orders them) keeps
+the same tokens with the same probabilities; XTC, random there, acting with probability 1 (the mixture
+it makes with probability P is (1 - P) p + P p_cut by construction). Speculative sampling with them is
+distributed as the target's (chi-square against the exact p), and greedy is untouched by them."""
+import ctypes
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from ggufspec import SamplingParams
+from ggufspec.errors import GgufspecError
+from ggufspec.sampling import distribution
+from reference import draw_samples, exact_first_and_next_two, sampling_pvalues
+
+
+def llamacpp_distribution(logits: np.ndarray, params: SamplingParams, xtc: bool) -> np.ndarray:
+    """What llama.cpp's chain leaves, softmaxed (its final `dist` draws from that)."""
+    chain = [llama_cpp.llama_sampler_init_top_n_sigma(params.top_n_sigma),
+             llama_cpp.llama_sampler_init_top_k(params.top_k),
+             llama_cpp.llama_sampler_init_typical(params.typical_p, 0),
+             llama_cpp.llama_sampler_init_top_p(params.top_p, 0),
+             llama_cpp.llama_sampler_init_min_p(params.min_p, 0),
+             *([llama_cpp.llama_sampler_init_xtc(1.0, params.xtc_threshold, 0, 1)] if xtc else []),
+             llama_cpp.llama_sampler_init_temp(params.temperature)]
+    data = (llama_cpp.llama_token_data * len(logits))(
+        *(llama_cpp.llama_token_data(id=i, logit=float(value), p=0.0) for i, value in enumerate(logits)))
+    array = llama_cpp.llama_token_data_array(data=data, size=len(logits), selected=-1, sorted=False)
+    for sampler in chain:
+        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
+        llama_cpp.llama_sampler_free(sampler)
+    ids = np.array([array.data[i].id for i in range(array.size)])
+    values = np.array([array.data[i].logit for i in range(array.size)], dtype=np.float64)
+    ids, values = ids[np.isfinite(values)], values[np.isfinite(values)]
+    result = np.zeros(len(logits))
+    result[ids] = np.exp(values - values.max()) / np.exp(values - values.max()).sum()
+    return result
+
+
+CHAINS = [dict(typical_p=0.5), dict(typical_p=0.9, top_k=0, top_p=1.0, min_p=0.0), dict(top_n_sigma=1.0),
+          dict(top_n_sigma=2.0, top_k=0, min_p=0.0), dict(xtc_probability=1.0, xtc_threshold=0.05),
+          dict(xtc_probability=1.0, xtc_threshold=0.1, top_k=0, top_p=1.0, min_p=0.0),
+          dict(top_n_sigma=1.5, xtc_probability=1.0, xtc_threshold=0.08, top_p=0.9),
+          dict(typical_p=0.8, xtc_probability=1.0, xtc_threshold=0.08, top_p=0.9)]
+# not typical after top-n-sigma: llama.cpp's top-k then keeps the -inf logits top-n-sigma set where fewer
+# than k are left, and its typical's entropy over them is NaN (here they are gone: p 0 is never typical)
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in CHAINS])
+def test_the_distribution_is_llamacpps_chains(chain):
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        logits = (rng.normal(size=300) * rng.uniform(0.5, 3.0)).astype(np.float32)
+        if trial % 4 == 0 and (chain.get("typical_p", 1.0) >= 1 or chain.get("top_k", 40) > 0):
+            # banned tokens (a logit bias); not among typical's candidates, where llama.cpp's entropy is NaN
+            logits[rng.choice(300, 20, replace=False)] = -np.inf
+        params = SamplingParams(temperature=float(rng.uniform(0.5, 1.5)), **chain)
+        ours, theirs = distribution(logits, params), llamacpp_distribution(logits, params, params.xtc_probability > 0)
+        assert set(np.flatnonzero(ours)) == set(np.flatnonzero(theirs)), trial
+        np.testing.assert_allclose(ours, theirs, atol=2e-6)
+
+
+def test_xtc_is_the_mixture_of_acting_and_not():
+    logits = np.random.default_rng(3).normal(size=200).astype(np.float32) * 2
+    off = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    on = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, xtc_probability=1.0, xtc_threshold=0.05)
+    half = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, xtc_probability=0.3, xtc_threshold=0.05)
+    assert not np.allclose(distribution(logits, on), distribution(logits, off))
+    np.testing.assert_allclose(distribution(logits, half), 0.7 * distribution(logits, off) + 0.3 * distribution(logits, on))
+    above = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.6)  # above 0.5: off, as llama.cpp
+    np.testing.assert_array_equal(distribution(logits, above), distribution(logits, SamplingParams(temperature=1.0)))
+
+
+PROMPT = [1, 261, 262, 263]
+DRAWS = 3000
+
+
+# settings that leave several tokens to the tiny target's peaked distributions (typical 0.999: 9 of 281 first
+# tokens, 3 pairs after the likeliest; top-n-sigma 2: 60 and 449; XTC: all 281 and 78,961)
+@pytest.mark.parametrize("chain", [dict(typical_p=0.999, temperature=2.0), dict(top_n_sigma=2.0, temperature=1.5),
+                                   dict(xtc_probability=0.5, xtc_threshold=0.1, temperature=1.2)],
+                         ids=["typical", "top-n-sigma", "xtc"])
+def test_speculative_sampling_with_them_is_the_targets_distribution(tiny_pair, tiny_decoder, chain):
+    params = SamplingParams(top_k=0, top_p=1.0, min_p=0.0, **chain)
+    p1, x, joint = exact_first_and_next_two(tiny_pair[0], PROMPT, params)
+    samples = draw_samples(tiny_decoder, PROMPT, params, 2, DRAWS)
+    assert tiny_decoder.last_stats.n_drafted > 0
+    assert min(sampling_pvalues(samples, p1, x, joint)) > 1e-3
+
+
+def test_greedy_is_untouched_and_bad_values_are_one_line(tiny_decoder):
+    plain = tiny_decoder.generate("the cat", n_predict=24, n_draft=3, temperature=0).tokens
+    filtered = tiny_decoder.generate("the cat", n_predict=24, n_draft=3, temperature=0, typical_p=0.2, top_n_sigma=0.5,
+                                     xtc_probability=1.0, xtc_threshold=0.01).tokens
+    assert filtered == plain
+    for bad, says in ((dict(typical_p=-0.1), "--typical must be >= 0"), (dict(xtc_probability=1.5), r"--xtc-probability must be in \[0, 1\]"),
+                      (dict(top_n_sigma=float("nan")), "top_n_sigma must be a finite number"),
+                      (dict(xtc_threshold="0.1"), "xtc_threshold must be a number")):
+        with pytest.raises(GgufspecError, match=says):
+            SamplingParams(temperature=1.0, **bad)
