@@ -80,6 +80,9 @@ class SamplingParams:
 
 
 LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+# llama.cpp's filters ggufspec took on later, by their chain names: (their setting, whether a value leaves them off)
+FILTERS_OFF = {"top_n_sigma": ("top_n_sigma", lambda v: v <= 0), "typ_p": ("typical_p", lambda v: v >= 1),
+               "xtc": ("xtc_probability", lambda v: v <= 0)}
 
 
 def greedy_token(logits: np.ndarray) -> int:

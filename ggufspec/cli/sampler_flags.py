@@ -12,7 +12,7 @@ import functools
 import click
 
 from ..errors import GgufspecError
-from ..sampling import CHAIN, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
+from ..sampling import CHAIN, FILTERS_OFF, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
 from .options import options
 
 HAD = ("ggufspec's samplers are the penalties, top-n-sigma, top-k, typical, top-p, min-p, XTC and "
@@ -30,8 +30,6 @@ INNER = [("--mirostat-lr",), ("--mirostat-ent",), ("--dry-base",), ("--dry-allow
 # llama.cpp's default chain (common.h), by --samplers' names
 DEFAULT_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 FIXED = CHAIN
-OPTIONAL = {"top_n_sigma": ("top_n_sigma", lambda v: v <= 0), "typ_p": ("typical_p", lambda v: v >= 1),
-            "xtc": ("xtc_probability", lambda v: v <= 0)}  # kind: (its setting, whether a value leaves it off)
 
 
 def _param(flags: tuple[str, ...]) -> str:
@@ -65,7 +63,7 @@ def check_sampler_flags(opts: dict) -> None:
         opts.pop(_param(flags))  # a setting of a sampler that is off: nothing to do, here as there
     names, letters = opts.pop("sampler_names"), opts.pop("sampler_letters")
     # llama.cpp's samplers ggufspec took on later may be left out of a chain where they are off
-    optional = {kind for kind, (name, is_off) in OPTIONAL.items() if is_off(opts.get(name, getattr(SamplingParams, name)))}
+    optional = {kind for kind, (name, is_off) in FILTERS_OFF.items() if is_off(opts.get(name, getattr(SamplingParams, name)))}
     if names is not None:
         _check_chain("--samplers", [SAMPLER_NAMES.get(n.strip().lower(), n.strip().lower()) for n in names.split(";")
                                     if n.strip()], optional)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 from ..processing import Constraints
-from ..sampling import CHAIN, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
+from ..sampling import CHAIN, FILTERS_OFF, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
 from .errors import APIError
 
 HAD = CHAIN  # ggufspec's samplers, in the order it applies them
 # a sampler's setting that changes nothing, by the sampler's name (`SETTING`: its option's, where another)
 NEUTRAL = {"top_n_sigma": -1.0, "top_k": 0, "typ_p": 1.0, "top_p": 1.0, "min_p": 0.0, "xtc": 0.0, "temperature": 1.0}
-SETTING = {"typ_p": "typical_p", "xtc": "xtc_probability"}
-OFF = {"top_n_sigma": lambda v: v <= 0, "typ_p": lambda v: v >= 1, "xtc": lambda v: v <= 0}  # else: NEUTRAL's value
+SETTING = {kind: name for kind, (name, _) in FILTERS_OFF.items()}
 NEUTRAL_PENALTIES = {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 PENALTY_FIELDS = ("repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n")
 
@@ -63,7 +62,8 @@ def is_active(kind: str, settings: dict, shape, default_constraints: Constraints
         base = default_constraints or Constraints()
         return Constraints(**{name: shape.constraints.get(name, getattr(base, name))
                               for name in PENALTY_FIELDS}).penalises
-    return not OFF.get(kind, lambda value: value == NEUTRAL[kind])(settings[kind])
+    is_off = FILTERS_OFF[kind][1] if kind in FILTERS_OFF else lambda value: value == NEUTRAL[kind]
+    return not is_off(settings[kind])
 
 
 def commute(first: str, then: str, temperature: float) -> bool:
