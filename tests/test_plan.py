@@ -335,25 +335,37 @@ def test_plan_output_says_speeds_are_estimates(tiny_pair, monkeypatch):
 
 @pytest.mark.slow
 def test_cpu_speed_estimate_is_within_2x_of_the_demo_target_alone():
+    """The machine is shared: the copy bandwidth the estimate rests on and the decode it is checked
+    against are measured together, fresh, and up to three times a few seconds apart. Interference only
+    adds time, so one attempt within 2x shows the estimate is (a CI run once measured the decode at
+    6.8 tok/s against 10-13 on the same CPU quiet, with the bandwidth measured minutes before)."""
     import time
 
     from conftest import demo_pair_paths
     from ggufspec import SpeculativeDecoder
     target = demo_pair_paths()[0]
     shape = P.read_shape(target)
-    estimate = 1 / P.token_seconds(shape, P.placement(shape, 0, 512), None, P.detect_ram())
+    ratios = []
     with SpeculativeDecoder(target, n_ctx=512) as decoder:
         tokens = decoder.tokenize("def quicksort(arr):")
         decoder.target.decode(tokens, n_logits=1)
-        base, samples = decoder.target.n_past, []
-        for _ in range(8):
-            t0 = time.perf_counter()
-            decoder.target.decode(tokens[:1], n_logits=1)
-            samples.append(time.perf_counter() - t0)
-            decoder.target.keep(base)
-    measured = 1 / min(samples[1:])  # the first pays for the graph; interference only adds time
-    print(f"CPU estimate {estimate:.1f} tok/s, measured {measured:.1f}")
-    assert 0.5 < estimate / measured < 2
+        base = decoder.target.n_past
+        for attempt in range(3):
+            time.sleep(2 * attempt)
+            samples = []
+            for _ in range(8):
+                t0 = time.perf_counter()
+                decoder.target.decode(tokens[:1], n_logits=1)
+                samples.append(time.perf_counter() - t0)
+                decoder.target.keep(base)
+            P.measure_ram_bandwidth.cache_clear()
+            estimate = 1 / P.token_seconds(shape, P.placement(shape, 0, 512), None, P.detect_ram())
+            measured = 1 / min(samples[1:])  # the first pays for the graph
+            print(f"CPU estimate {estimate:.1f} tok/s, measured {measured:.1f}")
+            ratios.append(estimate / measured)
+            if 0.5 < ratios[-1] < 2:
+                break
+    assert 0.5 < ratios[-1] < 2, ratios
 
 
 # ---------------------------------------------------------------- measured costs, traces, and what the draft is worth
