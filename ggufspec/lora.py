@@ -85,6 +85,12 @@ def check_exact(adapters: Sequence[tuple[str, float]]) -> None:
                             "with llamafile's kernels, single tokens without; use --strict for bit identity")
 
 
+def check_rescale_exact(llm, scales: Sequence[float], verification: str) -> None:
+    """check_exact for `llm`'s adapters at `scales`, where the verification is --exact."""
+    if verification == "exact":
+        check_exact([(a.path, scale) for a, scale in zip(adapters_of(llm), scales)])
+
+
 def attach(llm: llama_cpp.Llama, adapters: Sequence[tuple[str, float]]) -> tuple[LoraAdapter, ...]:
     """Load `adapters` for `llm`'s model and set them on its context. On failure `llm` is closed (its
     model freed) and the reason is one line."""

@@ -29,7 +29,7 @@ from .checks import check_generation_args, check_token_ids
 from .costs import Costs
 from .errors import CacheFullError, GgufspecError
 from .lockstep import TARGET, DecodeCounts, Lockstep
-from .lora import adapters_of, check_exact, rescale, scales_of
+from .lora import check_rescale_exact, rescale, scales_of
 from .native import Context, common_prefix_length
 
 
@@ -158,8 +158,7 @@ class Slots:
         runs, with every cached prompt dropped (`_rescale`). The Python API's way; the server's requests
         give theirs to `use`."""
         scales = tuple(map(float, scales))
-        if self.decoder.verification == "exact":
-            check_exact([(a.path, scale) for a, scale in zip(adapters_of(self.decoder.target_llm), scales)])
+        check_rescale_exact(self.decoder.target_llm, scales, self.decoder.verification)
         with self._free:
             self._free.wait_for(lambda: not any(slot.busy for slot in self.slots))
             if scales != scales_of(self.decoder.target_llm):
@@ -275,9 +274,11 @@ class Slots:
         return freed
 
     def describe(self) -> list[dict]:
-        """Each slot as llama-server's /slots shows it (the fields ggufspec has)."""
+        """Each slot as llama-server's /slots shows it (the fields ggufspec has). The LoRA scales are the
+        context's now, which all slots share (what the slots generate and cache was computed under them)."""
+        lora = [{"id": i, "scale": scale} for i, scale in enumerate(scales_of(self.decoder.target_llm))]
         return [{"id": slot.index, "is_processing": slot.busy, "n_ctx": slot.target.n_ctx,
-                 "n_cached": slot.target.n_past,
+                 "n_cached": slot.target.n_past, "lora": lora,
                  "last": slot.last_stats.to_dict() if slot.last_stats is not None else None}
                 for slot in self.slots]
 

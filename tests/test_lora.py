@@ -374,8 +374,17 @@ def test_lora_init_without_apply_serves_without_the_adapters_until_post_sets_the
         assert [a["scale"] for a in httpx.get(server.url + "/lora-adapters", timeout=10).json()] == [0.0]
         assert complete() == bare
         assert complete(lora=[{"id": 0, "scale": 1.0}]) == adapted
+        def fingerprints():  # /props's, and an answer's to a request without `lora`
+            answer = httpx.post(server.url + "/v1/completions", json={"prompt": "the", "max_tokens": 1}, timeout=60)
+            return httpx.get(server.url + "/props", timeout=10).json()["system_fingerprint"], \
+                answer.json()["system_fingerprint"]
+        bare_prints = fingerprints()
         assert httpx.post(server.url + "/lora-adapters", json=[{"id": 0, "scale": 1}], timeout=10).status_code == 200
         assert complete() == adapted
+        adapted_prints = fingerprints()  # /props's follows the scales posted, as the answers' do
+        slots = httpx.get(server.url + "/slots", timeout=10).json()
+        assert slots and all(slot["lora"] == [{"id": 0, "scale": 1.0}] for slot in slots)
+        assert bare_prints[0] == bare_prints[1] != adapted_prints[0] == adapted_prints[1]
 
 
 def test_in_the_unified_cache_no_prompt_is_reused_across_scales(tiny_pair, adapters, tmp_path):

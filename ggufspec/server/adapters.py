@@ -14,7 +14,7 @@ import json
 from fastapi import FastAPI, Request
 
 from ..errors import GgufspecError
-from ..lora import adapters_of, check_exact
+from ..lora import adapters_of, check_rescale_exact
 from .errors import APIError
 
 
@@ -41,11 +41,10 @@ def requested_scales(requested, decoder, param: str = "lora") -> tuple[float, ..
             raise APIError(400, f"{param}: the scale of adapter {index} must be a finite number, got {scale!r}",
                            code="invalid_value", param=param)
         scales[index] = float(scale)
-    if getattr(decoder, "verification", "batch") == "exact":  # as at start: --exact refuses what it cannot keep exact
-        try:
-            check_exact([(a.path, scale) for a, scale in zip(adapters, scales)])
-        except GgufspecError as exc:
-            raise APIError(400, f"{param}: {exc}", code="unsupported_parameter", param=param) from None
+    try:  # as at start: --exact refuses what it cannot keep exact
+        check_rescale_exact(decoder.target_llm, scales, getattr(decoder, "verification", "batch"))
+    except GgufspecError as exc:
+        raise APIError(400, f"{param}: {exc}", code="unsupported_parameter", param=param) from None
     return tuple(scales)
 
 

@@ -140,8 +140,8 @@ def create_app(decoder, *, model_name: str, defaults: dict | None = None, api_ke
         app.mount("/static", StaticFiles(packages=[("ggufspec", "static")]), name="static")
 
     @app.get("/props")
-    async def props_endpoint():
-        return props
+    async def props_endpoint():  # the fingerprint of requests without `lora` follows POST /lora-adapters
+        return {**props, "system_fingerprint": serving.fingerprint_for(engine.lora_scales or None)}
 
     @app.post("/props")
     async def change_props():
