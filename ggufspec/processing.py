@@ -1,18 +1,19 @@
 """The target's decision at each position (`TargetJudge`): what its logits go through before a choice,
 the choice (greedy, or speculative sampling's rejection rule), and the log-probabilities reported.
 
-    raw logits --logit_bias--> --penalties--> --grammar--> processed logits
+    raw logits --logit_bias--> --penalties--> --DRY--> --grammar--> processed logits
         processed --filters (top-k, top-p, min-p, temperature: `sampling`)--> the sampling distribution
         processed --log-softmax--> the logprobs reported (OpenAI reports the model's, not the filtered)
 
-The order is llama.cpp's sampler chain (logit bias, penalties, then the grammar masks what it forbids).
+The order is llama.cpp's sampler chain (logit bias, penalties, DRY, then the grammar masks what it forbids).
 
 Why speculation stays lossless: the processed logits at a position depend on the sequence before it
-(penalties count it, the grammar has walked it). In a verification batch the target's row i was
-computed after the accepted draft tokens 0..i-1, and `TargetProcessor` is advanced by exactly those
-tokens, in order, before it processes row i (it never sees a rejected one: `accept` is only called for
-tokens that are kept). So row i is processed exactly as it would be by the target alone with that
-history, and a draft token the grammar forbids has probability 0 there: it is rejected.
+(penalties count it, DRY scans it, the grammar has walked it). In a verification batch the target's row
+i was computed after the accepted draft tokens 0..i-1; the penalties and DRY are given that history, and
+`TargetProcessor` is advanced by exactly those tokens, in order, before it processes row i (it never
+sees a rejected one: `accept` is only called for tokens that are kept). So row i is processed exactly
+as it would be by the target alone with that history, and a draft token the grammar forbids has
+probability 0 there: it is rejected.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .dry import DEFAULT_BREAKERS, Dry
 from .errors import GgufspecError
 from .grammar import Grammar, check_trigger_pattern
 from .sampling import Draws, SamplingParams, distribution, greedy_token
@@ -42,6 +44,11 @@ class Constraints:
     presence_penalty: float = 0.0    # minus this, once, for each token in the window
     repeat_penalty: float = 1.0      # llama.cpp's: positive logits divided by it, negative multiplied
     repeat_last_n: int = 64          # the penalties' window over the sequence, prompt included (-1: all)
+    dry_multiplier: float = 0.0      # llama.cpp's DRY (`dry`): multiplier * base^(repeat - allowed) off a
+    dry_base: float = 1.75           # logit that would extend a repeat longer than dry_allowed_length (0: off)
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64     # the window DRY scans, prompt included (-1: the whole context, 0: off)
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS  # a repeat across one of these is no repeat
     grammar: str | None = None       # GBNF text
     grammar_root: str = "root"
     grammar_patterns: tuple[str, ...] = ()      # lazy grammar: regexes over the output that switch it on
@@ -63,6 +70,7 @@ class Constraints:
             raise GgufspecError(f"repeat_penalty must be > 0 (1 disables it), got {self.repeat_penalty}")
         if self.repeat_last_n < -1:
             raise GgufspecError(f"repeat_last_n must be >= -1 (-1: the whole sequence, 0: off), got {self.repeat_last_n}")
+        self._check_dry()
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
                 raise GgufspecError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
@@ -72,11 +80,12 @@ class Constraints:
     def _check_types(self) -> None:
         real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
         whole = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)
-        for name in ("frequency_penalty", "presence_penalty", "repeat_penalty"):
+        for name in ("frequency_penalty", "presence_penalty", "repeat_penalty", "dry_multiplier", "dry_base"):
             if not real(getattr(self, name)):
                 raise GgufspecError(f"{name} must be a number, got {getattr(self, name)!r}")
-        if not whole(self.repeat_last_n):
-            raise GgufspecError(f"repeat_last_n must be a whole number, got {self.repeat_last_n!r}")
+        for name in ("repeat_last_n", "dry_allowed_length", "dry_penalty_last_n"):
+            if not whole(getattr(self, name)):
+                raise GgufspecError(f"{name} must be a whole number, got {getattr(self, name)!r}")
         if not isinstance(self.logit_bias, Mapping) or not all(real(v) for v in self.logit_bias.values()):
             raise GgufspecError("logit_bias must map token ids to numbers ({id: bias}), got "
                                 f"{self.logit_bias!r:.80}")
@@ -94,6 +103,26 @@ class Constraints:
         if not all(whole(t) and t >= 0 for t in self.grammar_trigger_tokens):
             raise GgufspecError(f"grammar_trigger_tokens must be token ids, got {self.grammar_trigger_tokens!r}")
 
+    def _check_dry(self) -> None:
+        if not math.isfinite(self.dry_multiplier):
+            raise GgufspecError(f"dry_multiplier must be a finite number (0: off), got {self.dry_multiplier}")
+        if not (math.isfinite(self.dry_base) and self.dry_base >= 1):
+            raise GgufspecError(f"dry_base must be a number >= 1, got {self.dry_base}")
+        if self.dry_allowed_length < 0:
+            raise GgufspecError(f"dry_allowed_length must be >= 0, got {self.dry_allowed_length}")
+        if self.dry_penalty_last_n < -1:
+            raise GgufspecError(f"dry_penalty_last_n must be >= -1 (-1: the whole context, 0: off), got "
+                                f"{self.dry_penalty_last_n}")
+        breakers = self.dry_sequence_breakers
+        if isinstance(breakers, str) or not all(isinstance(b, str) for b in breakers):
+            raise GgufspecError(f"dry_sequence_breakers must be a list of texts, got {breakers!r:.80}")
+        object.__setattr__(self, "dry_sequence_breakers", tuple(breakers))
+
+    @property
+    def drys(self) -> bool:
+        """Whether DRY is on (llama.cpp's: a multiplier other than 0 and a window)."""
+        return self.dry_multiplier != 0 and self.dry_penalty_last_n != 0
+
     @property
     def penalises(self) -> bool:
         return self.repeat_last_n != 0 and (self.frequency_penalty != 0 or self.presence_penalty != 0
@@ -101,8 +130,13 @@ class Constraints:
 
     @property
     def active(self) -> bool:
-        return (bool(self.logit_bias) or self.penalises or self.grammar is not None or self.ignore_eos
+        return (bool(self.logit_bias) or self.penalises or self.drys or self.grammar is not None or self.ignore_eos
                 or self.tracks_thinking)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether processing a row reads the sequence before it (the penalties count it, DRY scans it)."""
+        return self.penalises or self.drys
 
     @property
     def tracks_thinking(self) -> bool:
@@ -130,21 +164,26 @@ class TargetProcessor:
     """One generation's processing of the target's logits: `apply(row, history)` for the position after
     `history`, then `accept(token)` for the token kept there (see the module's note on order)."""
 
-    def __init__(self, constraints: Constraints, vocab, n_vocab: int, thinking: ThinkingBlock | None = None):
+    def __init__(self, constraints: Constraints, vocab, n_vocab: int, thinking: ThinkingBlock | None = None,
+                 dry: Dry | None = None):
         self.constraints = constraints
         self.n_vocab = n_vocab
+        self.dry = dry  # the target's sequence's DRY sampler, where DRY is on
         self._bias = _bias_vector(constraints.logit_bias, n_vocab)
         self._grammar = Grammar(vocab, constraints) if constraints.grammar is not None else None
         self.thinking = thinking  # the <think> block's state: its budget, where the grammar applies
         self._at_start = True  # no token of the answer kept yet
 
-    def biased(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """A copy of the row (of up to n_vocab entries) with the logit bias and penalties applied."""
+    def biased(self, logits: np.ndarray, history: Sequence[int], dry: Dry | None = None) -> np.ndarray:
+        """A copy of the row (of up to n_vocab entries) with the logit bias, penalties and DRY applied
+        (`dry`: another sequence's sampler than the target's, a draft's walk ahead)."""
         out = logits.astype(np.float32, copy=True)
         if self._bias is not None:
             out += self._bias[:len(out)]
         if self.constraints.penalises:
             _penalise(out, history, self.constraints)
+        if self.dry is not None:
+            (dry or self.dry).apply(out, history)
         return out
 
     def forbids(self, token: int) -> bool:
@@ -219,6 +258,8 @@ class TargetProcessor:
         if self._grammar is not None:
             self._grammar.close()
             self._grammar = None
+        if self.dry is not None:
+            self.dry.close()
 
 
 def _bias_vector(logit_bias: Mapping[int, float], n_vocab: int) -> np.ndarray | None:
@@ -268,8 +309,9 @@ class TargetJudge:
             constraints = replace(constraints, logit_bias={**constraints.logit_bias, **ended}, ignore_eos=False)
         active = constraints is not None and constraints.active
         thinking = thinking_block(target, constraints, prompt) if active else None
-        self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab, thinking) if active else None
-        self.needs_history = active and constraints.penalises
+        dry = _dry_sampler(target, constraints) if active and constraints.drys else None
+        self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab, thinking, dry) if active else None
+        self.needs_history = active and constraints.reads_history
         # how many of the best tokens must be exact: all for logprobs and unfiltered sampling
         self._top_n = 0 if n_logprobs is not None else 1 if params.greedy else params.top_k
 
@@ -298,6 +340,13 @@ class TargetJudge:
     def close(self) -> None:
         if self.processor is not None:
             self.processor.close()
+
+
+def _dry_sampler(target, c: Constraints) -> Dry:
+    """The generation's DRY sampler over the target's vocabulary (a window of -1: the whole context)."""
+    window = target.n_ctx if c.dry_penalty_last_n == -1 else c.dry_penalty_last_n
+    return Dry.for_model(target.llm, target.vocab, c.dry_multiplier, c.dry_base, c.dry_allowed_length, window,
+                         c.dry_sequence_breakers)
 
 
 def thinking_block(target, c: Constraints, prompt: Sequence[int]) -> ThinkingBlock | None:
@@ -334,6 +383,7 @@ class DraftGuide:
         self._top_n = 1 if params.greedy else params.top_k
         self._grammar: Grammar | None = None
         self._thinking: ThinkingBlock | None = None
+        self._dry = processor.dry.clone() if processor.dry is not None else None  # the draft's sequence's
 
     def fits(self, n_vocab: int) -> bool:
         """Whether a drafter with this vocabulary shares the target's ids (a bridged draft's is smaller)."""
@@ -341,8 +391,8 @@ class DraftGuide:
 
     @property
     def needs_history(self) -> bool:
-        """Whether `apply` reads the sequence (the penalties count it); else any history will do."""
-        return self.processor.constraints.penalises
+        """Whether `apply` reads the sequence (the penalties count it, DRY scans it); else any history will do."""
+        return self.processor.constraints.reads_history
 
     def __enter__(self) -> DraftGuide:
         self._grammar = self.processor.grammar_copy()
@@ -357,7 +407,7 @@ class DraftGuide:
 
     def apply(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray | None:
         """The draft's guided row, or None where the grammar allows none of its tokens."""
-        out = self.processor.biased(logits, history)
+        out = self.processor.biased(logits, history, self._dry)
         if self._thinking is not None and self._thinking.forced_token() is not None:
             self._thinking.restrict(out)  # (`accept` stops there if the grammar forbids it)
         elif self._grammar is not None and self._top_n > 0 and self.processor.grammar_applies(self._thinking):

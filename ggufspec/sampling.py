@@ -9,6 +9,7 @@ llama.cpp's and still one seeded draw per position.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,8 +29,9 @@ SAMPLER_NAMES = {**{name: name for name in SAMPLER_LETTERS.values()},
                  **{name.replace("_", "-"): name for name in SAMPLER_LETTERS.values() if "_" in name},
                  **{name.replace("_", ""): name for name in SAMPLER_LETTERS.values() if "_" in name},
                  "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
-# ggufspec's samplers, in the order it applies them (llama.cpp's default order, DRY left out)
-CHAIN = ("penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+# ggufspec's samplers, in the order it applies them (llama.cpp's default order; the penalties and DRY
+# act on the logits, `processing`, the others here)
+CHAIN = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class SamplingParams:
     top_n_sigma: float = -1.0      # --top-nsigma (<= 0: off)
     xtc_probability: float = 0.0   # --xtc-probability (0: off)
     xtc_threshold: float = 0.1     # --xtc-threshold (above 0.5: off)
+    dynatemp_range: float = 0.0    # --dynatemp-range: the temperature in [temp - range, temp + range] (0: off)
+    dynatemp_exponent: float = 1.0  # --dynatemp-exp: how the entropy maps into that range
 
     def __post_init__(self):
         for name, value, kinds in (("temperature (--temp)", self.temperature, REALS), ("top_k", self.top_k, INTEGERS),
@@ -55,6 +59,8 @@ class SamplingParams:
         for name in LLAMACPP_FILTERS:
             if not np.isfinite(getattr(self, name)):
                 raise GgufspecError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.dynatemp_exponent < 0:
+            raise GgufspecError(f"--dynatemp-exp must be >= 0, got {self.dynatemp_exponent}")
         if self.typical_p < 0:
             raise GgufspecError(f"--typical must be >= 0 (1: off), got {self.typical_p}")
         if not 0 <= self.xtc_probability <= 1:
@@ -76,10 +82,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        """No temperature above 0 is possible (llama.cpp's temp_ext: dynamic ones up to temp + range)."""
+        return self.temperature + max(self.dynatemp_range, 0.0) <= 0
 
 
-LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent")
 # llama.cpp's filters ggufspec took on later, by their chain names: (their setting, whether a value leaves them off)
 FILTERS_OFF = {"top_n_sigma": ("top_n_sigma", lambda v: v <= 0), "typ_p": ("typical_p", lambda v: v >= 1),
                "xtc": ("xtc_probability", lambda v: v <= 0)}
@@ -115,13 +122,29 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         n_keep = min(n_keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
     candidates, kept = candidates[:n_keep], kept[:n_keep]
     result = np.zeros(n_vocab)
-    result[candidates] = _softmax(kept / params.temperature)
+    result[candidates] = _tempered(kept, params)
     cut = _xtc_cut(kept, params) if params.xtc_probability > 0 else 0
     if cut:  # llama.cpp's XTC, which happens with probability P: the mixture (1 - P) p + P p_cut
         chance = min(params.xtc_probability, 1.0)
         result *= 1 - chance
-        result[candidates[cut:]] += chance * _softmax(kept[cut:] / params.temperature)
+        result[candidates[cut:]] += chance * _tempered(kept[cut:], params)
     return result
+
+
+def _tempered(kept: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The probabilities of the tokens left (logits best first) at the temperature: the fixed one, or
+    llama.cpp's dynamic one (temp_ext): T = T_min + (T_max - T_min) (H / log n)^exponent, with H the
+    entropy of the tokens left at temperature 1, n how many they are, [T_min, T_max] = [max(0, temp -
+    range), temp + range]. A temperature of 0 leaves the best token alone."""
+    temperature = params.temperature
+    if params.dynatemp_range > 0 and len(kept) > 1:
+        probs = _softmax(kept)
+        entropy = -float(np.sum(probs[probs > 0] * np.log(probs[probs > 0])))
+        low, high = max(0.0, temperature - params.dynatemp_range), temperature + params.dynatemp_range
+        temperature = low + (high - low) * (entropy / math.log(len(kept))) ** params.dynatemp_exponent
+    if temperature <= 0:
+        return np.eye(1, len(kept))[0]
+    return _softmax(kept / temperature)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

@@ -150,12 +150,18 @@ def exact_first_and_next_two(path, prompt: list[int], params, **llama_options) -
 def draw_samples(decoder, prompt, params, k, draws) -> list[tuple]:
     """`draws` seeded generations, each long enough for a step of k drafts after the first token."""
     chain = {name: getattr(params, name) for name in ("temperature", "top_k", "top_p", "min_p", *LLAMACPP_FILTERS)}
-    return [tuple(decoder.generate(prompt, n_predict=k + 3, n_draft=k, seed=seed, **chain).tokens)
-            for seed in range(draws)]
+    return [sample_of(decoder.generate(prompt, n_predict=k + 3, n_draft=k, seed=seed, **chain)) for seed in range(draws)]
+
+
+def sample_of(generation, end: int = 2) -> tuple:
+    """A generation's tokens as an outcome of the exact joint: where it ended at an end-of-generation
+    token (left out of its tokens), that token counts too (`end`: the tiny vocabulary's </s>)."""
+    return tuple(generation.tokens) + ((end,) if generation.stats.stop_reason == "eos" else ())
 
 
 def sampling_pvalues(samples: list[tuple], p1: np.ndarray, x: int, joint: dict) -> tuple[float, float]:
     """Chi-square p-values of the first tokens against p1, and of (second, third) where the first is x."""
+    joint = _ending(joint)
     first, pairs = {}, {}
     for tokens in samples:
         first[tokens[0]] = first.get(tokens[0], 0) + 1
@@ -164,6 +170,16 @@ def sampling_pvalues(samples: list[tuple], p1: np.ndarray, x: int, joint: dict) 
     expected_first = {int(t): float(p1[t]) for t in np.flatnonzero(p1)}
     return (chi_square_pvalue(first, expected_first, len(samples)),
             chi_square_pvalue(pairs, joint, sum(pairs.values())))
+
+
+def _ending(joint: dict, end: int = 2) -> dict:
+    """The joint with every pair whose first token ends the generation as that token alone (nothing
+    follows an end: `sample_of` gives such a generation's outcome as (end,))."""
+    collapsed = {}
+    for pair, prob in joint.items():
+        key = (end,) if pair[0] == end else pair
+        collapsed[key] = collapsed.get(key, 0.0) + prob
+    return collapsed
 
 
 def stops_at_call(n: int):

@@ -14,7 +14,7 @@ from ggufspec import SamplingParams
 from ggufspec.errors import GgufspecError
 from ggufspec.processing import Constraints, Grammar, TargetJudge, log_softmax
 from ggufspec.sampling import distribution
-from reference import chi_square_pvalue, differs_at_near_tie, first_difference, prompts
+from reference import differs_at_near_tie, first_difference, prompts, sample_of, sampling_pvalues
 
 # stateful on purpose: a determiner, then a noun, again and again (a grammar that forgot what it
 # accepted would allow determiners only)
@@ -133,9 +133,10 @@ SAMPLED = Constraints(logit_bias={265: 3.0, 266: -2.0}, frequency_penalty=1.0, p
                       repeat_penalty=1.5, grammar=WORDS_GRAMMAR)
 
 
-def exact_processed(llm, params, c: Constraints):
-    """p(first) and p(first, second) of the target alone after the constraints."""
+def exact_processed(llm, params, c: Constraints, before: tuple[int, ...] = ()):
+    """p(first) and p(first, second) of the target alone after the constraints, the prompt and `before`."""
     def dist_after(prefix):
+        prefix = list(before) + prefix
         llm.reset()
         llm.eval(PROMPT + prefix)
         grammar = Grammar(llm._model.vocab, c)
@@ -155,16 +156,20 @@ def exact_processed(llm, params, c: Constraints):
 
 @pytest.mark.parametrize("k, top_k", [(1, 0), (3, 0), (3, 2)])  # top-k: the grammar checks the best few first
 def test_sampling_matches_the_constrained_target(tiny_decoder, plain_target, k, top_k):
+    """The first token (the prompt's batch decides it) against p, and the next two, which a step of drafts
+    decides, against p(second, third) given the likeliest first (reference.sampling_pvalues)."""
     params = SamplingParams(temperature=1.5, top_k=top_k, top_p=1.0, min_p=0.0)
-    p1, joint = exact_processed(plain_target, params, SAMPLED)
-    first, pairs = Counter(), Counter()
+    p1, _ = exact_processed(plain_target, params, SAMPLED)
+    x = int(np.argmax(p1))
+    _, joint = exact_processed(plain_target, params, SAMPLED, (x,))
+    samples, drafted = [], 0
     for seed in range(DRAWS):
-        tokens = tiny_decoder.generate(PROMPT, n_predict=2, n_draft=k, temperature=1.5, top_k=top_k, top_p=1.0,
-                                       min_p=0.0, seed=seed, constraints=SAMPLED).tokens
-        first[tokens[0]] += 1
-        pairs[tuple(tokens)] += 1
-    assert chi_square_pvalue(first, {int(t): float(p1[t]) for t in np.flatnonzero(p1)}, DRAWS) > 1e-3
-    assert chi_square_pvalue(pairs, joint, DRAWS) > 1e-3
+        got = tiny_decoder.generate(PROMPT, n_predict=k + 3, n_draft=k, temperature=1.5, top_k=top_k, top_p=1.0,
+                                    min_p=0.0, seed=seed, constraints=SAMPLED)
+        samples.append(sample_of(got))
+        drafted += got.stats.n_drafted
+    assert drafted > DRAWS
+    assert min(sampling_pvalues(samples, p1, x, joint)) > 1e-3
 
 
 # ---------------------------------------------------------------- bad input, one line each

@@ -1,8 +1,8 @@
 """llama.cpp's sampler flags for samplers ggufspec lacks, and its chain's order, on run, chat and serve:
 their off values taken (the command goes on to the model), a value that turns one on, or a chain in
-another order than ggufspec's, refused in one line before anything loads. --typical, --top-nsigma and
---xtc-* are ggufspec's own samplers now (tests/test_llamacpp_samplers.py): a chain may leave them out
-where they are off; a bad value is one line."""
+another order than ggufspec's, refused in one line before anything loads. --typical, --top-nsigma,
+--xtc-*, --dynatemp-* and --dry-* are ggufspec's own samplers now (tests/test_llamacpp_samplers.py,
+tests/test_dry.py): a chain may leave them out where they are off; a bad value is one line."""
 from __future__ import annotations
 
 import pytest
@@ -31,6 +31,9 @@ def invoke(command: str, *flags: str):
     ["--sampling-seq", "edkypmxt"],
     ["--typical", "0.9", "--top-nsigma", "1.5", "--xtc-probability", "0.5", "--xtc-threshold", "0.2"],
     ["--typical", "0.9", "--samplers", "penalties;top_k;typ_p;top_p;min_p;temperature"],
+    ["--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3", "--dry-penalty-last-n", "-1",
+     "--dry-sequence-breaker", ":", "--dry-sequence-breaker", "end"],
+    ["--dynatemp-range", "0.5", "--dynatemp-exp", "2", "--samplers", "penalties;dry;top_k;top_p;min_p;temperature"],
 ])
 def test_off_values_and_the_default_chain_are_taken(command, flags):
     said = invoke(command, *flags).stderr
@@ -44,8 +47,11 @@ def test_off_values_and_the_default_chain_are_taken(command, flags):
     (["--typical", "-0.5"], "--typical must be >= 0"),
     (["--xtc-probability", "2"], "--xtc-probability must be in [0, 1]"),
     (["--top-nsigma", "nan"], "top_n_sigma must be a finite number"),
-    (["--dry-multiplier", "0.8"], "no DRY"),
-    (["--dynatemp-range", "0.5"], "no dynamic temperature"),
+    (["--dry-multiplier", "0.8", "--samplers", "penalties;top_k;top_p;min_p;temperature"], "all and in that order"),
+    (["--dry-base", "0.5"], "dry_base must be a number >= 1"),
+    (["--dry-penalty-last-n", "-3"], "dry_penalty_last_n must be >= -1"),
+    (["--dry-sequence-breaker", "none", "--dry-sequence-breaker", ":"], "none means no breakers"),
+    (["--dynatemp-exp", "-1"], "--dynatemp-exp must be >= 0"),
     (["--adaptive-target", "0.3"], "no adaptive-p"),
     (["--min-keep", "5"], "no min-keep above 1"),
     (["--sampling-seq", "kt"], "all and in that order"),

@@ -358,7 +358,7 @@ def test_an_answer_cut_short_by_the_shutdown_says_so(chat_pair, tmp_path):
 
 # ---------------------------------------------------------------- llama.cpp's samplers ggufspec lacks
 
-@pytest.mark.parametrize("field, on, off", [("mirostat", 2, 0), ("dynatemp_range", 0.5, 0.0), ("dry_multiplier", 0.8, 0.0)])
+@pytest.mark.parametrize("field, on, off", [("mirostat", 2, 0)])
 def test_a_sampler_ggufspec_lacks_is_refused_when_on_not_ignored(server, field, on, off):
     """An answer from another distribution than the one asked for would look like the one asked for."""
     for path, body in (("/completion", {"prompt": "the cat", "n_predict": 2}),
@@ -369,19 +369,29 @@ def test_a_sampler_ggufspec_lacks_is_refused_when_on_not_ignored(server, field, 
     assert field in anthropic_error(post(server, "/v1/messages", {"messages": [HI], "max_tokens": 2, field: on}))["message"]
 
 
-def test_typical_top_n_sigma_and_xtc_are_taken_and_bad_values_are_400s(server):
-    """llama.cpp's samplers ggufspec has (tests/test_llamacpp_samplers.py): set per request, shown in the
-    answer's generation_settings; a value out of range is a 400 naming the field."""
-    chain = {"typical_p": 0.9, "top_n_sigma": 1.5, "xtc_probability": 0.5, "xtc_threshold": 0.2}
+def test_typical_top_n_sigma_xtc_dynatemp_and_dry_are_taken_and_bad_values_are_400s(server):
+    """llama.cpp's samplers ggufspec has (tests/test_llamacpp_samplers.py, tests/test_dry.py): set per
+    request, the filters shown in the answer's generation_settings; a value out of range is a 400 naming
+    the field, in Anthropic's shape on /v1/messages."""
+    chain = {"typical_p": 0.9, "top_n_sigma": 1.5, "xtc_probability": 0.5, "xtc_threshold": 0.2,
+             "dynatemp_range": 0.3, "dynatemp_exponent": 2.0}
+    dry = {"dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": -1,
+           "dry_sequence_breakers": ["\n", ":"]}
     for path, body in (("/completion", {"prompt": "the cat", "n_predict": 4, "temperature": 0.8, "seed": 3}),
                        ("/v1/chat/completions", {"messages": [HI], "max_tokens": 4, "temperature": 0.8, "seed": 3})):
-        answer = post(server, path, {**body, **chain})
+        answer = post(server, path, {**body, **chain, **dry})
         assert answer.status_code == 200, answer.text
         if path == "/completion":
             assert {name: answer.json()["generation_settings"][name] for name in chain} == chain
-        for field, bad in (("typical_p", -1.0), ("xtc_probability", 1.5), ("top_n_sigma", "wide")):
+        for field, bad in (("typical_p", -1.0), ("xtc_probability", 1.5), ("top_n_sigma", "wide"),
+                           ("dynatemp_exponent", -1.0), ("dry_base", 0.5), ("dry_allowed_length", -1),
+                           ("dry_penalty_last_n", -2), ("dry_sequence_breakers", []),
+                           ("dry_sequence_breakers", "\n"), ("dry_multiplier", "much")):
             error = openai_error(post(server, path, {**body, field: bad}))
             assert field in error["message"] and "\n" not in error["message"], error
+    messages = {"messages": [HI], "max_tokens": 4, "temperature": 0.8, **dry, "dynatemp_range": 0.3}
+    assert post(server, "/v1/messages", messages).status_code == 200
+    assert "dry_base" in anthropic_error(post(server, "/v1/messages", {**messages, "dry_base": 0.2}))["message"]
 
 
 def test_ignore_eos_generates_past_the_end_of_generation_tokens(server):

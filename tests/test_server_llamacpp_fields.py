@@ -82,6 +82,8 @@ def test_a_sampler_left_out_is_not_applied(server):
     ("ektp", {}, "puts temperature before top_p"),      # top_p of the tempered distribution
     ("ketpm", {"temperature": 0}, "puts top_k before penalties"),  # greedy too: the penalties pick another best
     ("eppt", {}, "lists top_p twice"),
+    ("dekt", {"dry_multiplier": 0.8}, "puts dry before penalties"),  # both change the logits: not the same
+    ("tkpm", {"dynatemp_range": 0.5}, "puts temperature before top_k"),  # its entropy over what is left
     ("ektt", {}, "lists temperature twice"),
 ])
 def test_an_order_that_gives_another_distribution_is_refused(server, samplers, extra, says):
@@ -89,6 +91,19 @@ def test_an_order_that_gives_another_distribution_is_refused(server, samplers, e
     assert says in message, message
     chat = {"messages": [HI], "max_tokens": 2, "temperature": SAMPLED["temperature"], "samplers": samplers, **extra}
     assert says in refusal(post(server, "/v1/chat/completions", chat), "samplers")
+
+
+def test_dry_and_dynatemp_follow_the_chain(server):
+    """DRY acts where the chain lists it (the default does) and not where it leaves it out; a dynamic
+    temperature is the temperature sampler's: left out with it."""
+    repeats = {"prompt": "the cat sat on the mat the cat sat on the", "temperature": 0}  # greedy repeats one token
+    dry = {**repeats, "dry_multiplier": 3.0, "dry_allowed_length": 1}
+    plain = tokens(server, samplers="kpmt", **repeats)  # without the server's penalties either
+    assert tokens(server, samplers="dkpmt", **dry) != plain
+    assert tokens(server, samplers="kpmt", **dry) == plain
+    assert tokens(server, samplers="edkpmt", **dry) == tokens(server, **dry)
+    assert tokens(server, dynatemp_range=1.5) != tokens(server)
+    assert tokens(server, samplers="ekpm", dynatemp_range=1.5) == tokens(server, samplers="ekpm")
 
 
 def test_an_order_that_gives_the_same_distribution_passes(server):

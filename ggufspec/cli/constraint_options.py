@@ -26,6 +26,17 @@ def constraint_options():
                      help="Tokens the penalties look back over (0: off, -1: the whole sequence)."),
         click.option("--presence-penalty", default=Constraints.presence_penalty, help="Presence penalty (0: off)."),
         click.option("--frequency-penalty", default=Constraints.frequency_penalty, help="Frequency penalty (0: off)."),
+        click.option("--dry-multiplier", type=float, default=Constraints.dry_multiplier,
+                     help="DRY: multiplier * base^(length - allowed length) off a token's logit that would extend "
+                          "a repeat (0: off)."),
+        click.option("--dry-base", type=float, default=Constraints.dry_base, help="DRY: the base (>= 1)."),
+        click.option("--dry-allowed-length", type=int, default=Constraints.dry_allowed_length,
+                     help="DRY: repeats up to this long are not penalised."),
+        click.option("--dry-penalty-last-n", type=int, default=Constraints.dry_penalty_last_n,
+                     help="DRY: tokens it scans for repeats (0: off, -1: the whole context)."),
+        click.option("--dry-sequence-breaker", "dry_sequence_breakers", multiple=True, metavar="TEXT",
+                     help="DRY: a repeat across this text is none (repeatable; replaces the defaults \\n : \" *; "
+                          "\"none\": no breakers)."),
         click.option("--ignore-eos", is_flag=True,
                      help="Never end at the model's end-of-generation tokens (a bias of -inf): -n tokens."),
         click.option("--grammar", default=None, help="A GBNF grammar the output must follow."),
@@ -53,8 +64,23 @@ def constraints_from(opts: dict) -> Constraints | None:
                               repeat_penalty=opts.pop("repeat_penalty"), repeat_last_n=opts.pop("repeat_last_n"),
                               presence_penalty=opts.pop("presence_penalty"),
                               frequency_penalty=opts.pop("frequency_penalty"), grammar=grammar,
-                              ignore_eos=opts.pop("ignore_eos"), **reasoning_budget(opts))
+                              ignore_eos=opts.pop("ignore_eos"), **dry(opts), **reasoning_budget(opts))
     return constraints if constraints.active else None
+
+
+def dry(opts: dict) -> dict:
+    """The --dry-* flags as Constraints keywords (consumed from `opts`). --dry-sequence-breaker replaces
+    llama.cpp's default breakers, "none" leaves none, as there."""
+    breakers = tuple(opts.pop("dry_sequence_breakers"))
+    if breakers == ("none",):
+        breakers = ()
+    elif not breakers:
+        breakers = Constraints.dry_sequence_breakers
+    elif "none" in breakers:
+        raise GgufspecError('--dry-sequence-breaker none means no breakers: give it alone, or only texts')
+    return {"dry_multiplier": opts.pop("dry_multiplier"), "dry_base": opts.pop("dry_base"),
+            "dry_allowed_length": opts.pop("dry_allowed_length"), "dry_penalty_last_n": opts.pop("dry_penalty_last_n"),
+            "dry_sequence_breakers": tuple(utf8_text("--dry-sequence-breaker", b) for b in breakers)}
 
 
 def reasoning_budget(opts: dict) -> dict:

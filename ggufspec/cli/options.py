@@ -198,6 +198,11 @@ def generation_options(n_predict: int):
                      help="XTC: the chance that a step removes its likeliest tokens (0: off)."),
         click.option("--xtc-threshold", "xtc_threshold", type=float, default=SamplingParams.xtc_threshold,
                      help="XTC: tokens at least this likely are removed, all but the least of them (above 0.5: off)."),
+        click.option("--dynatemp-range", "dynatemp_range", type=float, default=SamplingParams.dynatemp_range,
+                     help="Dynamic temperature: each step's in [temp - range, temp + range], by the entropy of the "
+                          "tokens left (0: off)."),
+        click.option("--dynatemp-exp", "dynatemp_exponent", type=float, default=SamplingParams.dynatemp_exponent,
+                     help="Dynamic temperature: the exponent the normalised entropy is raised to."),
         click.option("-s", "--seed", type=int, default=None, help="Sampling seed (-1: random) [default: random]."),
         *constraint_options(),
     )

@@ -1,9 +1,9 @@
-"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --mirostat, --dry-*,
---dynatemp-*, --adaptive-*, --min-keep) and its chain's order (--samplers,
+"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --mirostat, --adaptive-*,
+--min-keep) and its chain's order (--samplers,
 --sampling-seq), on run, chat and serve. Their "off" values are what ggufspec does and are taken (a
 pasted command line often spells them out); a value that would turn one on is refused in one line, as
 the answer would come from another distribution than the one asked for. A setting that acts only inside
-a sampler (--mirostat-lr, --dry-base...) is taken: with its sampler off it changes
+a sampler (--mirostat-lr, --adaptive-decay...) is taken: with its sampler off it changes
 nothing, in llama.cpp too."""
 from __future__ import annotations
 
@@ -15,18 +15,15 @@ from ..errors import GgufspecError
 from ..sampling import CHAIN, FILTERS_OFF, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
 from .options import options
 
-HAD = ("ggufspec's samplers are the penalties, top-n-sigma, top-k, typical, top-p, min-p, XTC and "
-       "temperature")
+HAD = ("ggufspec's samplers are the penalties, DRY, top-n-sigma, top-k, typical, top-p, min-p, XTC and "
+       "temperature (dynamic too)")
 # (flags, the param, whether a value leaves the sampler off, what it is)
 SWITCHES = [
     (("--mirostat",), "mirostat", lambda v: v == 0, "Mirostat"),
-    (("--dry-multiplier",), "dry_multiplier", lambda v: v <= 0, "DRY"),
-    (("--dynatemp-range",), "dynatemp_range", lambda v: v <= 0, "dynamic temperature"),
     (("--adaptive-target",), "adaptive_target", lambda v: v < 0, "adaptive-p"),
     (("--min-keep",), "min_keep", lambda v: v <= 1, "min-keep above 1"),
 ]
-INNER = [("--mirostat-lr",), ("--mirostat-ent",), ("--dry-base",), ("--dry-allowed-length",),
-         ("--dry-penalty-last-n",), ("--dry-sequence-breaker",), ("--dynatemp-exp",), ("--adaptive-decay",)]
+INNER = [("--mirostat-lr",), ("--mirostat-ent",), ("--adaptive-decay",)]
 # llama.cpp's default chain (common.h), by --samplers' names
 DEFAULT_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 FIXED = CHAIN
@@ -44,8 +41,7 @@ def sampler_flags(command):
         check_sampler_flags(kwargs)
         return command(*args, **kwargs)
     made = [click.option(*flags, _param(flags), type=float, default=None, hidden=True) for flags, *_ in SWITCHES]
-    made += [click.option(*flags, _param(flags), default=None, hidden=True, multiple=flags == ("--dry-sequence-breaker",))
-             for flags in INNER]
+    made += [click.option(*flags, _param(flags), default=None, hidden=True) for flags in INNER]
     made += [click.option("--samplers", "sampler_names", default=None, hidden=True),
              click.option("--sampler-seq", "--sampling-seq", "sampler_letters", default=None, hidden=True)]
     return options(*made)(checked)
@@ -64,6 +60,8 @@ def check_sampler_flags(opts: dict) -> None:
     names, letters = opts.pop("sampler_names"), opts.pop("sampler_letters")
     # llama.cpp's samplers ggufspec took on later may be left out of a chain where they are off
     optional = {kind for kind, (name, is_off) in FILTERS_OFF.items() if is_off(opts.get(name, getattr(SamplingParams, name)))}
+    if not opts.get("dry_multiplier"):
+        optional.add("dry")
     if names is not None:
         _check_chain("--samplers", [SAMPLER_NAMES.get(n.strip().lower(), n.strip().lower()) for n in names.split(";")
                                     if n.strip()], optional)
@@ -82,6 +80,6 @@ def _check_chain(flag: str, chain: list[str], optional: set[str]) -> None:
     ours = [kind for kind in chain if kind in FIXED]
     if ours != [kind for kind in FIXED if kind in ours or kind not in optional]:
         raise GgufspecError(f"{flag} {'; '.join(chain)}: ggufspec applies {', '.join(FIXED)}, all and in that order "
-                            f"(top-k 0, top-p 1, min-p 0, --typical 1, --top-nsigma -1, --xtc-probability 0 "
+                            f"(top-k 0, top-p 1, min-p 0, --typical 1, --top-nsigma -1, --xtc-probability 0, --dry-multiplier 0 "
                             f"or --temp 1 turn one off); leave {flag} out "
                             f"(serve: a request's `samplers` is followed as far as it maps)")

@@ -123,11 +123,17 @@ def check_thinking_tags(body: GenerationBody) -> None:
                                 f"{OPEN}...{CLOSE}; leave it out", code="unsupported_parameter", param=name)
 
 
+PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repeat_penalty", "repeat_last_n", "dry_multiplier",
+                  "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+
+
 def penalties(body: GenerationBody) -> dict:
     """frequency/presence penalties (OpenAI's), repeat_penalty and repeat_last_n (llama.cpp's; -1: the
-    whole sequence, as there)."""
-    return {name: getattr(body, name) for name in ("frequency_penalty", "presence_penalty", "repeat_penalty",
-                                                    "repeat_last_n") if getattr(body, name) is not None}
+    whole sequence, as there), and llama.cpp's DRY."""
+    given = {name: getattr(body, name) for name in PENALTY_FIELDS if getattr(body, name) is not None}
+    if "dry_sequence_breakers" in given:
+        given["dry_sequence_breakers"] = tuple(given["dry_sequence_breakers"])
+    return given
 
 
 def logit_bias(bias: dict | list, n_vocab: int, tokenize=None) -> dict[int, float]:

@@ -18,7 +18,7 @@ log = logging.getLogger("ggufspec.server")
 FLAG_TO_FIELD = {"-n/--n-predict": "max_tokens", "--spec-draft-p-min": "speculative.p_min",
                  "--spec-draft-n-min": "speculative.n_min", "--draft": "draft", "--temp": "temperature",
                  "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p", "--typical": "typical_p",
-                 "--xtc-probability": "xtc_probability"}
+                 "--xtc-probability": "xtc_probability", "--dynatemp-exp": "dynatemp_exponent"}
 
 
 # Anthropic's error types (https://docs.anthropic.com/en/api/errors) by HTTP status.

@@ -1,7 +1,7 @@
 """llama.cpp's sampler chain as a request sets it: `samplers` (the chain's order, llama-server's names
 or letters), and the settings that act only within that chain (`min_keep`, `adaptive_target`).
 
-ggufspec's chain is fixed: logit_bias, penalties and the grammar over the logits, then top_n_sigma, top_k,
+ggufspec's chain is fixed: logit_bias, penalties, DRY and the grammar over the logits, then top_n_sigma, top_k,
 typical, top_p and min_p on the untempered distribution, XTC, then temperature over what is left (`sampling.distribution`,
 `processing`). A request's chain is done as llama.cpp does it where it maps onto that: a sampler
 ggufspec has that the list leaves out is not applied (its setting made neutral; temperature left out
@@ -45,56 +45,65 @@ def sampler_chain(body, options: dict, shape, default_constraints: Constraints |
     `min_keep`, `adaptive_target`); `default_constraints`: the server's (its penalties)."""
     kinds = sampler_kinds(body.samplers) if body.samplers is not None else list(HAD)
     options = {**options, **{SETTING.get(name, name): value for name, value in NEUTRAL.items() if name not in kinds}}
+    if "temperature" not in kinds:  # the dynamic temperature is the temperature sampler's (temp_ext)
+        options["dynatemp_range"] = 0.0
     if "penalties" not in kinds:  # the server's penalties off too: theirs is the same sampler
         shape = dataclasses.replace(shape, constraints={**shape.constraints, **NEUTRAL_PENALTIES})
+    if "dry" not in kinds:  # and the server's DRY
+        shape = dataclasses.replace(shape, constraints={**shape.constraints, "dry_multiplier": 0.0})
     settings = {name: options.get(SETTING.get(name, name), getattr(SamplingParams, SETTING.get(name, name)))
-                for name in NEUTRAL}
+                for name in (*NEUTRAL, "dynatemp_range")}
     active = [kind for kind in kinds if kind in HAD and is_active(kind, settings, shape, default_constraints)]
-    check_order(active, settings["temperature"])
-    check_settings_of_the_chain(body, kinds, active, settings["temperature"])
+    greedy = settings["temperature"] + max(settings["dynatemp_range"], 0.0) <= 0  # as SamplingParams.greedy
+    check_order(active, greedy, dynamic=settings["dynatemp_range"] > 0)
+    check_settings_of_the_chain(body, kinds, active, greedy)
     return options, shape
 
 
 def is_active(kind: str, settings: dict, shape, default_constraints: Constraints | None) -> bool:
     """Whether a sampler ggufspec has changes the distribution with these settings (temperature 1 does
     not; 0 and below, greedy, does)."""
-    if kind == "penalties":
+    if kind in ("penalties", "dry"):
         base = default_constraints or Constraints()
-        return Constraints(**{name: shape.constraints.get(name, getattr(base, name))
-                              for name in PENALTY_FIELDS}).penalises
+        fields = PENALTY_FIELDS if kind == "penalties" else ("dry_multiplier", "dry_penalty_last_n")
+        given = Constraints(**{name: shape.constraints.get(name, getattr(base, name)) for name in fields})
+        return given.penalises if kind == "penalties" else given.drys
+    if kind == "temperature" and settings["dynatemp_range"] > 0:
+        return True
     is_off = FILTERS_OFF[kind][1] if kind in FILTERS_OFF else lambda value: value == NEUTRAL[kind]
     return not is_off(settings[kind])
 
 
-def commute(first: str, then: str, temperature: float) -> bool:
-    """Whether two of ggufspec's samplers give the same distribution in either order. The penalties
-    change the logits all the others read; greedy picks the best token, which every filter keeps, in
+def commute(first: str, then: str, greedy: bool, dynamic: bool = False) -> bool:
+    """Whether two of ggufspec's samplers give the same distribution in either order. The penalties and
+    DRY change the logits all the others read (and each other's); greedy picks the best token, which every filter keeps, in
     any order. Else top_k and min_p both cut at a logit below the best one's, whatever was cut before,
-    and temperature keeps the ranking (top_k's); top_p renormalises over what is left, so it differs
-    after top_k and before min_p, and it and min_p read the tempered probabilities after temperature."""
+    and temperature keeps the ranking (top_k's), unless it is dynamic (its entropy is over the tokens
+    left); top_p renormalises over what is left, so it differs after top_k and before min_p, and it and
+    min_p read the tempered probabilities after temperature."""
     pair = {first, then}
-    if "penalties" in pair:
+    if pair & {"penalties", "dry"}:
         return False
-    return temperature <= 0 or pair in ({"top_k", "min_p"}, {"top_k", "temperature"})
+    return greedy or pair == {"top_k", "min_p"} or (pair == {"top_k", "temperature"} and not dynamic)
 
 
-def check_order(active: list[str], temperature: float) -> None:
+def check_order(active: list[str], greedy: bool, dynamic: bool = False) -> None:
     """A 400 where the active samplers' order (or one listed twice) gives another distribution than
     ggufspec's fixed order does."""
     for i, first in enumerate(active):
         for then in active[i + 1:]:
-            if first == then and first != "penalties" and (first in ("top_k", "min_p") or temperature <= 0):
+            if first == then and first not in ("penalties", "dry") and (first in ("top_k", "min_p") or greedy):
                 continue  # the same cut again, or any filter twice before a greedy choice: nothing changes
             if first == then:
                 raise APIError(400, f"samplers lists {first} twice, which applies it twice: ggufspec applies each "
                                     "once, so list it once", code="unsupported_parameter", param="samplers")
-            if HAD.index(first) > HAD.index(then) and not commute(first, then, temperature):
+            if HAD.index(first) > HAD.index(then) and not commute(first, then, greedy, dynamic):
                 raise APIError(400, f"samplers puts {first} before {then}, which gives another distribution than "
                                     f"ggufspec's fixed order ({', '.join(HAD)}): put {then} first, or leave one "
                                     "of them out", code="unsupported_parameter", param="samplers")
 
 
-def check_settings_of_the_chain(body, kinds: list[str], active: list[str], temperature: float) -> None:
+def check_settings_of_the_chain(body, kinds: list[str], active: list[str], greedy: bool) -> None:
     """llama.cpp's samplers ggufspec lacks pass in the list where they are off (their own fields are
     refused when on: schemas.SAMPLERS_NOT_HAD), but for infill, which has no off; adaptive_target acts
     only where adaptive_p is in the chain, and min_keep only on top_p and min_p (every filter keeps one
@@ -102,7 +111,7 @@ def check_settings_of_the_chain(body, kinds: list[str], active: list[str], tempe
     if "infill" in kinds:
         raise APIError(400, "samplers: infill is not supported (llama.cpp's infill sampler, always on where "
                             "listed): leave it out", code="unsupported_parameter", param="samplers")
-    if temperature <= 0:
+    if greedy:
         return
     if "adaptive_p" in kinds and body.adaptive_target is not None and body.adaptive_target >= 0:
         raise APIError(400, "adaptive_target is not supported (llama.cpp's adaptive-p sampler, on with adaptive_p "

@@ -65,6 +65,8 @@ class GenerationBody(Strict):
     top_n_sigma: float | None = Field(None, strict=True)      # <= 0 off
     xtc_probability: float | None = Field(None, strict=True)  # 0 off
     xtc_threshold: float | None = Field(None, strict=True)    # above 0.5 off
+    dynatemp_range: float | None = Field(None, strict=True)   # 0 off
+    dynatemp_exponent: float | None = Field(None, strict=True)
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16, strict=True)  # choices, in as many slots at once as are free
@@ -83,6 +85,11 @@ class GenerationBody(Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
     repeat_penalty: float | None = Field(None, gt=0, strict=True)   # 1.0: off
     repeat_last_n: int | None = Field(None, ge=-1, strict=True)     # -1: the whole context, 0: off
+    dry_multiplier: float | None = Field(None, strict=True)         # llama.cpp's DRY: 0 off
+    dry_base: float | None = Field(None, ge=1, strict=True)
+    dry_allowed_length: int | None = Field(None, ge=0, strict=True)
+    dry_penalty_last_n: int | None = Field(None, ge=-1, strict=True)  # -1: the whole context, 0: off
+    dry_sequence_breakers: list[str] | None = Field(None, min_length=1)
     # what the answer must be: OpenAI's response_format, llama.cpp's grammar (GBNF) and json_schema
     response_format: ResponseFormat | None = None
     grammar: str | None = None
@@ -137,14 +144,14 @@ class GenerationBody(Strict):
             value = data.get(name) if isinstance(data, dict) else None
             if value is not None and not (isinstance(value, (int, float)) and is_off(value)):
                 raise APIError(400, f"{name} is not supported (llama.cpp's sampler; ggufspec has temperature, top_k, "
-                                    f"top_p, min_p, typical_p, top_n_sigma, xtc_*, the penalties and logit_bias): "
+                                    f"top_p, min_p, typical_p, top_n_sigma, xtc_*, dynatemp_*, the penalties, dry_* and logit_bias): "
                                     f"leave it out",
                                code="unsupported_parameter")
         return data
 
 
 # llama.cpp's samplers ggufspec lacks, and which of their values leave them off
-SAMPLERS_NOT_HAD = {"mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v <= 0, "dry_multiplier": lambda v: v <= 0}
+SAMPLERS_NOT_HAD = {"mirostat": lambda v: v == 0}
 
 
 class CompletionBody(GenerationBody):

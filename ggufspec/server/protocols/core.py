@@ -36,13 +36,16 @@ from ..jobs import ClientGone, Engine, Job
 from ..props import system_fingerprint
 from .. import resumable
 from ..samplers import sampler_chain
+from ...sampling import LLAMACPP_FILTERS
 from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts, request_options, stop_strings
 
 # Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
-                 "repeat_last_n", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
+                 "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                 "dry_sequence_breakers", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
                  "ignore_eos", "chat_template_kwargs", "reasoning_budget_tokens", "thinking_budget_tokens",
-                 "reasoning_budget_message", "lora", "sse_ping_interval", "samplers", "min_keep", "adaptive_target", *SAMPLERS_NOT_HAD)
+                 "reasoning_budget_message", "lora", "sse_ping_interval", "samplers", "min_keep", "adaptive_target", *LLAMACPP_FILTERS,
+                 *SAMPLERS_NOT_HAD)
 
 
 @dataclass(frozen=True)
@@ -166,13 +169,17 @@ class Serving:
         return scales or None  # (): no adapters
 
     def fingerprint_of(self, job) -> str | None:
-        """The system fingerprint of a job's answer: the server's, but with its LoRA scales where they differ
-        from those set at start (they change the target's logits)."""
-        if job.lora is None or job.lora == self.start_lora:
+        """The system fingerprint of a job's answer (`fingerprint_for` its LoRA scales)."""
+        return self.fingerprint_for(job.lora)
+
+    def fingerprint_for(self, lora: tuple[float, ...] | None) -> str | None:
+        """The server's system fingerprint, but with these LoRA scales where they differ from those set at
+        start (they change the target's logits)."""
+        if lora is None or lora == self.start_lora:
             return self.fingerprint
-        if job.lora not in self._fingerprints:
-            self._fingerprints[job.lora] = system_fingerprint(self.decoder, lora=job.lora)
-        return self._fingerprints[job.lora]
+        if lora not in self._fingerprints:
+            self._fingerprints[lora] = system_fingerprint(self.decoder, lora=lora)
+        return self._fingerprints[lora]
 
     async def fim(self, prefix: str, suffix: str, *, status: int, **options) -> list[int]:
         """A fill-in-the-middle prompt's tokens (`fim.fim_prompt`'s options), built off the event loop; a
