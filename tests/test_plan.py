@@ -333,19 +333,37 @@ def test_plan_output_says_speeds_are_estimates(tiny_pair, monkeypatch):
     assert "estimated" in result.output
 
 
+def cores_taken_by_others(measure) -> float:
+    """Run `measure()`; how many cores other processes (and the hypervisor, as steal) used meanwhile."""
+    import time
+
+    import psutil
+    me = psutil.Process()
+
+    def busy(t):
+        return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+    system, mine, t0 = psutil.cpu_times(), me.cpu_times(), time.perf_counter()
+    measure()
+    system_after, mine_after, seconds = psutil.cpu_times(), me.cpu_times(), time.perf_counter() - t0
+    ours = (mine_after.user + mine_after.system) - (mine.user + mine.system)
+    return max(0.0, busy(system_after) - busy(system) - ours) / seconds
+
+
 @pytest.mark.slow
 def test_cpu_speed_estimate_is_within_2x_of_the_demo_target_alone():
     """The machine is shared: the copy bandwidth the estimate rests on and the decode it is checked
     against are measured together, fresh, and up to three times a few seconds apart. Interference only
-    adds time, so one attempt within 2x shows the estimate is (a CI run once measured the decode at
-    6.8 tok/s against 10-13 on the same CPU quiet, with the bandwidth measured minutes before)."""
+    adds time, so one attempt within 2x shows the estimate is. Where every attempt outside it ran while
+    other processes (or the hypervisor's steal) took half a core or more, the check cannot be made: a CI
+    run measured the decode at 6.8 tok/s against 10-13 on the same CPU quiet, as it decodes with one of
+    the two cores busy."""
     import time
 
     from conftest import demo_pair_paths
     from ggufspec import SpeculativeDecoder
     target = demo_pair_paths()[0]
     shape = P.read_shape(target)
-    ratios = []
+    attempts = []
     with SpeculativeDecoder(target, n_ctx=512) as decoder:
         tokens = decoder.tokenize("def quicksort(arr):")
         decoder.target.decode(tokens, n_logits=1)
@@ -353,19 +371,24 @@ def test_cpu_speed_estimate_is_within_2x_of_the_demo_target_alone():
         for attempt in range(3):
             time.sleep(2 * attempt)
             samples = []
-            for _ in range(8):
-                t0 = time.perf_counter()
-                decoder.target.decode(tokens[:1], n_logits=1)
-                samples.append(time.perf_counter() - t0)
-                decoder.target.keep(base)
-            P.measure_ram_bandwidth.cache_clear()
-            estimate = 1 / P.token_seconds(shape, P.placement(shape, 0, 512), None, P.detect_ram())
-            measured = 1 / min(samples[1:])  # the first pays for the graph
-            print(f"CPU estimate {estimate:.1f} tok/s, measured {measured:.1f}")
-            ratios.append(estimate / measured)
-            if 0.5 < ratios[-1] < 2:
-                break
-    assert 0.5 < ratios[-1] < 2, ratios
+
+            def measure():
+                for _ in range(8):
+                    t0 = time.perf_counter()
+                    decoder.target.decode(tokens[:1], n_logits=1)
+                    samples.append(time.perf_counter() - t0)
+                    decoder.target.keep(base)
+                P.measure_ram_bandwidth.cache_clear()
+                samples.append(1 / P.token_seconds(shape, P.placement(shape, 0, 512), None, P.detect_ram()))
+            others = cores_taken_by_others(measure)
+            estimate, measured = samples.pop(), 1 / min(samples[1:])  # the first pays for the graph
+            print(f"CPU estimate {estimate:.1f} tok/s, measured {measured:.1f}, other processes {others:.2f} cores")
+            attempts.append((estimate / measured, others))
+            if 0.5 < estimate / measured < 2:
+                return
+    if all(others >= 0.5 for _, others in attempts):
+        pytest.skip(f"the machine was busy in every attempt (estimate / measured, cores others took: {attempts})")
+    raise AssertionError(attempts)
 
 
 # ---------------------------------------------------------------- measured costs, traces, and what the draft is worth
