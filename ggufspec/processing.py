@@ -29,6 +29,7 @@ import numpy as np
 from .dry import DEFAULT_BREAKERS, Dry
 from .errors import GgufspecError
 from .grammar import Grammar, check_trigger_pattern
+from .mirostat import Mirostat
 from .sampling import Draws, SamplingParams, distribution, greedy_token
 from .thinking import ReasoningControl, ThinkingBlock, ThinkingTags
 
@@ -304,6 +305,11 @@ class TargetJudge:
         self._is_end = target.is_end_of_generation
         if constraints is not None and not isinstance(constraints, Constraints):
             raise GgufspecError(f"constraints must be a ggufspec.Constraints, got {type(constraints).__name__}")
+        if constraints is not None and params.mirostat:  # llama.cpp's chain is temperature, Mirostat: no penalties
+            constraints = replace(constraints, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                                  dry_multiplier=0.0)
+        self.mirostat = Mirostat(params.mirostat, params.mirostat_tau, params.mirostat_eta, params.temperature,
+                                 target.n_vocab) if params.mirostat and not params.greedy else None
         if constraints is not None and constraints.ignore_eos:  # the model's own end tokens, known here
             ended = dict.fromkeys(target.end_of_generation_ids, -math.inf)
             constraints = replace(constraints, logit_bias={**constraints.logit_bias, **ended}, ignore_eos=False)
@@ -313,7 +319,7 @@ class TargetJudge:
         self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab, thinking, dry) if active else None
         self.needs_history = active and constraints.reads_history
         # how many of the best tokens must be exact: all for logprobs and unfiltered sampling
-        self._top_n = 0 if n_logprobs is not None else 1 if params.greedy else params.top_k
+        self._top_n = 0 if n_logprobs is not None or self.mirostat is not None else 1 if params.greedy else params.top_k
 
     def decide(self, logits: np.ndarray, history: Sequence[int], position: int) -> tuple[int, tuple]:
         """The token at this position of the sequence (after `history`, which may be shortened where
@@ -321,6 +327,10 @@ class TargetJudge:
         row = self.processor.apply(logits, history, self._top_n) if self.processor is not None else logits
         if self.params.greedy:
             token = greedy_token(row)
+        elif self.mirostat is not None:  # its state moves with each token decided (all are kept)
+            probs = self.mirostat.distribution(row)
+            token = self.draws.pick(probs, position)
+            self.mirostat.observe(probs, token)
         else:
             token = self.draws.pick(distribution(row, self.params), position)
         if self.processor is not None and not self._is_end(token):  # every token decided here is kept

@@ -47,18 +47,24 @@ class SamplingParams:
     xtc_threshold: float = 0.1     # --xtc-threshold (above 0.5: off)
     dynatemp_range: float = 0.0    # --dynatemp-range: the temperature in [temp - range, temp + range] (0: off)
     dynatemp_exponent: float = 1.0  # --dynatemp-exp: how the entropy maps into that range
+    mirostat: int = 0              # --mirostat: llama.cpp's Mirostat 1 or 2 in place of the chain (0: off)
+    mirostat_tau: float = 5.0      # --mirostat-ent: the surprise it steers towards
+    mirostat_eta: float = 0.1      # --mirostat-lr: how fast
 
     def __post_init__(self):
         for name, value, kinds in (("temperature (--temp)", self.temperature, REALS), ("top_k", self.top_k, INTEGERS),
                                    ("top_p", self.top_p, REALS), ("min_p", self.min_p, REALS),
                                    ("seed", 0 if self.seed is None else self.seed, INTEGERS),
-                                   *((name, getattr(self, name), REALS) for name in LLAMACPP_FILTERS)):
+                                   *((name, getattr(self, name), INTEGERS if name == "mirostat" else REALS)
+                                     for name in LLAMACPP_FILTERS)):
             if isinstance(value, bool) or not isinstance(value, kinds):
                 kind = "a whole number" if kinds is INTEGERS else "a number"
                 raise GgufspecError(f"{name} must be {kind}, got {value!r}")
         for name in LLAMACPP_FILTERS:
             if not np.isfinite(getattr(self, name)):
                 raise GgufspecError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.mirostat not in (0, 1, 2):
+            raise GgufspecError(f"--mirostat must be 0 (off), 1 or 2, got {self.mirostat}")
         if self.dynatemp_exponent < 0:
             raise GgufspecError(f"--dynatemp-exp must be >= 0, got {self.dynatemp_exponent}")
         if self.typical_p < 0:
@@ -82,11 +88,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """No temperature above 0 is possible (llama.cpp's temp_ext: dynamic ones up to temp + range)."""
-        return self.temperature + max(self.dynatemp_range, 0.0) <= 0
+        """No temperature above 0 is possible (llama.cpp's temp_ext: dynamic ones up to temp + range;
+        Mirostat's chain has the plain temperature)."""
+        return self.temperature + (0.0 if self.mirostat else max(self.dynatemp_range, 0.0)) <= 0
 
 
-LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent")
+LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+                    "mirostat", "mirostat_tau", "mirostat_eta")
 # llama.cpp's filters ggufspec took on later, by their chain names: (their setting, whether a value leaves them off)
 FILTERS_OFF = {"top_n_sigma": ("top_n_sigma", lambda v: v <= 0), "typ_p": ("typical_p", lambda v: v >= 1),
                "xtc": ("xtc_probability", lambda v: v <= 0)}
@@ -97,8 +105,15 @@ def greedy_token(logits: np.ndarray) -> int:
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The probability vector the sampler draws from (zeros for filtered-out tokens)."""
+    """The probability vector the sampler draws from (zeros for filtered-out tokens). With Mirostat, the
+    tempered distribution it cuts (its cut needs the sequence's state: `mirostat.Mirostat`, the target's
+    judge's), which a draft model proposes from."""
     logits = logits.astype(np.float64)
+    if params.mirostat:
+        order = np.argsort(-logits, kind="stable")
+        result = np.zeros(len(logits))
+        result[order] = _softmax(logits[order] / params.temperature)
+        return result
     n_vocab = logits.shape[0]
     pool = _top_n_sigma(logits, params.top_n_sigma) if params.top_n_sigma > 0 else None  # None: every id
     values = logits if pool is None else logits[pool]

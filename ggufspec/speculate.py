@@ -386,7 +386,7 @@ class SpeculativeDecoder:
         when unsure of its next token, and a draft shorter than draft_min is not verified.
         constraints: logit bias, penalties and a grammar over the target's logits (`processing`).
         logprobs: None (none), 0 (the chosen token's) or n <= 20 (and the n most likely). filters: llama.cpp's
-        typical_p, top_n_sigma, xtc_*, dynatemp_range and dynatemp_exponent (`SamplingParams`; off by default).
+        typical_p, top_n_sigma, xtc_*, dynatemp_*, mirostat, mirostat_tau, mirostat_eta (`SamplingParams`; off).
         cache_prompt: False evaluates the whole prompt again instead of reusing what the caches hold
         (llama-server's field: the same batches, so the same rounding, whatever came before).
         """

@@ -1,8 +1,8 @@
 """llama.cpp's sampler flags for samplers ggufspec lacks, and its chain's order, on run, chat and serve:
 their off values taken (the command goes on to the model), a value that turns one on, or a chain in
 another order than ggufspec's, refused in one line before anything loads. --typical, --top-nsigma,
---xtc-*, --dynatemp-* and --dry-* are ggufspec's own samplers now (tests/test_llamacpp_samplers.py,
-tests/test_dry.py): a chain may leave them out where they are off; a bad value is one line."""
+--xtc-*, --dynatemp-*, --dry-* and --mirostat* are ggufspec's own samplers now (tests/test_llamacpp_samplers.py,
+tests/test_dry.py, tests/test_mirostat.py): a chain may leave them out where they are off; a bad value is one line."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +34,7 @@ def invoke(command: str, *flags: str):
     ["--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3", "--dry-penalty-last-n", "-1",
      "--dry-sequence-breaker", ":", "--dry-sequence-breaker", "end"],
     ["--dynatemp-range", "0.5", "--dynatemp-exp", "2", "--samplers", "penalties;dry;top_k;top_p;min_p;temperature"],
+    ["--mirostat", "2", "--mirostat-ent", "3", "--mirostat-lr", "0.2", "--samplers", "top_p;top_k"],  # not read there
 ])
 def test_off_values_and_the_default_chain_are_taken(command, flags):
     said = invoke(command, *flags).stderr
@@ -41,7 +42,8 @@ def test_off_values_and_the_default_chain_are_taken(command, flags):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--mirostat", "2"], "--mirostat 2 is not supported: ggufspec has no Mirostat"),
+    (["--mirostat", "3"], "--mirostat must be 0 (off), 1 or 2"),
+    (["--mirostat", "2", "--mirostat-ent", "nan"], "mirostat_tau must be a finite number"),
     (["--typical", "0.9", "--samplers", "penalties;top_k;top_p;min_p;temperature"], "all and in that order"),
     (["--xtc-probability", "0.5", "--sampling-seq", "ekpmt"], "all and in that order"),
     (["--typical", "-0.5"], "--typical must be >= 0"),

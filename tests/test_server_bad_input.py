@@ -356,25 +356,14 @@ def test_an_answer_cut_short_by_the_shutdown_says_so(chat_pair, tmp_path):
     assert not finishes and errors and errors[-1]["code"] == "shutting_down", events[-3:]
 
 
-# ---------------------------------------------------------------- llama.cpp's samplers ggufspec lacks
+# ---------------------------------------------------------------- llama.cpp's samplers
 
-@pytest.mark.parametrize("field, on, off", [("mirostat", 2, 0)])
-def test_a_sampler_ggufspec_lacks_is_refused_when_on_not_ignored(server, field, on, off):
-    """An answer from another distribution than the one asked for would look like the one asked for."""
-    for path, body in (("/completion", {"prompt": "the cat", "n_predict": 2}),
-                       ("/v1/chat/completions", {"messages": [HI], "max_tokens": 2})):
-        error = openai_error(post(server, path, {**body, field: on}))
-        assert field in error["message"] and "not supported" in error["message"], error
-        assert post(server, path, {**body, field: off}).status_code == 200  # llama.cpp's "off" passes
-    assert field in anthropic_error(post(server, "/v1/messages", {"messages": [HI], "max_tokens": 2, field: on}))["message"]
-
-
-def test_typical_top_n_sigma_xtc_dynatemp_and_dry_are_taken_and_bad_values_are_400s(server):
-    """llama.cpp's samplers ggufspec has (tests/test_llamacpp_samplers.py, tests/test_dry.py): set per
+def test_llamacpps_samplers_are_taken_and_bad_values_are_400s(server):
+    """llama.cpp's samplers (tests/test_llamacpp_samplers.py, tests/test_dry.py, tests/test_mirostat.py): set per
     request, the filters shown in the answer's generation_settings; a value out of range is a 400 naming
     the field, in Anthropic's shape on /v1/messages."""
     chain = {"typical_p": 0.9, "top_n_sigma": 1.5, "xtc_probability": 0.5, "xtc_threshold": 0.2,
-             "dynatemp_range": 0.3, "dynatemp_exponent": 2.0}
+             "dynatemp_range": 0.3, "dynatemp_exponent": 2.0, "mirostat": 0, "mirostat_tau": 4.0, "mirostat_eta": 0.2}
     dry = {"dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": -1,
            "dry_sequence_breakers": ["\n", ":"]}
     for path, body in (("/completion", {"prompt": "the cat", "n_predict": 4, "temperature": 0.8, "seed": 3}),
@@ -386,11 +375,13 @@ def test_typical_top_n_sigma_xtc_dynatemp_and_dry_are_taken_and_bad_values_are_4
         for field, bad in (("typical_p", -1.0), ("xtc_probability", 1.5), ("top_n_sigma", "wide"),
                            ("dynatemp_exponent", -1.0), ("dry_base", 0.5), ("dry_allowed_length", -1),
                            ("dry_penalty_last_n", -2), ("dry_sequence_breakers", []),
-                           ("dry_sequence_breakers", "\n"), ("dry_multiplier", "much")):
+                           ("dry_sequence_breakers", "\n"), ("dry_multiplier", "much"), ("mirostat", 3),
+                           ("mirostat_tau", "high")):
             error = openai_error(post(server, path, {**body, field: bad}))
             assert field in error["message"] and "\n" not in error["message"], error
     messages = {"messages": [HI], "max_tokens": 4, "temperature": 0.8, **dry, "dynatemp_range": 0.3}
     assert post(server, "/v1/messages", messages).status_code == 200
+    assert post(server, "/v1/messages", {**messages, "mirostat": 2, "samplers": "pk"}).status_code == 200
     assert "dry_base" in anthropic_error(post(server, "/v1/messages", {**messages, "dry_base": 0.2}))["message"]
 
 

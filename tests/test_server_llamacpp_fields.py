@@ -106,6 +106,15 @@ def test_dry_and_dynatemp_follow_the_chain(server):
     assert tokens(server, samplers="ekpm", dynatemp_range=1.5) == tokens(server, samplers="ekpm")
 
 
+def test_mirostat_replaces_the_chain(server):
+    """llama.cpp's chain with Mirostat is temperature, then Mirostat: `samplers` and the server's penalties
+    are not read (as there)."""
+    mirostat = {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.5}
+    assert tokens(server, **mirostat) != tokens(server)
+    assert tokens(server, samplers="pk", **mirostat) == tokens(server, **mirostat) == \
+        tokens(server, repeat_penalty=1.0, **mirostat)
+
+
 def test_an_order_that_gives_the_same_distribution_passes(server):
     """top_k and min_p cut at a logit whatever came before; temperature keeps top_k's ranking; temperature
     1 changes nothing; greedy picks the best token, which every filter keeps (the penalties still first)."""

@@ -203,6 +203,12 @@ def generation_options(n_predict: int):
                           "tokens left (0: off)."),
         click.option("--dynatemp-exp", "dynatemp_exponent", type=float, default=SamplingParams.dynatemp_exponent,
                      help="Dynamic temperature: the exponent the normalised entropy is raised to."),
+        click.option("--mirostat", "mirostat", type=int, default=SamplingParams.mirostat,
+                     help="Mirostat 1 or 2 in place of the other samplers and the penalties, as llama.cpp (0: off)."),
+        click.option("--mirostat-ent", "mirostat_tau", type=float, default=SamplingParams.mirostat_tau,
+                     help="Mirostat: the target surprise, tau."),
+        click.option("--mirostat-lr", "mirostat_eta", type=float, default=SamplingParams.mirostat_eta,
+                     help="Mirostat: the learning rate, eta."),
         click.option("-s", "--seed", type=int, default=None, help="Sampling seed (-1: random) [default: random]."),
         *constraint_options(),
     )

@@ -1,10 +1,10 @@
-"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --mirostat, --adaptive-*,
---min-keep) and its chain's order (--samplers,
---sampling-seq), on run, chat and serve. Their "off" values are what ggufspec does and are taken (a
-pasted command line often spells them out); a value that would turn one on is refused in one line, as
-the answer would come from another distribution than the one asked for. A setting that acts only inside
-a sampler (--mirostat-lr, --adaptive-decay...) is taken: with its sampler off it changes
-nothing, in llama.cpp too."""
+"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --adaptive-*, --min-keep)
+and its chain's order (--samplers, --sampling-seq), on run, chat and serve. Their "off" values are what
+ggufspec does and are taken (a pasted command line often spells them out); a value that would turn one
+on is refused in one line, as the answer would come from another distribution than the one asked for. A
+setting that acts only inside a sampler (--adaptive-decay) is taken: with its sampler off it changes
+nothing, in llama.cpp too. With --mirostat the chain is llama.cpp's temperature then Mirostat, whatever
+--samplers says (there too)."""
 from __future__ import annotations
 
 import functools
@@ -16,14 +16,13 @@ from ..sampling import CHAIN, FILTERS_OFF, SAMPLER_LETTERS, SAMPLER_NAMES, Sampl
 from .options import options
 
 HAD = ("ggufspec's samplers are the penalties, DRY, top-n-sigma, top-k, typical, top-p, min-p, XTC and "
-       "temperature (dynamic too)")
+       "temperature (dynamic too), or Mirostat")
 # (flags, the param, whether a value leaves the sampler off, what it is)
 SWITCHES = [
-    (("--mirostat",), "mirostat", lambda v: v == 0, "Mirostat"),
     (("--adaptive-target",), "adaptive_target", lambda v: v < 0, "adaptive-p"),
     (("--min-keep",), "min_keep", lambda v: v <= 1, "min-keep above 1"),
 ]
-INNER = [("--mirostat-lr",), ("--mirostat-ent",), ("--adaptive-decay",)]
+INNER = [("--adaptive-decay",)]
 # llama.cpp's default chain (common.h), by --samplers' names
 DEFAULT_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 FIXED = CHAIN
@@ -58,6 +57,8 @@ def check_sampler_flags(opts: dict) -> None:
     for flags in INNER:
         opts.pop(_param(flags))  # a setting of a sampler that is off: nothing to do, here as there
     names, letters = opts.pop("sampler_names"), opts.pop("sampler_letters")
+    if opts.get("mirostat"):
+        return
     # llama.cpp's samplers ggufspec took on later may be left out of a chain where they are off
     optional = {kind for kind, (name, is_off) in FILTERS_OFF.items() if is_off(opts.get(name, getattr(SamplingParams, name)))}
     if not opts.get("dry_multiplier"):

@@ -43,6 +43,8 @@ def sampler_kinds(samplers: str | list[str]) -> list[str]:
 def sampler_chain(body, options: dict, shape, default_constraints: Constraints | None = None):
     """The decoder's options and the request's Shaping with the request's chain applied (`samplers`,
     `min_keep`, `adaptive_target`); `default_constraints`: the server's (its penalties)."""
+    if options.get("mirostat"):  # llama.cpp's chain is temperature, then Mirostat: `samplers` is not read
+        return options, shape
     kinds = sampler_kinds(body.samplers) if body.samplers is not None else list(HAD)
     options = {**options, **{SETTING.get(name, name): value for name, value in NEUTRAL.items() if name not in kinds}}
     if "temperature" not in kinds:  # the dynamic temperature is the temperature sampler's (temp_ext)
@@ -104,10 +106,10 @@ def check_order(active: list[str], greedy: bool, dynamic: bool = False) -> None:
 
 
 def check_settings_of_the_chain(body, kinds: list[str], active: list[str], greedy: bool) -> None:
-    """llama.cpp's samplers ggufspec lacks pass in the list where they are off (their own fields are
-    refused when on: schemas.SAMPLERS_NOT_HAD), but for infill, which has no off; adaptive_target acts
-    only where adaptive_p is in the chain, and min_keep only on top_p and min_p (every filter keeps one
-    token at least already, so 0 and 1 change nothing), and neither changes a greedy choice."""
+    """llama.cpp's samplers ggufspec lacks pass in the list where they are off, but for infill, which has
+    no off; adaptive_target acts only where adaptive_p is in the chain, and min_keep only on top_p and
+    min_p (every filter keeps one token at least already, so 0 and 1 change nothing), and neither changes
+    a greedy choice."""
     if "infill" in kinds:
         raise APIError(400, "samplers: infill is not supported (llama.cpp's infill sampler, always on where "
                             "listed): leave it out", code="unsupported_parameter", param="samplers")

@@ -67,6 +67,9 @@ class GenerationBody(Strict):
     xtc_threshold: float | None = Field(None, strict=True)    # above 0.5 off
     dynatemp_range: float | None = Field(None, strict=True)   # 0 off
     dynatemp_exponent: float | None = Field(None, strict=True)
+    mirostat: int | None = Field(None, ge=0, le=2, strict=True)  # 1, 2: llama.cpp's Mirostat in place of the chain
+    mirostat_tau: float | None = Field(None, strict=True)
+    mirostat_eta: float | None = Field(None, strict=True)
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16, strict=True)  # choices, in as many slots at once as are free
@@ -135,23 +138,6 @@ class GenerationBody(Strict):
                                 "it out or send 0", code="unsupported_parameter", param="n_cache_reuse")
         return self
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_sampler_it_lacks(cls, data):
-        """llama.cpp's samplers that ggufspec does not have are refused where they are on, rather than
-        ignored: the answer would come from another distribution than the one asked for."""
-        for name, is_off in SAMPLERS_NOT_HAD.items():
-            value = data.get(name) if isinstance(data, dict) else None
-            if value is not None and not (isinstance(value, (int, float)) and is_off(value)):
-                raise APIError(400, f"{name} is not supported (llama.cpp's sampler; ggufspec has temperature, top_k, "
-                                    f"top_p, min_p, typical_p, top_n_sigma, xtc_*, dynatemp_*, the penalties, dry_* and logit_bias): "
-                                    f"leave it out",
-                               code="unsupported_parameter")
-        return data
-
-
-# llama.cpp's samplers ggufspec lacks, and which of their values leave them off
-SAMPLERS_NOT_HAD = {"mirostat": lambda v: v == 0}
 
 
 class CompletionBody(GenerationBody):

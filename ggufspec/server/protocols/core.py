@@ -37,15 +37,14 @@ from ..props import system_fingerprint
 from .. import resumable
 from ..samplers import sampler_chain
 from ...sampling import LLAMACPP_FILTERS
-from ..schemas import SAMPLERS_NOT_HAD, ChatBody, GenerationBody, message_dicts, request_options, stop_strings
+from ..schemas import ChatBody, GenerationBody, message_dicts, request_options, stop_strings
 
 # Fields of the OpenAI body that other protocols may send as extras (llama.cpp's and ggufspec's own).
 ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "cache_prompt", "repeat_penalty",
                  "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                  "dry_sequence_breakers", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
                  "ignore_eos", "chat_template_kwargs", "reasoning_budget_tokens", "thinking_budget_tokens",
-                 "reasoning_budget_message", "lora", "sse_ping_interval", "samplers", "min_keep", "adaptive_target", *LLAMACPP_FILTERS,
-                 *SAMPLERS_NOT_HAD)
+                 "reasoning_budget_message", "lora", "sse_ping_interval", "samplers", "min_keep", "adaptive_target", *LLAMACPP_FILTERS)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,124 @@
+"""llama.cpp's Mirostat (--mirostat 1|2, --mirostat-ent, --mirostat-lr; mirostat, mirostat_tau, mirostat_eta
+per request) stays lossless under speculation.
+
+`mirostat.Mirostat` against llama.cpp's own samplers through the bindings (temperature, then
+llama_sampler_init_mirostat or _v2, as common/sampling.cpp chains them): at every step of a walk the
+same tokens kept with the same probabilities, its state moved by the token llama.cpp drew. Then
+speculative sampling with it against the exact distribution of the target alone (chi-square), and
+llama.cpp's chain with Mirostat: no penalties, and greedy at temperature 0."""
+import copy
+import ctypes
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from ggufspec import SamplingParams
+from ggufspec.errors import GgufspecError
+from ggufspec.mirostat import Mirostat
+from ggufspec.processing import Constraints
+from reference import sample_of, sampling_pvalues
+
+N_VOCAB = 400
+
+
+def llamacpp_step(chain, logits: np.ndarray) -> tuple[np.ndarray, int]:
+    """The probabilities llama.cpp's chain leaves (0 for tokens it cut) and the token it drew."""
+    data = (llama_cpp.llama_token_data * len(logits))(
+        *(llama_cpp.llama_token_data(id=i, logit=float(v), p=0.0) for i, v in enumerate(logits)))
+    array = llama_cpp.llama_token_data_array(data=data, size=len(logits), selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(chain, ctypes.byref(array))
+    probs = np.zeros(len(logits))
+    for i in range(array.size):
+        probs[array.data[i].id] = array.data[i].p
+    return probs, array.data[array.selected].id
+
+
+@pytest.mark.parametrize("version, tau, eta, temperature", [(2, 5.0, 0.1, 1.0), (2, 3.0, 0.3, 0.7), (2, 8.0, 0.5, 1.5),
+                                                            (1, 5.0, 0.1, 1.0), (1, 3.0, 0.3, 0.8), (1, 6.0, 0.2, 1.3)])
+def test_the_cut_and_its_state_are_llamacpps(version, tau, eta, temperature):
+    rng = np.random.default_rng(version * 100 + int(tau * 10))
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_mirostat(N_VOCAB, 7, tau, eta, 100)
+                                      if version == 1 else llama_cpp.llama_sampler_init_mirostat_v2(7, tau, eta))
+    ours = Mirostat(version, tau, eta, temperature, N_VOCAB)
+    sizes = set()
+    for step in range(60):
+        logits = (rng.normal(size=N_VOCAB) * rng.uniform(1.0, 4.0)).astype(np.float32)
+        if step % 5 == 0:
+            logits[rng.choice(N_VOCAB, 30, replace=False)] = -np.inf  # banned tokens (a logit bias, a grammar)
+        theirs, drawn = llamacpp_step(chain, logits)
+        probs = ours.distribution(logits)
+        assert set(np.flatnonzero(probs)) == set(np.flatnonzero(theirs)), step
+        np.testing.assert_allclose(probs, theirs, atol=1e-5, err_msg=f"step {step}")
+        ours.observe(probs, drawn)
+        sizes.add(int(np.count_nonzero(probs)))
+    llama_cpp.llama_sampler_free(chain)
+    assert len(sizes) > 3  # mu moved the cut
+
+
+# ---------------------------------------------------------------- the target alone with Mirostat
+
+PROMPT = [1, 261, 262, 263]
+DRAWS = 3000
+
+
+def exact_mirostat(llm, params: SamplingParams, prompt):
+    """p(first) after `prompt`, the likeliest first x, and p(second, third) after x, of the target alone:
+    each position's Mirostat state moved by the tokens before it, as the judge moves it."""
+    def row(prefix):
+        llm.reset()
+        llm.eval(prompt + prefix)
+        return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    state = Mirostat(params.mirostat, params.mirostat_tau, params.mirostat_eta, params.temperature, llm.n_vocab())
+    p1 = state.distribution(row([]))
+    x = int(np.argmax(p1))
+    state.observe(p1, x)
+    p2 = state.distribution(row([x]))
+    joint = {}
+    for a in np.flatnonzero(p2):
+        after = copy.deepcopy(state)
+        after.observe(p2, int(a))
+        p3 = after.distribution(row([x, int(a)]))
+        for b in np.flatnonzero(p3):
+            joint[(int(a), int(b))] = p2[a] * p3[b]
+    return p1, x, joint
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_speculative_sampling_with_mirostat_is_the_targets_distribution(tiny_decoder, plain_target, version):
+    """Hot and fast enough that mu's moves matter: a state left at 2 tau would put the next two tokens'
+    joint 0.52 (v1) and 0.65 (v2) away in total variation (the tiny target is sure of itself)."""
+    chain = dict(temperature=5.0, mirostat=version, mirostat_tau=3.0, mirostat_eta=2.0)
+    p1, x, joint = exact_mirostat(plain_target, SamplingParams(**chain), PROMPT)
+    assert 1 < np.count_nonzero(p1) < 20  # cut, and more than one token left
+    samples, drafted = [], 0
+    for seed in range(DRAWS):
+        got = tiny_decoder.generate(PROMPT, n_predict=5, n_draft=2, seed=seed, **chain)
+        samples.append(sample_of(got))
+        drafted += got.stats.n_drafted
+    assert drafted > DRAWS
+    assert min(sampling_pvalues(samples, p1, x, joint)) > 1e-3
+
+
+def test_mirostat_leaves_out_the_penalties_and_greedy_stays_greedy(tiny_decoder):
+    """llama.cpp's chain with Mirostat is temperature, then Mirostat: the penalties and DRY are not in it."""
+    penalties = Constraints(repeat_penalty=1.5, frequency_penalty=0.5, dry_multiplier=1.0)
+    plain = tiny_decoder.generate("the cat", n_predict=24, n_draft=3, temperature=0).tokens
+    assert tiny_decoder.generate("the cat", n_predict=24, n_draft=3, temperature=0, constraints=penalties).tokens != plain
+    assert tiny_decoder.generate("the cat", n_predict=24, n_draft=3, temperature=0, mirostat=2,
+                                 constraints=penalties).tokens == plain
+    sampled = dict(n_predict=24, n_draft=3, temperature=1.2, mirostat=2, seed=5)
+    assert tiny_decoder.generate("the cat", **sampled, constraints=penalties).tokens == \
+        tiny_decoder.generate("the cat", **sampled).tokens
+
+
+@pytest.mark.parametrize("bad, says", [(dict(mirostat=3), "--mirostat must be 0 (off), 1 or 2"),
+                                       (dict(mirostat=1.5), "mirostat must be a whole number"),
+                                       (dict(mirostat=2, mirostat_tau=float("nan")), "mirostat_tau must be a finite"),
+                                       (dict(mirostat=2, mirostat_eta="fast"), "mirostat_eta must be a number")])
+def test_bad_mirostat_values_are_one_line(bad, says):
+    with pytest.raises(GgufspecError, match=None) as caught:
+        SamplingParams(temperature=1.0, **bad)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
