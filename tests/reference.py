@@ -150,7 +150,30 @@ def exact_first_and_next_two(path, prompt: list[int], params, **llama_options) -
 def draw_samples(decoder, prompt, params, k, draws) -> list[tuple]:
     """`draws` seeded generations, each long enough for a step of k drafts after the first token."""
     chain = {name: getattr(params, name) for name in ("temperature", "top_k", "top_p", "min_p", *LLAMACPP_FILTERS)}
-    return [sample_of(decoder.generate(prompt, n_predict=k + 3, n_draft=k, seed=seed, **chain)) for seed in range(draws)]
+    return seeded_samples(decoder, prompt, k, draws, **chain)[0]
+
+
+def seeded_samples(decoder, prompt, k, draws, **options) -> tuple[list[tuple], int]:
+    """`draws` generations seeded 0, 1, ... (`sample_of` each), each long enough for a step of k drafts
+    after the first token; and how many tokens they drafted in all."""
+    samples, drafted = [], 0
+    for seed in range(draws):
+        generation = decoder.generate(prompt, n_predict=k + 3, n_draft=k, seed=seed, **options)
+        samples.append(sample_of(generation))
+        drafted += generation.stats.n_drafted
+    return samples, drafted
+
+
+def first_and_second(dist_after) -> tuple[np.ndarray, dict]:
+    """p(first) and p(first, second) from `dist_after(prefix)`, a position's distribution after the
+    tokens `prefix` (a list)."""
+    p1 = dist_after([])
+    joint = {}
+    for a in np.flatnonzero(p1):
+        p2 = dist_after([int(a)])
+        for b in np.flatnonzero(p2):
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    return p1, joint
 
 
 def sample_of(generation, end: int = 2) -> tuple:

@@ -14,7 +14,7 @@ from ggufspec import SamplingParams
 from ggufspec.errors import GgufspecError
 from ggufspec.processing import Constraints, Grammar, TargetJudge, log_softmax
 from ggufspec.sampling import distribution
-from reference import differs_at_near_tie, first_difference, prompts, sample_of, sampling_pvalues
+from reference import differs_at_near_tie, first_and_second, first_difference, prompts, sampling_pvalues, seeded_samples
 
 # stateful on purpose: a determiner, then a noun, again and again (a grammar that forgot what it
 # accepted would allow determiners only)
@@ -145,13 +145,7 @@ def exact_processed(llm, params, c: Constraints, before: tuple[int, ...] = ()):
         row = reference_process(llm.scores[llm.n_tokens - 1], PROMPT + prefix, c, grammar)
         grammar.close()
         return distribution(row, params)
-    p1 = dist_after([])
-    joint = {}
-    for a in np.flatnonzero(p1):
-        p2 = dist_after([int(a)])
-        for b in np.flatnonzero(p2):
-            joint[(int(a), int(b))] = p1[a] * p2[b]
-    return p1, joint
+    return first_and_second(dist_after)
 
 
 @pytest.mark.parametrize("k, top_k", [(1, 0), (3, 0), (3, 2)])  # top-k: the grammar checks the best few first
@@ -162,12 +156,8 @@ def test_sampling_matches_the_constrained_target(tiny_decoder, plain_target, k, 
     p1, _ = exact_processed(plain_target, params, SAMPLED)
     x = int(np.argmax(p1))
     _, joint = exact_processed(plain_target, params, SAMPLED, (x,))
-    samples, drafted = [], 0
-    for seed in range(DRAWS):
-        got = tiny_decoder.generate(PROMPT, n_predict=k + 3, n_draft=k, temperature=1.5, top_k=top_k, top_p=1.0,
-                                    min_p=0.0, seed=seed, constraints=SAMPLED)
-        samples.append(sample_of(got))
-        drafted += got.stats.n_drafted
+    samples, drafted = seeded_samples(tiny_decoder, PROMPT, k, DRAWS, temperature=1.5, top_k=top_k, top_p=1.0,
+                                      min_p=0.0, constraints=SAMPLED)
     assert drafted > DRAWS
     assert min(sampling_pvalues(samples, p1, x, joint)) > 1e-3
 

@@ -16,7 +16,7 @@ from ggufspec.dry import Dry
 from ggufspec.errors import GgufspecError
 from ggufspec.processing import Constraints, TargetJudge
 from ggufspec.sampling import distribution
-from reference import differs_at_near_tie, first_difference, prompts, sample_of, sampling_pvalues
+from reference import first_and_second, prompts, same_as_target_alone, sampling_pvalues, seeded_samples
 
 KS = [0, 1, 2, 3, 5, "auto"]
 NEWLINE, COLON = 3 + 0x0A, 3 + 0x3A  # the tiny vocabulary's byte tokens for two of the default breakers
@@ -126,11 +126,8 @@ def test_greedy_speculation_with_dry_is_the_target_alone(tiny_decoder, plain_tar
         changed += expected != tiny_decoder.generate(prompt, n_predict=40, n_draft=0, temperature=0).tokens
         for k in KS:
             got = tiny_decoder.generate(prompt, n_predict=40, n_draft=k, temperature=0, constraints=c)
-            if differs_at_near_tie(got.tokens, expected, margins):
-                near_ties += 1
-                continue
-            assert got.tokens == expected, f"K={k}: first difference at {first_difference(got.tokens, expected)}"
-            decided += 1
+            kept = same_as_target_alone(got, expected, margins, f"K={k}")  # False: it parted at a near-tie
+            decided, near_ties = decided + kept, near_ties + (not kept)
     assert changed >= 2  # DRY changed what the target alone says
     assert decided >= 0.8 * (decided + near_ties), (decided, near_ties)
 
@@ -159,13 +156,7 @@ def exact_with_dry(llm, params, c: Constraints, prompt: list[int]):
         llm.reset()
         llm.eval(prompt + prefix)
         return distribution(reference_row(llm, prompt + prefix, c), params)
-    p1 = dist_after([])
-    joint = {}
-    for a in np.flatnonzero(p1):
-        p2 = dist_after([int(a)])
-        for b in np.flatnonzero(p2):
-            joint[(int(a), int(b))] = p1[a] * p2[b]
-    return p1, joint
+    return first_and_second(dist_after)
 
 
 def test_sampling_with_dry_is_the_targets_distribution(tiny_decoder, plain_target):
@@ -177,12 +168,8 @@ def test_sampling_with_dry_is_the_targets_distribution(tiny_decoder, plain_targe
     assert 0.5 * np.abs(p1 - plain).sum() > 0.3  # DRY moved the distribution (total variation 0.64)
     x = int(np.argmax(p1))
     _, joint = exact_with_dry(plain_target, params, SAMPLED, PROMPT + [x])
-    samples, drafted = [], 0
-    for seed in range(DRAWS):
-        got = tiny_decoder.generate(PROMPT, n_predict=5, n_draft=2, temperature=1.5, top_k=0, top_p=1.0,
-                                    min_p=0.0, seed=seed, constraints=SAMPLED)
-        samples.append(sample_of(got))
-        drafted += got.stats.n_drafted
+    samples, drafted = seeded_samples(tiny_decoder, PROMPT, 2, DRAWS, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0,
+                                      constraints=SAMPLED)
     assert drafted > DRAWS
     assert min(sampling_pvalues(samples, p1, x, joint)) > 1e-3
 

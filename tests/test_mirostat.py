@@ -17,7 +17,7 @@ from ggufspec import SamplingParams
 from ggufspec.errors import GgufspecError
 from ggufspec.mirostat import Mirostat
 from ggufspec.processing import Constraints
-from reference import sample_of, sampling_pvalues
+from reference import sampling_pvalues, seeded_samples
 
 N_VOCAB = 400
 
@@ -93,11 +93,7 @@ def test_speculative_sampling_with_mirostat_is_the_targets_distribution(tiny_dec
     chain = dict(temperature=5.0, mirostat=version, mirostat_tau=3.0, mirostat_eta=2.0)
     p1, x, joint = exact_mirostat(plain_target, SamplingParams(**chain), PROMPT)
     assert 1 < np.count_nonzero(p1) < 20  # cut, and more than one token left
-    samples, drafted = [], 0
-    for seed in range(DRAWS):
-        got = tiny_decoder.generate(PROMPT, n_predict=5, n_draft=2, seed=seed, **chain)
-        samples.append(sample_of(got))
-        drafted += got.stats.n_drafted
+    samples, drafted = seeded_samples(tiny_decoder, PROMPT, 2, DRAWS, **chain)
     assert drafted > DRAWS
     assert min(sampling_pvalues(samples, p1, x, joint)) > 1e-3
 

@@ -169,6 +169,23 @@ def cache_type_options():
     ]
 
 
+# llama.cpp's samplers past temperature, top-k, top-p and min-p: (its flags, SamplingParams' field, the help)
+LLAMACPP_SAMPLER_FLAGS = [
+    (("--typical", "--typical-p"), "typical_p", "Locally typical sampling, p (1: off)."),
+    (("--top-nsigma", "--top-n-sigma"), "top_n_sigma",
+     "Top-n-sigma: the tokens within n standard deviations of the best logit (<= 0: off)."),
+    (("--xtc-probability",), "xtc_probability", "XTC: the chance that a step removes its likeliest tokens (0: off)."),
+    (("--xtc-threshold",), "xtc_threshold",
+     "XTC: tokens at least this likely are removed, all but the least of them (above 0.5: off)."),
+    (("--dynatemp-range",), "dynatemp_range",
+     "Dynamic temperature: each step's in [temp - range, temp + range], by the entropy of the tokens left (0: off)."),
+    (("--dynatemp-exp",), "dynatemp_exponent", "Dynamic temperature: the exponent the normalised entropy is raised to."),
+    (("--mirostat",), "mirostat", "Mirostat 1 or 2 in place of the other samplers and the penalties, as llama.cpp (0: off)."),
+    (("--mirostat-ent",), "mirostat_tau", "Mirostat: the target surprise, tau."),
+    (("--mirostat-lr",), "mirostat_eta", "Mirostat: the learning rate, eta."),
+]
+
+
 def generation_options(n_predict: int):
     """Drafting and sampling: shared by run, serve (as the defaults of every request) and chat."""
     return options(
@@ -190,25 +207,8 @@ def generation_options(n_predict: int):
         click.option("--top-k", default=SamplingParams.top_k, help="Top-k (0: off)."),
         click.option("--top-p", default=SamplingParams.top_p, help="Top-p (1: off)."),
         click.option("--min-p", default=SamplingParams.min_p, help="Min-p (0: off)."),
-        click.option("--typical", "--typical-p", "typical_p", type=float, default=SamplingParams.typical_p,
-                     help="Locally typical sampling, p (1: off)."),
-        click.option("--top-nsigma", "--top-n-sigma", "top_n_sigma", type=float, default=SamplingParams.top_n_sigma,
-                     help="Top-n-sigma: the tokens within n standard deviations of the best logit (<= 0: off)."),
-        click.option("--xtc-probability", "xtc_probability", type=float, default=SamplingParams.xtc_probability,
-                     help="XTC: the chance that a step removes its likeliest tokens (0: off)."),
-        click.option("--xtc-threshold", "xtc_threshold", type=float, default=SamplingParams.xtc_threshold,
-                     help="XTC: tokens at least this likely are removed, all but the least of them (above 0.5: off)."),
-        click.option("--dynatemp-range", "dynatemp_range", type=float, default=SamplingParams.dynatemp_range,
-                     help="Dynamic temperature: each step's in [temp - range, temp + range], by the entropy of the "
-                          "tokens left (0: off)."),
-        click.option("--dynatemp-exp", "dynatemp_exponent", type=float, default=SamplingParams.dynatemp_exponent,
-                     help="Dynamic temperature: the exponent the normalised entropy is raised to."),
-        click.option("--mirostat", "mirostat", type=int, default=SamplingParams.mirostat,
-                     help="Mirostat 1 or 2 in place of the other samplers and the penalties, as llama.cpp (0: off)."),
-        click.option("--mirostat-ent", "mirostat_tau", type=float, default=SamplingParams.mirostat_tau,
-                     help="Mirostat: the target surprise, tau."),
-        click.option("--mirostat-lr", "mirostat_eta", type=float, default=SamplingParams.mirostat_eta,
-                     help="Mirostat: the learning rate, eta."),
+        *(click.option(*flags, name, type=type(getattr(SamplingParams, name)), default=getattr(SamplingParams, name),
+                       help=text) for flags, name, text in LLAMACPP_SAMPLER_FLAGS),
         click.option("-s", "--seed", type=int, default=None, help="Sampling seed (-1: random) [default: random]."),
         *constraint_options(),
     )
