@@ -47,6 +47,7 @@ class SamplingParams:
     xtc_threshold: float = 0.1     # --xtc-threshold (above 0.5: off)
     dynatemp_range: float = 0.0    # --dynatemp-range: the temperature in [temp - range, temp + range] (0: off)
     dynatemp_exponent: float = 1.0  # --dynatemp-exp: how the entropy maps into that range
+    min_keep: int = 0              # --min-keep: the fewest tokens typical, top-p, min-p and XTC leave
     mirostat: int = 0              # --mirostat: llama.cpp's Mirostat 1 or 2 in place of the chain (0: off)
     mirostat_tau: float = 5.0      # --mirostat-ent: the surprise it steers towards
     mirostat_eta: float = 0.1      # --mirostat-lr: how fast
@@ -55,7 +56,7 @@ class SamplingParams:
         for name, value, kinds in (("temperature (--temp)", self.temperature, REALS), ("top_k", self.top_k, INTEGERS),
                                    ("top_p", self.top_p, REALS), ("min_p", self.min_p, REALS),
                                    ("seed", 0 if self.seed is None else self.seed, INTEGERS),
-                                   *((name, getattr(self, name), INTEGERS if name == "mirostat" else REALS)
+                                   *((name, getattr(self, name), INTEGERS if name in ("mirostat", "min_keep") else REALS)
                                      for name in LLAMACPP_FILTERS)):
             if isinstance(value, bool) or not isinstance(value, kinds):
                 kind = "a whole number" if kinds is INTEGERS else "a number"
@@ -63,6 +64,8 @@ class SamplingParams:
         for name in LLAMACPP_FILTERS:
             if not np.isfinite(getattr(self, name)):
                 raise GgufspecError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.min_keep < 0:
+            raise GgufspecError(f"--min-keep must be >= 0, got {self.min_keep}")
         if self.mirostat not in (0, 1, 2):
             raise GgufspecError(f"--mirostat must be 0 (off), 1 or 2, got {self.mirostat}")
         if self.dynatemp_exponent < 0:
@@ -94,7 +97,7 @@ class SamplingParams:
 
 
 LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
-                    "mirostat", "mirostat_tau", "mirostat_eta")
+                    "min_keep", "mirostat", "mirostat_tau", "mirostat_eta")
 # llama.cpp's filters ggufspec took on later, by their chain names: (their setting, whether a value leaves them off)
 FILTERS_OFF = {"top_n_sigma": ("top_n_sigma", lambda v: v <= 0), "typ_p": ("typical_p", lambda v: v >= 1),
                "xtc": ("xtc_probability", lambda v: v <= 0)}
@@ -126,15 +129,15 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     kept = logits[candidates]
     probs = _softmax(kept)
     if params.typical_p < 1.0:
-        typical = _typical(probs, params.typical_p)
+        typical = _typical(probs, params.typical_p, params.min_keep)
         candidates, kept = candidates[typical], kept[typical]
         probs = _softmax(kept)
-    n_keep = len(candidates)
+    n_keep, least = len(candidates), params.min_keep  # llama.cpp's min_keep: top-p and min-p leave that many
     if params.top_p < 1.0:
         # smallest prefix whose mass reaches top_p (at least one token)
-        n_keep = min(n_keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
+        n_keep = min(n_keep, max(int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1, least))
     if params.min_p > 0.0:
-        n_keep = min(n_keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
+        n_keep = min(n_keep, max(int(np.count_nonzero(probs >= params.min_p * probs[0])), least))
     candidates, kept = candidates[:n_keep], kept[:n_keep]
     result = np.zeros(n_vocab)
     result[candidates] = _tempered(kept, params)
@@ -175,14 +178,14 @@ def _top_n_sigma(logits: np.ndarray, n: float) -> np.ndarray:
     return np.flatnonzero(logits >= finite.max() - n * finite.std())
 
 
-def _typical(probs: np.ndarray, p: float) -> np.ndarray:
+def _typical(probs: np.ndarray, p: float, min_keep: int = 0) -> np.ndarray:
     """llama.cpp's locally typical sampling over `probs`: tokens taken by how close their information
-    (-log p) is to the entropy, until their mass exceeds p (one at least). A mask of those kept."""
+    (-log p) is to the entropy, until their mass exceeds p (one, or min_keep, at least). A mask of those kept."""
     with np.errstate(divide="ignore"):  # a banned token (p 0: its information infinite) is never taken
         information = -np.log(probs)
     entropy = float(np.sum(probs[probs > 0] * information[probs > 0]))
     order = np.argsort(np.abs(information - entropy), kind="stable")
-    n_keep = min(len(order), int(np.searchsorted(np.cumsum(probs[order]), p, side="right")) + 1)
+    n_keep = min(len(order), max(int(np.searchsorted(np.cumsum(probs[order]), p, side="right")) + 1, min_keep))
     kept = np.zeros(len(probs), dtype=bool)
     kept[order[:n_keep]] = True
     return kept
@@ -193,7 +196,8 @@ def _xtc_cut(kept: np.ndarray, params: SamplingParams) -> int:
     the last of them (none where fewer than two are, or the threshold is above 0.5: off)."""
     if params.xtc_threshold > 0.5 or len(kept) < 2:
         return 0
-    return max(0, int(np.count_nonzero(_softmax(kept) >= params.xtc_threshold)) - 1)
+    cut = max(0, int(np.count_nonzero(_softmax(kept) >= params.xtc_threshold)) - 1)
+    return cut if len(kept) - cut >= params.min_keep else 0  # it leaves min_keep tokens, or none is cut
 
 
 # ---------------------------------------------------------------- a draw tied to each position

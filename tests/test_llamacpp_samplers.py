@@ -7,6 +7,7 @@ the same tokens with the same probabilities; XTC, random there, acting with prob
 it makes with probability P is (1 - P) p + P p_cut by construction). Speculative sampling with them is
 distributed as the target's (chi-square against the exact p), and greedy is untouched by them."""
 import ctypes
+import dataclasses
 
 import llama_cpp
 import numpy as np
@@ -20,12 +21,13 @@ from reference import draw_samples, exact_first_and_next_two, sampling_pvalues
 
 def llamacpp_distribution(logits: np.ndarray, params: SamplingParams, xtc: bool) -> np.ndarray:
     """What llama.cpp's chain leaves, softmaxed (its final `dist` draws from that)."""
+    least = params.min_keep
     chain = [llama_cpp.llama_sampler_init_top_n_sigma(params.top_n_sigma),
              llama_cpp.llama_sampler_init_top_k(params.top_k),
-             llama_cpp.llama_sampler_init_typical(params.typical_p, 0),
-             llama_cpp.llama_sampler_init_top_p(params.top_p, 0),
-             llama_cpp.llama_sampler_init_min_p(params.min_p, 0),
-             *([llama_cpp.llama_sampler_init_xtc(1.0, params.xtc_threshold, 0, 1)] if xtc else []),
+             llama_cpp.llama_sampler_init_typical(params.typical_p, least),
+             llama_cpp.llama_sampler_init_top_p(params.top_p, least),
+             llama_cpp.llama_sampler_init_min_p(params.min_p, least),
+             *([llama_cpp.llama_sampler_init_xtc(1.0, params.xtc_threshold, least, 1)] if xtc else []),
              llama_cpp.llama_sampler_init_temp_ext(params.temperature, params.dynatemp_range, params.dynatemp_exponent)]
     data = (llama_cpp.llama_token_data * len(logits))(
         *(llama_cpp.llama_token_data(id=i, logit=float(value), p=0.0) for i, value in enumerate(logits)))
@@ -48,7 +50,10 @@ CHAINS = [dict(typical_p=0.5), dict(typical_p=0.9, top_k=0, top_p=1.0, min_p=0.0
           dict(typical_p=0.8, xtc_probability=1.0, xtc_threshold=0.08, top_p=0.9),
           dict(dynatemp_range=0.5), dict(dynatemp_range=1.0, dynatemp_exponent=2.0, top_k=0, top_p=1.0, min_p=0.0),
           dict(dynatemp_range=2.0, dynatemp_exponent=0.5, top_k=100, min_p=0.0),
-          dict(dynatemp_range=0.7, xtc_probability=1.0, xtc_threshold=0.05, top_n_sigma=2.0)]
+          dict(dynatemp_range=0.7, xtc_probability=1.0, xtc_threshold=0.05, top_n_sigma=2.0),
+          dict(min_keep=5, top_p=0.3), dict(min_keep=8, min_p=0.5), dict(min_keep=4, typical_p=0.2, top_k=0),
+          dict(min_keep=30, xtc_probability=1.0, xtc_threshold=0.02, top_k=60, top_p=1.0, min_p=0.0),
+          dict(min_keep=3, xtc_probability=1.0, xtc_threshold=0.05, top_p=0.5)]
 # not typical after top-n-sigma: llama.cpp's top-k then keeps the -inf logits top-n-sigma set where fewer
 # than k are left, and its typical's entropy over them is NaN (here they are gone: p 0 is never typical)
 
@@ -81,6 +86,21 @@ def test_dynamic_temperature_from_zero_samples_as_llamacpps_and_greedy_is_no_tem
     t = distribution(peaked, low)
     assert distribution(peaked, SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0))[0] < t[0] \
         < distribution(peaked, SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0))[0]
+
+
+def test_min_keep_leaves_that_many_to_each_filter_that_reads_it():
+    """llama.cpp's min_keep: typical, top-p and min-p leave at least that many tokens, XTC cuts none where
+    fewer would be left (top-k and top-n-sigma do not read it)."""
+    logits = np.array([8.0, 4.0, 3.0, 2.5, 2.0, 1.0, 0.5, 0.0], dtype=np.float32)
+    kept = lambda **chain: int(np.count_nonzero(distribution(logits, SamplingParams(temperature=1.0, **chain))))
+    assert kept(top_p=0.5) == 1 and kept(top_p=0.5, min_keep=4) == 4
+    assert kept(top_p=1.0, min_p=0.5) == 1 and kept(top_p=1.0, min_p=0.5, min_keep=3) == 3
+    assert kept(top_p=1.0, min_p=0.0, typical_p=0.1) == 1 and kept(top_p=1.0, min_p=0.0, typical_p=0.1, min_keep=6) == 6
+    assert kept(top_k=2, min_keep=5) == 2
+    flat = np.zeros(8, dtype=np.float32)  # every token at 1/8: XTC at 0.1 would leave one
+    cut = SamplingParams(temperature=1.0, top_p=1.0, min_p=0.0, xtc_probability=1.0, xtc_threshold=0.1)
+    assert np.count_nonzero(distribution(flat, cut)) == 1
+    assert np.count_nonzero(distribution(flat, dataclasses.replace(cut, min_keep=2))) == 8  # so it cuts none
 
 
 def test_xtc_is_the_mixture_of_acting_and_not():

@@ -180,6 +180,7 @@ LLAMACPP_SAMPLER_FLAGS = [
     (("--dynatemp-range",), "dynatemp_range",
      "Dynamic temperature: each step's in [temp - range, temp + range], by the entropy of the tokens left (0: off)."),
     (("--dynatemp-exp",), "dynatemp_exponent", "Dynamic temperature: the exponent the normalised entropy is raised to."),
+    (("--min-keep",), "min_keep", "The fewest tokens typical, top-p, min-p and XTC leave (0: one)."),
     (("--mirostat",), "mirostat", "Mirostat 1 or 2 in place of the other samplers and the penalties, as llama.cpp (0: off)."),
     (("--mirostat-ent",), "mirostat_tau", "Mirostat: the target surprise, tau."),
     (("--mirostat-lr",), "mirostat_eta", "Mirostat: the learning rate, eta."),

@@ -1,4 +1,4 @@
-"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --adaptive-*, --min-keep)
+"""llama.cpp's sampler flags that ggufspec has no sampler for (common/arg.cpp: --adaptive-*)
 and its chain's order (--samplers, --sampling-seq), on run, chat and serve. Their "off" values are what
 ggufspec does and are taken (a pasted command line often spells them out); a value that would turn one
 on is refused in one line, as the answer would come from another distribution than the one asked for. A
@@ -20,7 +20,6 @@ HAD = ("ggufspec's samplers are the penalties, DRY, top-n-sigma, top-k, typical,
 # (flags, the param, whether a value leaves the sampler off, what it is)
 SWITCHES = [
     (("--adaptive-target",), "adaptive_target", lambda v: v < 0, "adaptive-p"),
-    (("--min-keep",), "min_keep", lambda v: v <= 1, "min-keep above 1"),
 ]
 INNER = [("--adaptive-decay",)]
 # llama.cpp's default chain (common.h), by --samplers' names

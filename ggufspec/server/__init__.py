@@ -13,7 +13,7 @@ One concern a module:
 - guard.py: who may use them (Host names, CORS and origins, the API key) and the body cap, in one
   middleware (`Guard`) with its policy (`Exposure`); bodies parsed and validated off the event loop
 - schemas.py: request bodies, and what they ask of the decoder (`request_options`, prompt, messages, stops)
-- samplers.py: llama.cpp's `samplers` (the chain's order), `min_keep` and `adaptive_target`, as far as they map
+- samplers.py: llama.cpp's `samplers` (the chain's order) and `adaptive_target`, as far as they map
 - jobs.py: the `Engine` (one worker thread, one generation at a time, --max-queue, 429) and a request's `Job`
 - progress.py: the stream's `return_progress` (prompt_progress chunks) and `timings_per_token`
 - responses.py: OpenAI's response objects and stream chunks, `usage`, `timings`

@@ -1,5 +1,5 @@
 """llama.cpp's sampler chain as a request sets it: `samplers` (the chain's order, llama-server's names
-or letters), and the settings that act only within that chain (`min_keep`, `adaptive_target`).
+or letters), and adaptive_target, which acts only where that chain lists adaptive_p.
 
 ggufspec's chain is fixed: logit_bias, penalties, DRY and the grammar over the logits, then top_n_sigma, top_k,
 typical, top_p and min_p on the untempered distribution, XTC, then temperature over what is left (`sampling.distribution`,
@@ -42,7 +42,7 @@ def sampler_kinds(samplers: str | list[str]) -> list[str]:
 
 def sampler_chain(body, options: dict, shape, default_constraints: Constraints | None = None):
     """The decoder's options and the request's Shaping with the request's chain applied (`samplers`,
-    `min_keep`, `adaptive_target`); `default_constraints`: the server's (its penalties)."""
+    `adaptive_target`); `default_constraints`: the server's (its penalties)."""
     if options.get("mirostat"):  # llama.cpp's chain is temperature, then Mirostat: `samplers` is not read
         return options, shape
     kinds = sampler_kinds(body.samplers) if body.samplers is not None else list(HAD)
@@ -107,9 +107,7 @@ def check_order(active: list[str], greedy: bool, dynamic: bool = False) -> None:
 
 def check_settings_of_the_chain(body, kinds: list[str], active: list[str], greedy: bool) -> None:
     """llama.cpp's samplers ggufspec lacks pass in the list where they are off, but for infill, which has
-    no off; adaptive_target acts only where adaptive_p is in the chain, and min_keep only on top_p and
-    min_p (every filter keeps one token at least already, so 0 and 1 change nothing), and neither changes
-    a greedy choice."""
+    no off; adaptive_target acts only where adaptive_p is in the chain, and never on a greedy choice."""
     if "infill" in kinds:
         raise APIError(400, "samplers: infill is not supported (llama.cpp's infill sampler, always on where "
                             "listed): leave it out", code="unsupported_parameter", param="samplers")
@@ -119,7 +117,4 @@ def check_settings_of_the_chain(body, kinds: list[str], active: list[str], greed
         raise APIError(400, "adaptive_target is not supported (llama.cpp's adaptive-p sampler, on with adaptive_p "
                             "in samplers): leave it out, or send a negative one", code="unsupported_parameter",
                        param="adaptive_target")
-    if (body.min_keep or 0) > 1 and any(kind in active for kind in ("typ_p", "top_p", "min_p", "xtc")):
-        raise APIError(400, f"min_keep {body.min_keep} is not supported (typical, top_p, min_p and XTC keep what "
-                            "they keep, one token at least): leave it out, or send 0 or 1", code="unsupported_parameter",
-                       param="min_keep")
+
