@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .adaptivep import AdaptiveP
 from .dry import DEFAULT_BREAKERS, Dry
 from .errors import GgufspecError
 from .grammar import Grammar, check_trigger_pattern
@@ -308,8 +309,7 @@ class TargetJudge:
         if constraints is not None and params.mirostat:  # llama.cpp's chain is temperature, Mirostat: no penalties
             constraints = replace(constraints, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
                                   dry_multiplier=0.0)
-        self.mirostat = Mirostat(params.mirostat, params.mirostat_tau, params.mirostat_eta, params.temperature,
-                                 target.n_vocab) if params.mirostat and not params.greedy else None
+        self.steering = _steering(params, target.n_vocab)  # Mirostat or adaptive-p: a state the tokens move
         if constraints is not None and constraints.ignore_eos:  # the model's own end tokens, known here
             ended = dict.fromkeys(target.end_of_generation_ids, -math.inf)
             constraints = replace(constraints, logit_bias={**constraints.logit_bias, **ended}, ignore_eos=False)
@@ -319,7 +319,7 @@ class TargetJudge:
         self.processor = TargetProcessor(constraints, target.vocab, target.n_vocab, thinking, dry) if active else None
         self.needs_history = active and constraints.reads_history
         # how many of the best tokens must be exact: all for logprobs and unfiltered sampling
-        self._top_n = 0 if n_logprobs is not None or self.mirostat is not None else 1 if params.greedy else params.top_k
+        self._top_n = 0 if n_logprobs is not None or params.mirostat else 1 if params.greedy else params.top_k
 
     def decide(self, logits: np.ndarray, history: Sequence[int], position: int) -> tuple[int, tuple]:
         """The token at this position of the sequence (after `history`, which may be shortened where
@@ -327,10 +327,10 @@ class TargetJudge:
         row = self.processor.apply(logits, history, self._top_n) if self.processor is not None else logits
         if self.params.greedy:
             token = greedy_token(row)
-        elif self.mirostat is not None:  # its state moves with each token decided (all are kept)
-            probs = self.mirostat.distribution(row)
+        elif self.steering is not None:  # its state moves with each token decided (all are kept)
+            probs = self.steering.distribution(row)
             token = self.draws.pick(probs, position)
-            self.mirostat.observe(probs, token)
+            self.steering.observe(probs, token)
         else:
             token = self.draws.pick(distribution(row, self.params), position)
         if self.processor is not None and not self._is_end(token):  # every token decided here is kept
@@ -350,6 +350,15 @@ class TargetJudge:
     def close(self) -> None:
         if self.processor is not None:
             self.processor.close()
+
+
+def _steering(params: SamplingParams, n_vocab: int) -> Mirostat | AdaptiveP | None:
+    """The generation's Mirostat (in place of the chain) or adaptive-p (after it), where one is on."""
+    if params.greedy:
+        return None
+    if params.mirostat:
+        return Mirostat(params.mirostat, params.mirostat_tau, params.mirostat_eta, params.temperature, n_vocab)
+    return AdaptiveP(params) if params.adaptive_target >= 0 else None
 
 
 def _dry_sampler(target, c: Constraints) -> Dry:

@@ -47,6 +47,8 @@ class SamplingParams:
     xtc_threshold: float = 0.1     # --xtc-threshold (above 0.5: off)
     dynatemp_range: float = 0.0    # --dynatemp-range: the temperature in [temp - range, temp + range] (0: off)
     dynatemp_exponent: float = 1.0  # --dynatemp-exp: how the entropy maps into that range
+    adaptive_target: float = -1.0  # llama.cpp's adaptive-p after the chain: the probability it steers to (< 0: off)
+    adaptive_decay: float = 0.9    # ...and its moving average's decay
     min_keep: int = 0              # --min-keep: the fewest tokens typical, top-p, min-p and XTC leave
     mirostat: int = 0              # --mirostat: llama.cpp's Mirostat 1 or 2 in place of the chain (0: off)
     mirostat_tau: float = 5.0      # --mirostat-ent: the surprise it steers towards
@@ -64,6 +66,13 @@ class SamplingParams:
         for name in LLAMACPP_FILTERS:
             if not np.isfinite(getattr(self, name)):
                 raise GgufspecError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.adaptive_target > 1:
+            raise GgufspecError(f"adaptive_target must be at most 1 (< 0: off), got {self.adaptive_target}")
+        if not 0 <= self.adaptive_decay <= 0.99:
+            raise GgufspecError(f"adaptive_decay must be in [0, 0.99], got {self.adaptive_decay}")
+        if self.adaptive_target >= 0 and self.xtc_probability > 0 and not self.mirostat:
+            raise GgufspecError("adaptive-p with XTC is not supported (XTC's random cut leaves the probabilities "
+                                "adaptive-p averages unknown): turn one off")
         if self.min_keep < 0:
             raise GgufspecError(f"--min-keep must be >= 0, got {self.min_keep}")
         if self.mirostat not in (0, 1, 2):
@@ -97,7 +106,7 @@ class SamplingParams:
 
 
 LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
-                    "min_keep", "mirostat", "mirostat_tau", "mirostat_eta")
+                    "adaptive_target", "adaptive_decay", "min_keep", "mirostat", "mirostat_tau", "mirostat_eta")
 # llama.cpp's filters ggufspec took on later, by their chain names: (their setting, whether a value leaves them off)
 FILTERS_OFF = {"top_n_sigma": ("top_n_sigma", lambda v: v <= 0), "typ_p": ("typical_p", lambda v: v >= 1),
                "xtc": ("xtc_probability", lambda v: v <= 0)}

@@ -1,8 +1,8 @@
-"""llama.cpp's sampler flags for samplers ggufspec lacks, and its chain's order, on run, chat and serve:
-their off values taken (the command goes on to the model), a value that turns one on, or a chain in
-another order than ggufspec's, refused in one line before anything loads. --typical, --top-nsigma,
---xtc-*, --dynatemp-*, --dry-* and --mirostat* are ggufspec's own samplers now (tests/test_llamacpp_samplers.py,
-tests/test_dry.py, tests/test_mirostat.py): a chain may leave them out where they are off; a bad value is one line."""
+"""llama.cpp's sampler flags and its chain's order, on run, chat and serve: taken (the command goes on to
+the model), or a chain in another order than ggufspec's, or a bad value, refused in one line before
+anything loads. Every llama.cpp sampler is ggufspec's (tests/test_llamacpp_samplers.py, tests/test_dry.py,
+tests/test_stateful_samplers.py): a chain may leave one out where it is off; adaptive-p acts only where
+the chain lists adaptive_p."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +27,8 @@ def invoke(command: str, *flags: str):
     ["--dynatemp-range", "0", "--dynatemp-exp", "1", "--adaptive-target", "-1", "--adaptive-decay", "0.9"],
     ["--min-keep", "1"],
     ["--min-keep", "5", "--top-p", "0.5"],
+    ["--adaptive-target", "0.3", "--xtc-probability", "0.5"],  # adaptive-p off: the chain does not list it
+    ["--adaptive-target", "0.3", "--adaptive-decay", "0.5", "--samplers", DEFAULT_CHAIN + ";adaptive_p"],
     ["--samplers", DEFAULT_CHAIN],
     ["--samplers", "penalties;top-k;nucleus;min-p;temp"],
     ["--sampling-seq", "edkypmxt"],
@@ -55,7 +57,9 @@ def test_off_values_and_the_default_chain_are_taken(command, flags):
     (["--dry-penalty-last-n", "-3"], "dry_penalty_last_n must be >= -1"),
     (["--dry-sequence-breaker", "none", "--dry-sequence-breaker", ":"], "none means no breakers"),
     (["--dynatemp-exp", "-1"], "--dynatemp-exp must be >= 0"),
-    (["--adaptive-target", "0.3"], "no adaptive-p"),
+    (["--adaptive-decay", "1.5"], "adaptive_decay must be in [0, 0.99]"),
+    (["--adaptive-target", "0.3", "--xtc-probability", "0.5", "--samplers", DEFAULT_CHAIN + ";adaptive_p"],
+     "adaptive-p with XTC"),
     (["--min-keep", "-1"], "--min-keep must be >= 0"),
     (["--sampling-seq", "kt"], "all and in that order"),
     (["--samplers", "top_p;top_k;min_p;temperature;penalties"], "all and in that order"),

@@ -1,6 +1,6 @@
 """llama-server's request fields that change an answer, done as there or refused in one line: `samplers`
 (the chain's order, names or letters: what it leaves out is not applied, an order that gives another
-distribution than ggufspec's is a 400), `adaptive_target` (a 400 where it would act), `min_keep`,
+distribution than ggufspec's is a 400), adaptive-p where it lists it, `min_keep`,
 `n_cmpl` on /completion (several completions, a list of answers), and the stream's `timings_per_token`
 and `return_progress`. One real server on loopback, raw HTTP: --strict (so a seeded answer is a
 function of its distribution alone), -b 16 (a prompt goes in chunks of 16), --repeat-penalty 1.3 (the
@@ -132,14 +132,17 @@ def test_an_unknown_sampler_or_infill_is_refused(server, samplers, says):
 
 # ---------------------------------------------------------------- adaptive_target, min_keep
 
-def test_adaptive_target_is_refused_only_where_adaptive_p_would_act(server):
-    """llama.cpp runs adaptive-p only where `samplers` lists it (its default chain does not), and a
-    negative target leaves it the plain draw."""
-    chain = {"samplers": "ekpmta", "adaptive_target": 0.5}
-    assert "adaptive_target" in refusal(post(server, "/completion", {**SAMPLED, **chain}), "adaptive_target")
+def test_adaptive_p_acts_only_where_the_chain_lists_it(server):
+    """llama.cpp runs adaptive-p only where `samplers` lists it (its default chain does not), after the
+    chain wherever it is listed; a negative target leaves it the plain draw (tests/test_stateful_samplers.py)."""
+    steered = tokens(server, samplers="ekpmta", adaptive_target=0.05)
+    assert steered != tokens(server) and steered == tokens(server, samplers="aekpmt", adaptive_target=0.05)
     assert tokens(server, samplers="ekpmta", adaptive_target=-1) == tokens(server)
-    assert tokens(server, adaptive_target=0.5) == tokens(server)
-    assert post(server, "/completion", {**SAMPLED, **chain, "temperature": 0}).status_code == 200  # greedy
+    assert tokens(server, adaptive_target=0.05) == tokens(server)
+    assert tokens(server, samplers="ekpmta", adaptive_target=0.05, temperature=0) == tokens(server, temperature=0)
+    with_xtc = post(server, "/completion", {**SAMPLED, "samplers": "ekpmxta", "adaptive_target": 0.05,
+                                            "xtc_probability": 0.5})
+    assert with_xtc.status_code == 400 and "adaptive-p with XTC" in with_xtc.json()["error"]["message"], with_xtc.text
 
 
 def test_min_keep_leaves_that_many_to_top_p_and_min_p(server):

@@ -1,5 +1,5 @@
 """llama.cpp's sampler chain as a request sets it: `samplers` (the chain's order, llama-server's names
-or letters), and adaptive_target, which acts only where that chain lists adaptive_p.
+or letters), and adaptive-p (adaptive_target), which acts only where that chain lists adaptive_p.
 
 ggufspec's chain is fixed: logit_bias, penalties, DRY and the grammar over the logits, then top_n_sigma, top_k,
 typical, top_p and min_p on the untempered distribution, XTC, then temperature over what is left (`sampling.distribution`,
@@ -40,12 +40,16 @@ def sampler_kinds(samplers: str | list[str]) -> list[str]:
     return [SAMPLER_NAMES[name.lower()] for name in samplers]
 
 
-def sampler_chain(body, options: dict, shape, default_constraints: Constraints | None = None):
+def sampler_chain(body, options: dict, shape, default_constraints: Constraints | None = None,
+                  default_adapts: bool = False):
     """The decoder's options and the request's Shaping with the request's chain applied (`samplers`,
-    `adaptive_target`); `default_constraints`: the server's (its penalties)."""
+    `adaptive_target`); `default_constraints`: the server's (its penalties); `default_adapts`: whether
+    the server's own chain (serve --samplers) lists adaptive_p."""
     if options.get("mirostat"):  # llama.cpp's chain is temperature, then Mirostat: `samplers` is not read
         return options, shape
     kinds = sampler_kinds(body.samplers) if body.samplers is not None else list(HAD)
+    if not ("adaptive_p" in kinds if body.samplers is not None else default_adapts):
+        options = {**options, "adaptive_target": -1.0}  # adaptive-p acts only where the chain lists it
     options = {**options, **{SETTING.get(name, name): value for name, value in NEUTRAL.items() if name not in kinds}}
     if "temperature" not in kinds:  # the dynamic temperature is the temperature sampler's (temp_ext)
         options["dynatemp_range"] = 0.0
@@ -58,7 +62,7 @@ def sampler_chain(body, options: dict, shape, default_constraints: Constraints |
     active = [kind for kind in kinds if kind in HAD and is_active(kind, settings, shape, default_constraints)]
     greedy = settings["temperature"] + max(settings["dynatemp_range"], 0.0) <= 0  # as SamplingParams.greedy
     check_order(active, greedy, dynamic=settings["dynatemp_range"] > 0)
-    check_settings_of_the_chain(body, kinds, active, greedy)
+    check_no_infill(kinds)
     return options, shape
 
 
@@ -105,16 +109,10 @@ def check_order(active: list[str], greedy: bool, dynamic: bool = False) -> None:
                                     "of them out", code="unsupported_parameter", param="samplers")
 
 
-def check_settings_of_the_chain(body, kinds: list[str], active: list[str], greedy: bool) -> None:
-    """llama.cpp's samplers ggufspec lacks pass in the list where they are off, but for infill, which has
-    no off; adaptive_target acts only where adaptive_p is in the chain, and never on a greedy choice."""
+def check_no_infill(kinds: list[str]) -> None:
+    """llama.cpp's infill sampler, which has no off, is refused where the list has it."""
     if "infill" in kinds:
         raise APIError(400, "samplers: infill is not supported (llama.cpp's infill sampler, always on where "
                             "listed): leave it out", code="unsupported_parameter", param="samplers")
-    if greedy:
-        return
-    if "adaptive_p" in kinds and body.adaptive_target is not None and body.adaptive_target >= 0:
-        raise APIError(400, "adaptive_target is not supported (llama.cpp's adaptive-p sampler, on with adaptive_p "
-                            "in samplers): leave it out, or send a negative one", code="unsupported_parameter",
-                       param="adaptive_target")
+
 

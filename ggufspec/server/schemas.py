@@ -110,7 +110,8 @@ class GenerationBody(Strict):
     # llama.cpp's sampler chain: its order (names or letters), and what acts only within it (`samplers`)
     samplers: str | list[str] | None = None
     min_keep: int | None = Field(None, ge=0, strict=True)
-    adaptive_target: float | None = Field(None, strict=True)
+    adaptive_target: float | None = Field(None, le=1, strict=True)  # adaptive-p, where `samplers` lists it (< 0: off)
+    adaptive_decay: float | None = Field(None, ge=0, le=0.99, strict=True)
     # llama-server's stream extras: each chunk's timings so far; the prompt's progress before the first token
     timings_per_token: bool = Field(False, strict=True)
     return_progress: bool = Field(False, strict=True)

@@ -44,7 +44,7 @@ ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "c
                  "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                  "dry_sequence_breakers", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
                  "ignore_eos", "chat_template_kwargs", "reasoning_budget_tokens", "thinking_budget_tokens",
-                 "reasoning_budget_message", "lora", "sse_ping_interval", "samplers", "min_keep", "adaptive_target", *LLAMACPP_FILTERS)
+                 "reasoning_budget_message", "lora", "sse_ping_interval", "samplers", *LLAMACPP_FILTERS)
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class Serving:
             else:
                 source = {"messages": message_dicts(body.messages)}
             options, shape = sampler_chain(body, request_options(body, self.defaults), self.shape(body),
-                                           self.defaults.get("constraints"))
+                                           self.defaults.get("constraints"), self.defaults.get("adaptive_target", -1) >= 0)
             stops = stop_strings(body.stop) or list(self.default_stops)
             return {"options": options, "stops": stops, "shape": shape, **source}
         try:

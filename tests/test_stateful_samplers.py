@@ -1,9 +1,11 @@
-"""llama.cpp's Mirostat (--mirostat 1|2, --mirostat-ent, --mirostat-lr; mirostat, mirostat_tau, mirostat_eta
-per request) stays lossless under speculation.
+"""llama.cpp's samplers with a state the tokens move, Mirostat (--mirostat 1|2, --mirostat-ent, --mirostat-lr;
+mirostat, mirostat_tau, mirostat_eta per request) and adaptive-p (--adaptive-target, --adaptive-decay where
+the chain lists adaptive_p), stay lossless under speculation.
 
-`mirostat.Mirostat` against llama.cpp's own samplers through the bindings (temperature, then
-llama_sampler_init_mirostat or _v2, as common/sampling.cpp chains them): at every step of a walk the
-same tokens kept with the same probabilities, its state moved by the token llama.cpp drew. Then
+`mirostat.Mirostat` and `adaptivep.AdaptiveP` against llama.cpp's own samplers through the bindings
+(temperature, then llama_sampler_init_mirostat or _v2, as common/sampling.cpp chains them; adaptive-p
+after the chain): at every step of a walk the same tokens kept with the same probabilities, the state
+moved by the token llama.cpp drew. Then
 speculative sampling with it against the exact distribution of the target alone (chi-square), and
 llama.cpp's chain with Mirostat: no penalties, and greedy at temperature 0."""
 import copy
@@ -15,8 +17,10 @@ import pytest
 
 from ggufspec import SamplingParams
 from ggufspec.errors import GgufspecError
+from ggufspec.adaptivep import AdaptiveP
 from ggufspec.mirostat import Mirostat
 from ggufspec.processing import Constraints
+from ggufspec.sampling import distribution
 from reference import sampling_pvalues, seeded_samples
 
 N_VOCAB = 400
@@ -58,20 +62,40 @@ def test_the_cut_and_its_state_are_llamacpps(version, tau, eta, temperature):
     assert len(sizes) > 3  # mu moved the cut
 
 
+@pytest.mark.parametrize("target, decay, temperature", [(0.3, 0.9, 1.0), (0.05, 0.5, 1.5), (0.8, 0.99, 0.7)])
+def test_adaptive_p_and_its_average_are_llamacpps(target, decay, temperature):
+    """llama.cpp's adaptive-p fed the chain's probabilities (as logits log p, which its softmax gives back)."""
+    rng = np.random.default_rng(int(target * 100))
+    sampler = llama_cpp.llama_sampler_init_adaptive_p(target, decay, 7)
+    params = SamplingParams(temperature=temperature, top_k=50, adaptive_target=target, adaptive_decay=decay)
+    ours = AdaptiveP(params)
+    for step in range(60):
+        logits = (rng.normal(size=N_VOCAB) * rng.uniform(1.0, 3.0)).astype(np.float32)
+        chain = distribution(logits, params)
+        with np.errstate(divide="ignore"):
+            theirs, drawn = llamacpp_step(sampler, np.log(chain).astype(np.float32))
+        probs = ours.distribution(logits)
+        np.testing.assert_allclose(probs, theirs, atol=2e-5, err_msg=f"step {step}")
+        llama_cpp.llama_sampler_accept(sampler, int(drawn))
+        ours.observe(probs, drawn)
+    llama_cpp.llama_sampler_free(sampler)
+
+
 # ---------------------------------------------------------------- the target alone with Mirostat
 
 PROMPT = [1, 261, 262, 263]
 DRAWS = 3000
 
 
-def exact_mirostat(llm, params: SamplingParams, prompt):
+def exact_with_state(llm, params: SamplingParams, prompt):
     """p(first) after `prompt`, the likeliest first x, and p(second, third) after x, of the target alone:
-    each position's Mirostat state moved by the tokens before it, as the judge moves it."""
+    each position's Mirostat or adaptive-p state moved by the tokens before it, as the judge moves it."""
     def row(prefix):
         llm.reset()
         llm.eval(prompt + prefix)
         return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-    state = Mirostat(params.mirostat, params.mirostat_tau, params.mirostat_eta, params.temperature, llm.n_vocab())
+    state = Mirostat(params.mirostat, params.mirostat_tau, params.mirostat_eta, params.temperature, llm.n_vocab()) \
+        if params.mirostat else AdaptiveP(params)
     p1 = state.distribution(row([]))
     x = int(np.argmax(p1))
     state.observe(p1, x)
@@ -86,12 +110,14 @@ def exact_mirostat(llm, params: SamplingParams, prompt):
     return p1, x, joint
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_speculative_sampling_with_mirostat_is_the_targets_distribution(tiny_decoder, plain_target, version):
-    """Hot and fast enough that mu's moves matter: a state left at 2 tau would put the next two tokens'
-    joint 0.52 (v1) and 0.65 (v2) away in total variation (the tiny target is sure of itself)."""
-    chain = dict(temperature=5.0, mirostat=version, mirostat_tau=3.0, mirostat_eta=2.0)
-    p1, x, joint = exact_mirostat(plain_target, SamplingParams(**chain), PROMPT)
+@pytest.mark.parametrize("chain", [dict(temperature=5.0, mirostat=1, mirostat_tau=3.0, mirostat_eta=2.0),
+                                   dict(temperature=5.0, mirostat=2, mirostat_tau=3.0, mirostat_eta=2.0),
+                                   dict(temperature=3.0, top_k=12, adaptive_target=0.05, adaptive_decay=0.3)],
+                         ids=["mirostat-1", "mirostat-2", "adaptive-p"])
+def test_speculative_sampling_with_a_state_is_the_targets_distribution(tiny_decoder, plain_target, chain):
+    """Hot and fast enough that the state's moves matter: Mirostat left at 2 tau would put the next two
+    tokens' joint 0.52 (v1) and 0.65 (v2) away in total variation (the tiny target is sure of itself)."""
+    p1, x, joint = exact_with_state(plain_target, SamplingParams(**chain), PROMPT)
     assert 1 < np.count_nonzero(p1) < 20  # cut, and more than one token left
     samples, drafted = seeded_samples(tiny_decoder, PROMPT, 2, DRAWS, **chain)
     assert drafted > DRAWS
@@ -113,7 +139,10 @@ def test_mirostat_leaves_out_the_penalties_and_greedy_stays_greedy(tiny_decoder)
 @pytest.mark.parametrize("bad, says", [(dict(mirostat=3), "--mirostat must be 0 (off), 1 or 2"),
                                        (dict(mirostat=1.5), "mirostat must be a whole number"),
                                        (dict(mirostat=2, mirostat_tau=float("nan")), "mirostat_tau must be a finite"),
-                                       (dict(mirostat=2, mirostat_eta="fast"), "mirostat_eta must be a number")])
+                                       (dict(mirostat=2, mirostat_eta="fast"), "mirostat_eta must be a number"),
+                                       (dict(adaptive_target=1.5), "adaptive_target must be at most 1"),
+                                       (dict(adaptive_target=0.3, adaptive_decay=1.0), "adaptive_decay must be in"),
+                                       (dict(adaptive_target=0.3, xtc_probability=0.5), "adaptive-p with XTC")])
 def test_bad_mirostat_values_are_one_line(bad, says):
     with pytest.raises(GgufspecError, match=None) as caught:
         SamplingParams(temperature=1.0, **bad)
