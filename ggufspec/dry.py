@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from collections import Counter, deque
 from typing import Sequence
 
 import llama_cpp
@@ -37,8 +38,10 @@ class Dry:
 
     def __init__(self, sampler: int, window: int):
         self._sampler, self.window = sampler, window
-        self._fed: list[int] = []  # the last `window` tokens fed since the last reset
-        self._n_fed = 0            # how many were fed since the last reset
+        self._fed: deque[int] = deque(maxlen=window)  # the last `window` tokens fed since the last reset
+        self._n_fed = 0  # how many were fed since the last reset
+        self._counts: Counter[int] = Counter()  # of the tokens in `_fed`: the only ones DRY can penalise
+        self._ids: np.ndarray | None = None     # their ids, kept until a token enters or leaves the set
         self._free = weakref.finalize(self, llama_cpp.llama_sampler_free, sampler)
 
     @classmethod
@@ -54,15 +57,16 @@ class Dry:
     def clone(self) -> Dry:
         """Another sampler in the same state (a draft's walk ahead of the target's sequence)."""
         copy = Dry(llama_cpp.llama_sampler_clone(self._sampler), self.window)
-        copy._fed, copy._n_fed = list(self._fed), self._n_fed
+        copy._fed, copy._n_fed, copy._counts, copy._ids = deque(self._fed, self.window), self._n_fed, \
+            Counter(self._counts), self._ids
         return copy
 
     def apply(self, logits: np.ndarray, history: Sequence[int]) -> None:
         """DRY's penalties on `logits` (in place) for the position after `history`."""
         self._catch_up(history)
-        window = history[max(0, len(history) - self.window):]
-        ids = np.unique(np.fromiter(window, dtype=np.int32, count=len(window)))
-        ids = ids[ids < len(logits)]  # a draft's row may be shorter than the target's vocabulary
+        if self._ids is None:
+            self._ids = np.fromiter(self._counts, dtype=np.int32, count=len(self._counts))
+        ids = self._ids[self._ids < len(logits)]  # a draft's row may be shorter than the target's vocabulary
         if len(ids) == 0:
             return
         data = np.zeros(len(ids), dtype=TOKEN_DATA)
@@ -77,14 +81,27 @@ class Dry:
         """The sampler fed until it holds the last window of `history`: the tokens after those fed, where
         what it holds is where `history` has it; else (a rewound or other sequence) reset and the window."""
         start = self._n_fed - len(self._fed)  # where the tokens it holds sit in the sequence fed
-        if not (len(history) >= self._n_fed and list(history[start:self._n_fed]) == self._fed):
+        if not (len(history) >= self._n_fed and list(history[start:self._n_fed]) == list(self._fed)):
             llama_cpp.llama_sampler_reset(self._sampler)
-            self._fed, self._n_fed = [], max(0, len(history) - self.window)
-        new = history[self._n_fed:]
-        for token in new:
-            llama_cpp.llama_sampler_accept(self._sampler, int(token))
-        self._fed = (self._fed + list(new))[-self.window:]
-        self._n_fed += len(new)
+            self._fed.clear()
+            self._counts.clear()
+            self._ids, self._n_fed = None, max(0, len(history) - self.window)
+        for token in history[self._n_fed:]:
+            self._feed(int(token))
+
+    def _feed(self, token: int) -> None:
+        llama_cpp.llama_sampler_accept(self._sampler, token)
+        if len(self._fed) == self.window:  # the oldest leaves the window
+            old = self._fed[0]
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+                self._ids = None
+        if token not in self._counts:
+            self._ids = None
+        self._counts[token] += 1
+        self._fed.append(token)
+        self._n_fed += 1
 
     def close(self) -> None:
         self._free()

@@ -30,39 +30,47 @@ class Mirostat:
         self.mu = 2.0 * tau
 
     def distribution(self, logits: np.ndarray) -> np.ndarray:
-        """The probabilities Mirostat draws from after these (processed) logits: tempered, cut, renormalised."""
+        """The probabilities Mirostat draws from after these (processed) logits: tempered, cut, renormalised.
+        No sort of the whole vocabulary (30 ms over 151k tokens): v2's cut is every token whose surprise is
+        at most mu, v1's the top k, and only v1's estimate reads the m likeliest in order."""
         scaled = logits.astype(np.float64) / self.temperature
-        order = np.argsort(-scaled, kind="stable")
-        probs = _softmax(scaled[order])
-        n_keep = self._v2_keep(probs) if self.version == 2 else self._v1_keep(probs)
+        weights = np.exp(scaled - scaled.max())
+        probs = weights / weights.sum()
+        kept = self._v2_kept(probs) if self.version == 2 else self._v1_kept(probs)
         result = np.zeros(len(logits))
-        result[order[:n_keep]] = _softmax(scaled[order[:n_keep]])
+        result[kept] = weights[kept] / weights[kept].sum()
         return result
 
     def observe(self, probs: np.ndarray, token: int) -> None:
         """mu moved by the token's surprise under the distribution it was drawn from."""
         self.mu -= self.eta * (-math.log2(probs[token]) - self.tau)
 
-    def _v2_keep(self, probs: np.ndarray) -> int:
+    def _v2_kept(self, probs: np.ndarray) -> np.ndarray:
         with np.errstate(divide="ignore"):
-            surprising = np.flatnonzero(-np.log2(probs) > self.mu)
-        return max(1, int(surprising[0]) if len(surprising) else len(probs))
+            kept = np.flatnonzero(-np.log2(probs) <= self.mu)
+        return kept if len(kept) else np.array([int(np.argmax(probs))])
 
-    def _v1_keep(self, probs: np.ndarray) -> int:
-        n = min(ZIPF_TOKENS - 1, len(probs) - 1)
+    def _v1_kept(self, probs: np.ndarray) -> np.ndarray:
+        k = self._v1_k(probs[_best(probs, min(ZIPF_TOKENS, len(probs)))])
+        return np.arange(len(probs)) if k >= len(probs) else _best(probs, k)
+
+    def _v1_k(self, best: np.ndarray) -> int:
+        """v1's k from the m likeliest probabilities, best first."""
+        n = len(best) - 1
         if n < 1:
             return 1
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # a banned token's p is 0
             t = np.log(np.arange(2, n + 2) / np.arange(1, n + 1))
-            b = np.log(probs[:n] / probs[1:n + 1])
+            b = np.log(best[:n] / best[1:n + 1])
             s_hat = np.sum(t * b) / np.sum(t * t)
             epsilon = s_hat - 1
             k = float(np.power(epsilon * np.exp2(self.mu) / (1 - np.power(float(self.n_vocab), -epsilon)), 1 / s_hat))
-        if math.isnan(k) or k < 1:
-            return 1
-        return len(probs) if k >= len(probs) else int(k)
+        return 1 if math.isnan(k) or k < 1 else k if k == math.inf else int(k)
 
 
-def _softmax(sorted_logits: np.ndarray) -> np.ndarray:
-    weights = np.exp(sorted_logits - sorted_logits[0])
-    return weights / weights.sum()
+def _best(probs: np.ndarray, n: int) -> np.ndarray:
+    """The ids of the n likeliest tokens, likeliest first (ties: the lower id first)."""
+    ids = np.argpartition(-probs, n - 1)[:n] if n < len(probs) else np.arange(len(probs))
+    return ids[np.lexsort((ids, -probs[ids]))]
+
+

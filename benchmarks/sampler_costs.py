@@ -1,0 +1,88 @@
+"""What each of llama.cpp's samplers costs ggufspec per row (a verification batch processes one row per
+position), over the demo target's vocabulary (151,936 tokens): the row's processing
+(`TargetProcessor.apply`: bias, penalties, DRY) and the draw's distribution (`sampling.distribution`,
+Mirostat's, adaptive-p's), on random logits after a 3,000-token history of 2,000 distinct tokens.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/sampler_costs.py [--rows 200] [--json FILE]
+
+Best of 3 rounds of `--rows` rows each (interference only adds time), microseconds a row.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp  # before numpy (see ggufspec/__init__.py)
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import demo_pair_paths  # noqa: E402
+
+from ggufspec import SamplingParams  # noqa: E402
+from ggufspec.adaptivep import AdaptiveP  # noqa: E402
+from ggufspec.dry import Dry  # noqa: E402
+from ggufspec.mirostat import Mirostat  # noqa: E402
+from ggufspec.processing import Constraints, TargetProcessor  # noqa: E402
+from ggufspec.sampling import distribution  # noqa: E402
+
+
+def best_us(run, rows: int, rounds: int = 3) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(rows):
+            run(i)
+        best = min(best, (time.perf_counter() - t0) / rows)
+    return round(best * 1e6, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    llm = llama_cpp.Llama(str(demo_pair_paths()[0]), vocab_only=True, verbose=False)
+    vocab, n_vocab = llama_cpp.llama_model_get_vocab(llm.model), llm.n_vocab()
+    rng = np.random.default_rng(0)
+    history = [int(t) for t in rng.integers(0, 2000, 3000 + args.rows)]
+    rows = [rng.normal(size=n_vocab).astype(np.float32) * 3 for _ in range(8)]
+    at = lambda i: (rows[i % len(rows)], history[:3000 + i])
+
+    def processing(constraints: Constraints, window: int | None = None):
+        dry = None if window is None else Dry.for_model(llm, vocab, constraints.dry_multiplier, constraints.dry_base,
+                                                        constraints.dry_allowed_length, window,
+                                                        constraints.dry_sequence_breakers)
+        processor = TargetProcessor(constraints, vocab, n_vocab, dry=dry)
+        return lambda i: processor.apply(*at(i))
+
+    sampled = SamplingParams(temperature=0.8)
+    mirostat, mirostat_v1 = Mirostat(2, 5.0, 0.1, 0.8, n_vocab), Mirostat(1, 5.0, 0.1, 0.8, n_vocab)
+    adaptive = AdaptiveP(SamplingParams(temperature=0.8, adaptive_target=0.3))
+
+    def steered(state):
+        def run(i):
+            probs = state.distribution(rows[i % len(rows)])
+            state.observe(probs, int(np.argmax(probs)))
+        return run
+
+    results = {
+        "processing: a logit bias alone (the row's copy)": best_us(processing(Constraints(logit_bias={5: 1.0})), args.rows),
+        "processing: + penalties (repeat_last_n 64)": best_us(processing(Constraints(logit_bias={5: 1.0},
+                                                                                     repeat_penalty=1.1)), args.rows),
+        "processing: + DRY (window 64)": best_us(processing(Constraints(dry_multiplier=0.8), 64), args.rows),
+        "processing: + DRY (window 4096)": best_us(processing(Constraints(dry_multiplier=0.8), 4096), args.rows),
+        "distribution: top-k 40, top-p, min-p, temperature": best_us(lambda i: distribution(rows[i % 8], sampled),
+                                                                     args.rows),
+        "distribution: Mirostat 1": best_us(steered(mirostat_v1), args.rows),
+        "distribution: Mirostat 2": best_us(steered(mirostat), args.rows),
+        "distribution: adaptive-p after the chain": best_us(steered(adaptive), args.rows),
+    }
+    for name, us in results.items():
+        print(f"{us:9.1f} us  {name}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"n_vocab": n_vocab, "history": 3000, "us_per_row": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
