@@ -65,7 +65,7 @@ class Mirostat:
             s_hat = np.sum(t * b) / np.sum(t * t)
             epsilon = s_hat - 1
             k = float(np.power(epsilon * np.exp2(self.mu) / (1 - np.power(float(self.n_vocab), -epsilon)), 1 / s_hat))
-        return 1 if math.isnan(k) or k < 1 else k if k == math.inf else int(k)
+        return 1 if math.isnan(k) or k < 1 else int(min(k, self.n_vocab))
 
 
 def _best(probs: np.ndarray, n: int) -> np.ndarray:

@@ -100,9 +100,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """No temperature above 0 is possible (llama.cpp's temp_ext: dynamic ones up to temp + range;
-        Mirostat's chain has the plain temperature)."""
-        return self.temperature + (0.0 if self.mirostat else max(self.dynatemp_range, 0.0)) <= 0
+        return is_greedy(self.temperature, self.dynatemp_range, self.mirostat)
+
+
+def is_greedy(temperature: float, dynatemp_range: float = 0.0, mirostat: int = 0) -> bool:
+    """No temperature above 0 is possible (llama.cpp's temp_ext: dynamic ones up to temp + range;
+    Mirostat's chain has the plain temperature)."""
+    return temperature + (0.0 if mirostat else max(dynatemp_range, 0.0)) <= 0
 
 
 LLAMACPP_FILTERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
@@ -121,11 +125,9 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     tempered distribution it cuts (its cut needs the sequence's state: `mirostat.Mirostat`, the target's
     judge's), which a draft model proposes from."""
     logits = logits.astype(np.float64)
-    if params.mirostat:
-        order = np.argsort(-logits, kind="stable")
-        result = np.zeros(len(logits))
-        result[order] = _softmax(logits[order] / params.temperature)
-        return result
+    if params.mirostat:  # no sort: every token keeps its probability
+        weights = np.exp((logits - logits.max()) / params.temperature)
+        return weights / weights.sum()
     n_vocab = logits.shape[0]
     pool = _top_n_sigma(logits, params.top_n_sigma) if params.top_n_sigma > 0 else None  # None: every id
     values = logits if pool is None else logits[pool]

@@ -123,14 +123,14 @@ def check_thinking_tags(body: GenerationBody) -> None:
                                 f"{OPEN}...{CLOSE}; leave it out", code="unsupported_parameter", param=name)
 
 
-PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repeat_penalty", "repeat_last_n", "dry_multiplier",
+REQUEST_PENALTIES = ("frequency_penalty", "presence_penalty", "repeat_penalty", "repeat_last_n", "dry_multiplier",
                   "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 
 
 def penalties(body: GenerationBody) -> dict:
     """frequency/presence penalties (OpenAI's), repeat_penalty and repeat_last_n (llama.cpp's; -1: the
     whole sequence, as there), and llama.cpp's DRY."""
-    given = {name: getattr(body, name) for name in PENALTY_FIELDS if getattr(body, name) is not None}
+    given = {name: getattr(body, name) for name in REQUEST_PENALTIES if getattr(body, name) is not None}
     if "dry_sequence_breakers" in given:
         given["dry_sequence_breakers"] = tuple(given["dry_sequence_breakers"])
     return given

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..processing import Constraints
-from ..sampling import CHAIN, FILTERS_OFF, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams
+from ..sampling import CHAIN, FILTERS_OFF, SAMPLER_LETTERS, SAMPLER_NAMES, SamplingParams, is_greedy
 from .errors import APIError
 
 HAD = CHAIN  # ggufspec's samplers, in the order it applies them
@@ -60,7 +60,7 @@ def sampler_chain(body, options: dict, shape, default_constraints: Constraints |
     settings = {name: options.get(SETTING.get(name, name), getattr(SamplingParams, SETTING.get(name, name)))
                 for name in (*NEUTRAL, "dynatemp_range")}
     active = [kind for kind in kinds if kind in HAD and is_active(kind, settings, shape, default_constraints)]
-    greedy = settings["temperature"] + max(settings["dynatemp_range"], 0.0) <= 0  # as SamplingParams.greedy
+    greedy = is_greedy(settings["temperature"], settings["dynatemp_range"])
     check_order(active, greedy, dynamic=settings["dynatemp_range"] > 0)
     check_no_infill(kinds)
     return options, shape
