@@ -14,6 +14,9 @@ Variants (--variants, comma-separated):
   ls-target   llama-server                             the target alone
   ls-ngram-simple / ls-ngram-mod   llama-server --spec-type ngram-simple / ngram-mod
 
+A variant may end in `+fa-on` or `+fa-off` (e.g. `ls-ngram-mod+fa-off`): that server with `-fa on/off`.
+ggufspec's own default on a CPU is off (`load.resolved_flash_attn`), llama-server's on.
+
 Each round starts every variant afresh (order reversed every other round: a machine shared with other
 jobs drifts) and runs every session; ratios are taken within a round, against the same server's
 target alone, then the median over rounds. ggufspec servers get a new, empty GGUFSPEC_HOME each (the
@@ -140,6 +143,11 @@ def run_session(url: str, script: dict, session: dict, client=chat) -> dict:
 # ---------------------------------------------------------------- the servers
 
 def command(variant: str, target: Path, draft: Path, threads: int, n_ctx: int, port: int) -> list[str]:
+    variant, _, attention = variant.partition("+fa-")
+    return server_command(variant, target, draft, threads, n_ctx, port) + (["-fa", attention] if attention else [])
+
+
+def server_command(variant: str, target: Path, draft: Path, threads: int, n_ctx: int, port: int) -> list[str]:
     if variant.startswith("gs-"):
         ggufspec = Path(sys.executable).parent / "ggufspec"
         base = [str(ggufspec) if ggufspec.exists() else sys.executable, *([] if ggufspec.exists() else ["-m", "ggufspec.cli"]),
@@ -218,14 +226,15 @@ def markdown(records: list[dict], variants: list[str], sessions: list[str]) -> s
 def versus_best_llama(records: list[dict], sessions: list[str]) -> str:
     """gs-auto's whole-run wall time against llama-server's best n-gram drafter, round by round."""
     lines = []
-    for variant in ("gs-auto", "gs-lookup"):
+    names = list(dict.fromkeys(r["variant"] for r in records))
+    for variant in [v for v in names if v.startswith(("gs-auto", "gs-lookup"))]:
         per_round = []
         for round_index in sorted({r["round"] for r in records}):
             def total(name):
                 rec = next((r for r in records if r["variant"] == name and r["round"] == round_index), None)
                 return sum(s["wall_s"] for s in rec["sessions"]) if rec and rec.get("sessions") else None
             mine = total(variant)
-            theirs = [t for t in (total("ls-ngram-simple"), total("ls-ngram-mod")) if t]
+            theirs = [t for t in map(total, [v for v in names if v.startswith("ls-ngram")]) if t]
             target = total("gs-target")
             if mine and theirs:
                 per_round.append((min(theirs) / mine, target / mine if target else None))
@@ -249,7 +258,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="Write every record here.")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    unknown = set(variants) - set(VARIANTS)
+    unknown = {v for v in variants if v.partition("+")[0] not in VARIANTS or v.partition("+")[2] not in ("", "fa-on", "fa-off")}
     if unknown:
         raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if any(v.startswith("ls-") for v in variants) and not LLAMA_SERVER.exists():

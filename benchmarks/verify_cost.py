@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--flash-attn", choices=("on", "off"), default="on")
     parser.add_argument("--json", default=None, help="Write {n: T(n) / T(1)} with every row's logits here.")
     args = parser.parse_args()
     if args.model is None:
@@ -36,7 +37,7 @@ def main() -> None:
         args.model = str(agent_bench.demo_pair()[0])
     sizes = [int(n) for n in args.sizes.split(",")]
     llm = llama_cpp.Llama(args.model, n_ctx=args.depth + max(sizes) + 16, n_threads=args.threads,
-                          n_threads_batch=args.threads, n_batch=512, verbose=False, flash_attn=True)
+                          n_threads_batch=args.threads, n_batch=512, verbose=False, flash_attn=args.flash_attn == "on")
     ctx, rng = Context(llm, "target"), random.Random(0)
     ctx.decode([rng.randrange(1000, 20000) for _ in range(args.depth)])
     least: dict[tuple[int, str], float] = {}

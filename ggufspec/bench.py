@@ -144,6 +144,8 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
     measurements after each prompt's configurations (outside every timed run)."""
     if flash_attn not in FLASH_ATTN_SETTINGS:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
+    if flash_attn == "auto":  # as the decoder took it (`load.resolved_flash_attn`: off on a CPU), not llama.cpp's
+        flash_attn = {0: "off", 1: "on"}.get(decoder.target_llm.context_params.flash_attn_type, "auto")
     adapted = tuple(arg for a in adapters_of(decoder.target_llm) for arg in ("--lora-scaled", f"{a.path}:{a.scale}"))
     native = NativeSettings(n_threads, flash_attn, n_gpu_layers, n_gpu_layers if n_gpu_layers_draft is None else
                             n_gpu_layers_draft, llamacpp_args[0] + adapted, llamacpp_args[1])  # the adapted target too

@@ -139,17 +139,17 @@ def with_flags(target: LoadParams, draft: LoadParams, flags: dict | None) -> tup
     return replace(target, **flags.get("target", {})), replace(draft, **flags.get("draft", {}))
 
 
-# load flags that change what a step costs (the micro-batch, the cache types, the batch threads, where the
-# tensors and the KV cache live, the kernels, the CPUs): part of the key under which --draft auto remembers
-# a machine's step costs
-COST_FLAGS = ("n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads", "tensor_overrides", "kv_overrides",
-              "split_mode", "main_gpu", "tensor_split", "device_names", "offload_kqv", "op_offload", "repack",
+# load flags that change what a step costs (flash attention, the micro-batch, the cache types, the batch threads,
+# where the tensors and the KV cache live, the kernels, the CPUs): part of the key under which --draft auto
+# remembers a machine's step costs
+COST_FLAGS = ("flash_attn", "n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads", "tensor_overrides",
+              "kv_overrides", "split_mode", "main_gpu", "tensor_split", "device_names", "offload_kqv", "op_offload", "repack",
               "no_host", "lazy_mode", "numa", "cpus", "priority")
 
 
 def flags_tag(flags: dict | None) -> str:
     """The load flags that change step costs, as a costs key's tag ("" for llama.cpp's defaults)."""
-    defaults = {"n_ubatch": 512, "type_k": "f16", "type_v": "f16", "tensor_overrides": (), "kv_overrides": (),
+    defaults = {"flash_attn": "auto", "n_ubatch": 512, "type_k": "f16", "type_v": "f16", "tensor_overrides": (), "kv_overrides": (),
                 "split_mode": "layer", "main_gpu": 0, "offload_kqv": True, "op_offload": True, "repack": True,
                 "no_host": False, "lazy_mode": "auto", "priority": 0}
     return "".join(f",{role[0]}{name}={_tag_value(name, value)}"
@@ -162,6 +162,18 @@ def _tag_value(name: str, value) -> str:
     if name in ("tensor_overrides", "kv_overrides"):
         return overrides_tag(value)
     return "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def resolved_flash_attn(params: LoadParams) -> str:
+    """-fa auto as ggufspec takes it: off where this machine's CPU computes every layer, else llama.cpp's auto
+    (on where the backend has it). llama.cpp's CPU flash attention walks the cache once per query row below
+    its 64-row tiles, so at depth the batches speculation verifies cost more with it: at 1,500 tokens of
+    context a batch of 4 rows 1.27x, of 16 1.50x the matrix products' time, one token and a prompt the same
+    within 5% (docs/benchmarks.md, round 29). Left on where it is needed: --exact, a quantized V cache."""
+    if params.flash_attn != "auto" or params.exact or params.type_v not in FLOAT_CACHE_TYPES:
+        return params.flash_attn
+    on_cpu = params.n_gpu_layers == 0 and params.devices is None and not params.device_names
+    return "off" if on_cpu else "auto"
 
 
 def flash_attn_type(setting: str | bool) -> int:
@@ -287,7 +299,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
     try:
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         options = _llama_options(params, strict, unified)
-        with _context_params(flash_attn_type(params.flash_attn), params.n_rs_seq, params.n_seq, unified), \
+        with _context_params(flash_attn_type(resolved_flash_attn(params)), params.n_rs_seq, params.n_seq, unified), \
                 _model_params(params, overrides), interrupt_after_native():
             if devices is not None:  # placed on chosen devices: a loading concern, same Llama
                 llm = load_on_devices(path, devices, **options)

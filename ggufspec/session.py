@@ -187,7 +187,7 @@ def load_flags_by_role(options: ModelOptions) -> dict[str, dict]:
     check_cache_types(options.cache_type_k_draft, options.cache_type_v_draft, options.flash_attn, "-ctvd")
     n_ubatch = options.n_ubatch or DEFAULT_UBATCH
     shared = dict(n_batch=options.n_batch or max(DEFAULT_BATCH, n_ubatch), n_ubatch=n_ubatch,
-                  use_mmap=options.use_mmap, use_mlock=options.use_mlock)
+                  use_mmap=options.use_mmap, use_mlock=options.use_mlock, flash_attn=options.flash_attn)
     target = dict(shared, n_threads_batch=options.n_threads_batch, type_k=options.cache_type_k,
                   type_v=options.cache_type_v)
     draft = dict(shared, n_threads_batch=options.n_threads_batch_draft or options.n_threads_batch,

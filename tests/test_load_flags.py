@@ -274,3 +274,20 @@ def test_bench_refuses_a_batch_smaller_than_a_step(wide_pair):
     result = CliRunner().invoke(main, ["bench", "-m", str(target), "-md", str(draft), "--draft", "4", "-b", "3"])
     line = result.stderr.strip()
     assert result.exit_code == 2 and "-b 3 is smaller than a step" in line and "\n" not in line, result.stderr
+
+
+@pytest.mark.parametrize("fields,expected", [
+    ({}, "off"), ({"flash_attn": "on"}, "on"), ({"flash_attn": "off"}, "off"), ({"device_names": ()}, "off"),
+    ({"exact": True}, "auto"), ({"type_v": "q8_0"}, "auto"), ({"n_gpu_layers": 3}, "auto"),
+    ({"device_names": ("CUDA0",)}, "auto"), ({"devices": ("rpc",)}, "auto")])
+def test_flash_attention_auto_is_off_where_this_cpu_computes_every_layer(fields, expected):
+    """Measured (docs/benchmarks.md, round 29): at depth, llama.cpp's CPU flash attention makes the small
+    batches a verification is 1.3-1.5x dearer. Left to llama.cpp where it is needed or a GPU computes."""
+    from ggufspec.load import LoadParams, resolved_flash_attn
+    assert resolved_flash_attn(LoadParams(**fields)) == expected
+
+
+def test_an_explicit_flash_attention_remembers_its_own_step_costs():
+    from ggufspec.load import flags_tag
+    assert flags_tag({"target": {"flash_attn": "auto"}}) == ""
+    assert len({flags_tag({"target": {"flash_attn": fa}}) for fa in ("auto", "on", "off")}) == 3
