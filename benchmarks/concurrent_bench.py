@@ -27,7 +27,8 @@ counted). With --rounds R every variant runs R times, the order reversed every o
 1-client count is one prompt, so its ratio is against that prompt's speed (drafting keeps more on some
 prompts than on others). --system FILE gives every request the same system message (agents sharing
 one system prompt; repeat a count, --clients 1,4,4, to see a second wave find it cached).
---no-parallel-flag leaves `--parallel` off the gs-serial command (for a ggufspec without the flag).
+A variant may end in `+fa-on` or `+fa-off`: that server with `-fa on/off` (ggufspec's default on a CPU is off,
+llama-server's on). --no-parallel-flag leaves `--parallel` off the gs-serial command (for a ggufspec without the flag).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/concurrent_bench.py --clients 1,2,4,8 --rounds 1 --json /tmp/concurrent.json
 
@@ -180,6 +181,11 @@ def parallel_flags(variant: str, args) -> list[str]:
 
 
 def variant_command(variant: str, args, target: Path, draft: Path, port: int) -> list[str]:
+    variant, _, attention = variant.partition("+fa-")  # gs-parallel+fa-on: that server with -fa on
+    return server_command(variant, args, target, draft, port) + (["-fa", attention] if attention else [])
+
+
+def server_command(variant: str, args, target: Path, draft: Path, port: int) -> list[str]:
     where = ["-t", str(args.threads), "-c", str(args.ctx), "--host", "127.0.0.1", "--port", str(port)]
     if variant.startswith("gs-"):
         return (ggufspec_command() + ["serve", "-m", str(target), "-md", str(draft)] + where
@@ -314,10 +320,11 @@ def parse_args():
     args.system_text = Path(args.system).read_text() if args.system else None
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.counts = [int(n) for n in args.clients.split(",") if n.strip()]
-    unknown = set(args.variant_list) - set(VARIANTS)
+    unknown = {v for v in args.variant_list
+               if v.partition("+")[0] not in VARIANTS or v.partition("+")[2] not in ("", "fa-on", "fa-off")}
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    if "ls" in args.variant_list and not LLAMA_SERVER.exists():
+    if any(v.partition("+")[0] == "ls" for v in args.variant_list) and not LLAMA_SERVER.exists():
         parser.error(f"{LLAMA_SERVER} is missing: build it with scripts/build-llamacpp.sh")
     return args
 

@@ -168,8 +168,8 @@ def resolved_flash_attn(params: LoadParams) -> str:
     """-fa auto as ggufspec takes it: off where this machine's CPU computes every layer, else llama.cpp's auto
     (on where the backend has it). llama.cpp's CPU flash attention walks the cache once per query row below
     its 64-row tiles, so at depth the batches speculation verifies cost more with it: at 1,500 tokens of
-    context a batch of 4 rows 1.27x, of 16 1.50x the matrix products' time, one token and a prompt the same
-    within 5% (docs/benchmarks.md, round 29). Left on where it is needed: --exact, a quantized V cache."""
+    context a batch of 4 rows 1.1-1.3x, of 16 1.5-1.7x the matrix products' time, one token and a prompt the
+    same within 6% (docs/benchmarks.md, round 29). Left on where it is needed: --exact, a quantized V cache."""
     if params.flash_attn != "auto" or params.exact or params.type_v not in FLOAT_CACHE_TYPES:
         return params.flash_attn
     on_cpu = params.n_gpu_layers == 0 and params.devices is None and not params.device_names
