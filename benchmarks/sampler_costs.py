@@ -24,7 +24,7 @@ from ggufspec.adaptivep import AdaptiveP  # noqa: E402
 from ggufspec.dry import Dry  # noqa: E402
 from ggufspec.mirostat import Mirostat  # noqa: E402
 from ggufspec.processing import Constraints, TargetProcessor  # noqa: E402
-from ggufspec.sampling import distribution  # noqa: E402
+from ggufspec.sampling import Draws, distribution, sample  # noqa: E402
 
 
 def best_us(run, rows: int, rounds: int = 3) -> float:
@@ -57,6 +57,7 @@ def main() -> None:
         return lambda i: processor.apply(*at(i))
 
     sampled = SamplingParams(temperature=0.8)
+    unfiltered, draws = SamplingParams(temperature=0.8, top_k=0), Draws(1)
     mirostat, mirostat_v1 = Mirostat(2, 5.0, 0.1, 0.8, n_vocab), Mirostat(1, 5.0, 0.1, 0.8, n_vocab)
     adaptive = AdaptiveP(SamplingParams(temperature=0.8, adaptive_target=0.3))
 
@@ -74,6 +75,12 @@ def main() -> None:
         "processing: + DRY (window 4096)": best_us(processing(Constraints(dry_multiplier=0.8), 4096), args.rows),
         "distribution: top-k 40, top-p, min-p, temperature": best_us(lambda i: distribution(rows[i % 8], sampled),
                                                                      args.rows),
+        "the pick: distribution, then Draws.pick over the vector": best_us(
+            lambda i: draws.pick(distribution(rows[i % 8], sampled), i), args.rows),
+        "the pick: sample (the chain's tokens alone)": best_us(lambda i: sample(rows[i % 8], sampled, draws, i),
+                                                             args.rows),
+        "the pick: sample, top-k 0 (the whole vocabulary sorted)": best_us(
+            lambda i: sample(rows[i % 8], unfiltered, draws, i), args.rows),
         "distribution: Mirostat 1": best_us(steered(mirostat_v1), args.rows),
         "distribution: Mirostat 2": best_us(steered(mirostat), args.rows),
         "distribution: adaptive-p after the chain": best_us(steered(adaptive), args.rows),

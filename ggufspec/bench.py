@@ -126,9 +126,8 @@ class BenchResult:
     interrupted: bool = False  # Ctrl-C: the prompts finished before it
 
     def to_dict(self) -> dict:
-        return {"configs": self.configs, "summary": self.summary, "overall": self.overall,
-                "cost_model": self.cost_model, "runs": [asdict(r) for r in self.runs],
-                "interrupted": self.interrupted}
+        return {"configs": self.configs, "summary": self.summary, "overall": self.overall, "cost_model": self.cost_model,
+                "runs": [asdict(r) for r in self.runs], "interrupted": self.interrupted}
 
 
 def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict: int = 256, repeat: int = 1,
@@ -136,15 +135,14 @@ def run_bench(decoder, prompts: list[dict], configs: list[Config], *, n_predict:
               n_threads: int | None = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
               n_gpu_layers_draft: int | None = None, recorder=None, cost_sampler=None,
               llamacpp_args: tuple[tuple, tuple] = ((), ())) -> BenchResult:
-    """flash_attn ("on" | "off" | "auto") and the offload (-ngl, -ngld; None: as the target) are the
-    ones the decoder was opened with: llama.cpp's tools get the same, so both sides run alike, and
-    `llamacpp_args` (the load flags: the target's and shared ones, the draft's) as well.
-    `recorder` (a traces.TraceRecorder): each prompt's acceptance trace, from its first greedy
-    target-alone run (outside every timed run). `cost_sampler` (a CostSampler): a round of cost
-    measurements after each prompt's configurations (outside every timed run)."""
+    """flash_attn (auto: as the decoder took it) and the offload (-ngl, -ngld; None: as the target) are the
+    decoder's: llama.cpp's tools get the same, and `llamacpp_args` (the load flags: the target's and shared
+    ones, the draft's). `recorder` (a traces.TraceRecorder): each prompt's acceptance trace, from its first
+    greedy target-alone run; `cost_sampler` (a CostSampler): a round of cost measurements after each
+    prompt's configurations (both outside every timed run)."""
     if flash_attn not in FLASH_ATTN_SETTINGS:
         raise GgufspecError(f"-fa/--flash-attn takes on, off or auto, got {flash_attn!r}")
-    if flash_attn == "auto":  # as the decoder took it (`load.resolved_flash_attn`: off on a CPU), not llama.cpp's
+    if flash_attn == "auto":  # `load.resolved_flash_attn`'s (off on a CPU), not llama.cpp's auto
         flash_attn = {0: "off", 1: "on"}.get(decoder.target_llm.context_params.flash_attn_type, "auto")
     adapted = tuple(arg for a in adapters_of(decoder.target_llm) for arg in ("--lora-scaled", f"{a.path}:{a.scale}"))
     native = NativeSettings(n_threads, flash_attn, n_gpu_layers, n_gpu_layers if n_gpu_layers_draft is None else

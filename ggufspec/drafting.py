@@ -18,7 +18,7 @@ from .native import Context
 from .bridge import VocabBridge  # noqa: F401  (drafting.VocabBridge)
 from .ngram import HybridDrafter, NgramDrafter, bucket_of  # noqa: F401  (drafting.HybridDrafter)
 from .processing import DraftGuide
-from .sampling import Draws, SamplingParams, distribution, greedy_token
+from .sampling import Draws, SamplingParams, greedy_token, sample
 
 LookupDrafter = NgramDrafter  # the name it had when it looked in the sequence only
 
@@ -80,9 +80,8 @@ class ModelDrafter:
                 if self.p_min > 0 and _softmax_at(raw, token) < self.p_min and proposals:
                     break  # unsure by its own (unguided) distribution
             else:
-                q = distribution(logits, params)
-                token = draws.pick(q, len(tokens) + len(proposals))
-                if self.p_min > 0 and q[token] < self.p_min and proposals:
+                token, q = sample(logits, params, draws, len(tokens) + len(proposals))
+                if self.p_min > 0 and q < self.p_min and proposals:
                     break
             proposals.append(token)
             # nothing after an end of generation is output: the draft stops there (a guide says so too)

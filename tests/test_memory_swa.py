@@ -9,6 +9,7 @@ from reference import (NEAR_TIE, first_difference, greedy_every_k_is_target_alon
                        target_alone)
 from ggufspec.tinymodels import make_gemma2_pair
 
+ATTENTION = "off"  # the target alone as the decoders load it: -fa auto is off on a CPU
 N_CTX = 512
 WINDOW = 16
 
@@ -59,7 +60,7 @@ def strict_decoder(gemma_pair):
 def test_greedy_equals_target_alone_far_past_the_window(gemma_pair, strict_decoder):
     decoder = strict_decoder
     assert decoder.target.n_swa == 0 and decoder.target_llm.context_params.swa_full is True
-    _, near_ties = greedy_every_k_is_target_alone(decoder, gemma_pair[0], prompts(2, seed=5), 300, N_CTX, "on")
+    _, near_ties = greedy_every_k_is_target_alone(decoder, gemma_pair[0], prompts(2, seed=5), 300, N_CTX, ATTENTION)
     assert near_ties == 0
 
 
@@ -69,7 +70,7 @@ def test_a_conversation_reuses_its_prefix_past_the_window(gemma_pair, decoder):
     second = first + out1.tokens + [265, 266]
     out2 = decoder.generate(second, n_predict=20, n_draft=3)
     assert out2.stats.n_prompt_cached == len(first) + len(out1.tokens) - 1  # the window moved on with it
-    expected, margins, _ = target_alone(gemma_pair[0], second, 20, N_CTX, "on")
+    expected, margins, _ = target_alone(gemma_pair[0], second, 20, N_CTX, ATTENTION)
     diff = first_difference(out2.tokens, expected)
     assert diff is None or margins[diff] < NEAR_TIE
     # a prompt leaving the conversation where the window no longer reaches: the checkpoint where
@@ -79,7 +80,7 @@ def test_a_conversation_reuses_its_prefix_past_the_window(gemma_pair, decoder):
     out3 = decoder.generate(third, n_predict=20, n_draft=3)
     assert out3.stats.n_prompt_cached == len(first)
     assert decoder.target.n_evaluated - before < 3 + 5 * 20
-    expected, margins, _ = target_alone(gemma_pair[0], third, 20, N_CTX, "on")
+    expected, margins, _ = target_alone(gemma_pair[0], third, 20, N_CTX, ATTENTION)
     diff = first_difference(out3.tokens, expected)
     assert diff is None or margins[diff] < NEAR_TIE
 
@@ -103,7 +104,7 @@ def test_cache_prompt_false_past_the_window_answers_as_the_target_alone(gemma_pa
     """cache_prompt=False on a sliding-window cache that has moved past its window: emptied, the
     prompt evaluated whole, the answer bit for bit the target alone's."""
     prompt = prompts(1, seed=6)[0]
-    expected, margins, _ = target_alone(gemma_pair[0], prompt, 60, N_CTX, "on")
+    expected, margins, _ = target_alone(gemma_pair[0], prompt, 60, N_CTX, ATTENTION)
     strict_decoder.generate(prompt + expected[:40], n_predict=200, n_draft=3)  # the cache far past the window
     fresh = strict_decoder.generate(prompt, n_predict=60, n_draft=3, cache_prompt=False)
     assert fresh.stats.n_prompt_cached == 0

@@ -113,8 +113,8 @@ def test_a_draw_tied_to_the_call_count_is_caught(strict_decoder, monkeypatch):
     """Negative control: draws taken in call order (as a stream of random numbers would be) make the
     text depend on the drafts, and the identity above fails."""
     calls = iter(range(10**9))
-    original = Draws.pick
-    monkeypatch.setattr(Draws, "pick", lambda self, probs, position: original(self, probs, next(calls)))
+    original = Draws.pick_among  # every pick goes through it
+    monkeypatch.setattr(Draws, "pick_among", lambda self, ids, probs, position: original(self, ids, probs, next(calls)))
     differ = 0
     for seed, prompt in enumerate(prompts(3, seed=5)):
         expected = strict_decoder.generate(prompt, n_predict=32, n_draft=0, temperature=1.5, seed=seed).tokens
@@ -192,3 +192,21 @@ def test_the_system_fingerprint_follows_what_rounds_the_answer(tiny_pair):
     assert strict == fingerprint(target, n_threads=1, strict=True)
     assert strict != fingerprint(target, draft, n_threads=2, strict=True)
     assert fingerprint(target, draft, n_threads=1) != fingerprint(target, n_threads=1)
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"top_k": 0, "top_p": 0.9, "min_p": 0.0}, {"typical_p": 0.9}, {"top_n_sigma": 1.5, "top_k": 0},
+    {"xtc_probability": 0.5, "xtc_threshold": 0.05, "top_k": 20}, {"temperature": 0.0, "dynatemp_range": 0.5},
+    {"min_p": 0.3, "min_keep": 5}, {"mirostat": 2, "temperature": 0.9}, {"top_k": 0}, {"top_k": 0, "min_p": 0.0}])
+def test_a_pick_among_the_chains_tokens_is_the_pick_over_the_whole_vocabulary(fields):
+    """`sampling.sample` (the tokens the chain leaves, no vector over the vocabulary) picks the token
+    `Draws.pick` picks from `distribution`, with the same probability, bit for bit."""
+    from ggufspec.sampling import SamplingParams, distribution, sample
+    params, rng, draws = SamplingParams(**{"temperature": 0.8, **fields}), np.random.default_rng(3), Draws(11)
+    for position in range(300):  # rows long enough for `sampling.top_k_ids`'s and `_head`'s shortcuts
+        row = (rng.normal(size=40_000) * 3).astype(np.float32)
+        row[rng.integers(0, 5, 3)] += 12 * (position % 2)  # peaked rows and flat ones
+        row[rng.integers(0, 40_000, 20)] = -np.inf  # banned tokens
+        probs = distribution(row, params)
+        token, p = sample(row, params, draws, position)
+        assert (token, p) == (draws.pick(probs, position), probs[token])

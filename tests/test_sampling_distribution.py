@@ -51,3 +51,42 @@ def test_seed_makes_a_run_reproducible(tiny_decoder):
     assert runs[0] == runs[1]
     other = tiny_decoder.generate("the cat", n_predict=24, n_draft=3, temperature=1.0, seed=43).tokens
     assert other != runs[0]
+
+
+def rows_to_rank(rng, n):
+    """Rows of every kind a ranking meets: flat, peaked, with ties, mostly banned (a grammar), all banned but
+    a few, the best in the last, ungrouped values (`top_k_ids`'s tail)."""
+    flat = (rng.normal(size=n) * 3).astype(np.float32)
+    peaked = flat.copy()
+    peaked[rng.integers(0, n, 5)] += 15
+    banned = flat.copy()
+    banned[rng.random(n) < 0.999] = -np.inf
+    few = np.full(n, -np.inf, dtype=np.float32)
+    few[rng.integers(0, n, 3)] = 1.0
+    last = flat.copy()
+    last[-3:] = 100.0
+    return [flat, peaked, np.round(flat), banned, few, last]
+
+
+@pytest.mark.parametrize("n", [300, 5000, 151_936, 151_937])
+@pytest.mark.parametrize("k", [1, 5, 40, 100, 300])
+def test_top_k_ranks_as_a_stable_sort_of_the_whole_row(n, k):
+    """`top_k_ids` (only the values above a bound sorted) gives a stable sort's first k, ties by the lower id."""
+    rng = np.random.default_rng(n + k)
+    for row in rows_to_rank(rng, n):
+        assert np.array_equal(ggufspec.sampling.top_k_ids(row, k), np.argsort(-row, kind="stable")[:k])
+
+
+@pytest.mark.parametrize("fields", [{"top_p": 0.95, "min_p": 0.0}, {"top_p": 0.9, "min_p": 0.05},
+                                    {"top_p": 1.0, "min_p": 0.1}, {"top_p": 0.5, "min_p": 0.0, "min_keep": 300}])
+def test_without_top_k_the_chain_keeps_what_the_whole_row_sorted_keeps(fields, monkeypatch):
+    """`_head` (a prefix long enough for top-p or min-p, not the 151k-token row sorted) keeps the same
+    tokens with the same probabilities as the whole row sorted."""
+    params, rng = SamplingParams(temperature=0.8, top_k=0, **fields), np.random.default_rng(7)
+    rows = [row * scale for row in rows_to_rank(rng, 151_936) for scale in (0.3, 1.0, 3.0)]
+    fast = [ggufspec.sampling.chain(row, params) for row in rows]
+    monkeypatch.setattr(ggufspec.sampling, "_head", lambda values, _: (np.argsort(-values, kind="stable"), None))
+    for row, (ids, probs) in zip(rows, fast):
+        whole_ids, whole_probs = ggufspec.sampling.chain(row, params)
+        assert np.array_equal(ids, whole_ids)
+        np.testing.assert_allclose(probs, whole_probs, rtol=1e-12, atol=0)
