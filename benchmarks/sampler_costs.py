@@ -79,7 +79,7 @@ def main() -> None:
             lambda i: draws.pick(distribution(rows[i % 8], sampled), i), args.rows),
         "the pick: sample (the chain's tokens alone)": best_us(lambda i: sample(rows[i % 8], sampled, draws, i),
                                                              args.rows),
-        "the pick: sample, top-k 0 (the whole vocabulary sorted)": best_us(
+        "the pick: sample, top-k 0 (top-p 0.95, min-p 0.05: a prefix, not the row sorted)": best_us(
             lambda i: sample(rows[i % 8], unfiltered, draws, i), args.rows),
         "distribution: Mirostat 1": best_us(steered(mirostat_v1), args.rows),
         "distribution: Mirostat 2": best_us(steered(mirostat), args.rows),
