@@ -1,7 +1,8 @@
 """What flash attention costs a verification on this machine: the same model in two contexts, flash attention
 on and off, each filled with the same `--depth` tokens; then batches of n tokens with every row's logits (what
 verifying n - 1 drafts needs), timed alternately in the two contexts, the least of `--repeat` counting
-(interference only adds time). Also each context's prefill of the depth (one run: a prompt's cost).
+(interference only adds time). Also each context's prefill of the depth (one run: a prompt's cost), and how
+far each setting's batches round a row away from the same token alone.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/attention_cost.py --depth 1500 --json attention-cost.json
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import llama_cpp  # before numpy (see ggufspec/__init__.py)
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggufspec.native import Context  # noqa: E402
@@ -30,6 +32,21 @@ def filled_context(model: str, flash_attn: bool, depth: int, threads: int) -> tu
     ctx.decode([random.Random(0).randrange(1000, 20000) for _ in range(depth)])
     ctx.synchronize()
     return llm, ctx, time.perf_counter() - started
+
+
+def batch_rounding(ctx, depth: int, rng: random.Random, trials: int = 8) -> float:
+    """How far a verification's rounding moves a row: the last row of a batch of 4 against the same token
+    evaluated alone after the same 3 (the largest logit difference, median over trials)."""
+    differences = []
+    for _ in range(trials):
+        tokens = [rng.randrange(1000, 20000) for _ in range(4)]
+        ctx.keep(depth)
+        ctx.decode(tokens, n_logits=4)
+        batched = np.array(ctx.logits(3), dtype=np.float64)
+        ctx.keep(depth + 3)
+        ctx.decode(tokens[3:], n_logits=1)
+        differences.append(float(np.abs(batched - np.array(ctx.logits(0), dtype=np.float64)).max()))
+    return float(np.median(differences))
 
 
 def main() -> None:
@@ -58,14 +75,18 @@ def main() -> None:
                 ctx.synchronize()
                 seconds = time.perf_counter() - started
                 least[n, fa] = min(seconds, least.get((n, fa), seconds))
+    rounding = {fa: batch_rounding(ctx, args.depth, rng) for fa, (_, ctx, _) in contexts.items()}
     print(f"{Path(args.model).name}, depth {args.depth}, {args.threads} threads; prefill of the depth: "
           f"{contexts[True][2]:.2f} s with flash attention, {contexts[False][2]:.2f} s without")
     print("| n | flash attention on, ms | off, ms | on / off |\n|---:|---:|---:|---:|")
     for n in sizes:
         print(f"| {n} | {1e3 * least[n, True]:.1f} | {1e3 * least[n, False]:.1f} | {least[n, True] / least[n, False]:.2f} |")
+    print(f"batch rounding (a batch of 4's last row against the same token alone, largest logit difference, "
+          f"median of 8): {rounding[True]:.4f} with flash attention, {rounding[False]:.4f} without")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "depth": args.depth, "threads": args.threads,
+            "batch_rounding": {"on": rounding[True], "off": rounding[False]},
             "prefill_s": {"on": contexts[True][2], "off": contexts[False][2]},
             "batch_s": {str(n): {"on": least[n, True], "off": least[n, False]} for n in sizes}}, indent=1))
 
