@@ -143,15 +143,15 @@ def with_flags(target: LoadParams, draft: LoadParams, flags: dict | None) -> tup
 # where the tensors and the KV cache live, the kernels, the CPUs): part of the key under which --draft auto
 # remembers a machine's step costs
 COST_FLAGS = ("flash_attn", "n_ubatch", "n_threads_batch", "type_k", "type_v", "n_threads", "tensor_overrides",
-              "kv_overrides", "split_mode", "main_gpu", "tensor_split", "device_names", "offload_kqv", "op_offload", "repack",
-              "no_host", "lazy_mode", "numa", "cpus", "priority")
+              "kv_overrides", "split_mode", "main_gpu", "tensor_split", "device_names", "offload_kqv", "op_offload",
+              "repack", "no_host", "lazy_mode", "numa", "cpus", "priority")
 
 
 def flags_tag(flags: dict | None) -> str:
     """The load flags that change step costs, as a costs key's tag ("" for llama.cpp's defaults)."""
-    defaults = {"flash_attn": "auto", "n_ubatch": 512, "type_k": "f16", "type_v": "f16", "tensor_overrides": (), "kv_overrides": (),
-                "split_mode": "layer", "main_gpu": 0, "offload_kqv": True, "op_offload": True, "repack": True,
-                "no_host": False, "lazy_mode": "auto", "priority": 0}
+    defaults = {"flash_attn": "auto", "n_ubatch": 512, "type_k": "f16", "type_v": "f16", "tensor_overrides": (),
+                "kv_overrides": (), "split_mode": "layer", "main_gpu": 0, "offload_kqv": True, "op_offload": True,
+                "repack": True, "no_host": False, "lazy_mode": "auto", "priority": 0}
     return "".join(f",{role[0]}{name}={_tag_value(name, value)}"
                    for role, fields in sorted((flags or {}).items()) for name, value in sorted(fields.items())
                    if name in COST_FLAGS and value is not None and defaults.get(name) != value)

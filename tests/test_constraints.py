@@ -12,7 +12,7 @@ import pytest
 
 from ggufspec import SamplingParams
 from ggufspec.errors import GgufspecError
-from ggufspec.processing import Constraints, Grammar, TargetJudge, log_softmax
+from ggufspec.processing import Constraints, Grammar, TargetJudge, log_normaliser
 from ggufspec.sampling import distribution
 from reference import differs_at_near_tie, first_and_second, first_difference, prompts, sampling_pvalues, seeded_samples
 
@@ -50,7 +50,7 @@ def reference_greedy(llm, prompt, n_predict, c: Constraints):
             break
         top2 = np.sort(row)[-2:]
         margins.append(float(top2[1] - top2[0]))
-        logprobs.append(float(log_softmax(row)[token]))
+        logprobs.append(float(row[token]) - log_normaliser(row))
         out.append(token)
         if grammar is not None:
             grammar.accept(token)

@@ -109,7 +109,8 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
               help="Draft layers on the GPU [default: planned].")
 @click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
-              show_default=True, help="Flash attention (auto: off where the CPU computes every layer, else where the backend has it).")
+              show_default=True,
+              help="Flash attention (auto: off where the CPU computes every layer, else llama.cpp's).")
 @click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
               help="Put the target's layers on these `ggufspec worker`s; the draft stays local.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N prompts.")

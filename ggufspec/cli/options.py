@@ -64,7 +64,7 @@ def model_options(command):
         click.option("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
                      help="Draft layers on the GPU [default: planned]."),
         click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
-                     help="Flash attention (auto: off where the CPU computes every layer, else where the backend has it)."),
+                     help="Flash attention (auto: off where the CPU computes every layer, else llama.cpp's)."),
         click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
                      help="Put the target's layers on these `ggufspec worker`s; the draft stays local."),
         click.option("--no-draft", is_flag=True, help="The target alone, for comparison."),
