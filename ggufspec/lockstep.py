@@ -9,7 +9,11 @@ with its own rows of logits. So N slots verifying their drafts cost one target b
 their draft models' proposals one draft batch per drafted position.
 
 Slots take turns: one baton, and only its holder runs engine code; the others wait for it or for a
-round. llama.cpp, which is not thread-safe, is thus called by one thread at a time (cuts, state
+round. Each thread waits on a condition of its own (one lock for all), and a change wakes only the
+thread it concerns: the next in turn, the round thread, a slot sitting a round out. One condition
+for all, notified all, woke every slot at every handoff (N handoffs a round, each waking N threads
+that compete for the GIL): 0.35-0.57 ms a slot a round on the tiny models, where a batch of 8 costs
+1.2 ms (`benchmarks/slots_overhead.py`). llama.cpp, which is not thread-safe, is thus called by one thread at a time (cuts, state
 saves and logits reads included) without a lock around each call, and the turns follow the order of
 the batch, so the same arrivals give the same batches. The turns cost no parallelism: the per-token
 Python work holds the GIL anyway, and the models run in llama.cpp's own threads during the round.
@@ -57,7 +61,10 @@ TARGET = "target"  # the target model's Context name: its decodes are the ones l
 
 class Lockstep:
     def __init__(self):
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._wakers: dict[int, threading.Condition] = {}  # each waiting thread's own, over _lock
+        self._round_waker = threading.Condition(self._lock)
+        self._sitting: set[int] = set()  # members sitting a round out (`sit_out`)
         self._members: set[int] = set()   # threads of the slots generating
         self._turns: deque[int] = deque()  # members waiting for the baton, in order
         self._holder: int | None = None    # the member running engine code
@@ -83,7 +90,7 @@ class Lockstep:
     def join(self) -> None:
         """The calling thread starts generating: it runs when its turn comes."""
         me = threading.get_ident()
-        with self._cond:
+        with self._lock:
             self._members.add(me)
             self._turns.append(me)
             self._take_turn(me)
@@ -91,14 +98,14 @@ class Lockstep:
     def leave(self) -> None:
         """The calling thread is done: the others no longer wait for it."""
         me = threading.get_ident()
-        with self._cond:
+        with self._lock:
             self._members.discard(me)
+            self._wakers.pop(me, None)
             if me in self._turns:
                 self._turns.remove(me)
             if self._holder == me:
                 self._holder = None
-            self._round_if_all_wait()
-            self._cond.notify_all()
+            self._pass_baton()
 
     def others(self, name: str) -> tuple[int, int]:
         """(tokens, members) of the other slots in the latest round of model `name`."""
@@ -114,14 +121,13 @@ class Lockstep:
         code and the batch index of the first of the last `n_logits` tokens (its logits row 0)."""
         me = threading.get_ident()
         request = _Request(ctx, tokens, n_logits, me)
-        with self._cond:
+        with self._lock:
             self._waiting.append(request)
             self._holder = None
-            self._round_if_all_wait()
-            self._cond.notify_all()
+            self._pass_baton()
             # (a round holds the lock while it decodes: only a request carried over for want of room
             # in the cache, between rounds, looks at its caller's should_stop)
-            while not self._cond.wait_for(lambda: request.done or self._closing, timeout=0.25):
+            while not self._waker(me).wait_for(lambda: request.done or self._closing, timeout=0.25):
                 if ctx.should_stop is not None and ctx.should_stop():  # its client left meanwhile
                     self._waiting.remove(request)
                     self._turns.append(me)
@@ -141,18 +147,35 @@ class Lockstep:
         """The caller, holding the baton, gives it up until another slot's `request` has been decoded
         (to take the cells it fills: `Context.reuse_prefix`), then waits for its turn again."""
         me = threading.get_ident()
-        with self._cond:
+        with self._lock:
             self._holder = None
-            self._round_if_all_wait()
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: request.done or self._closing)
+            self._sitting.add(me)
+            self._pass_baton()
+            self._waker(me).wait_for(lambda: request.done or self._closing)
+            self._sitting.discard(me)
             self._turns.append(me)
             self._take_turn(me)
 
+    def _waker(self, me: int) -> threading.Condition:
+        waker = self._wakers.get(me)
+        if waker is None:
+            waker = self._wakers[me] = threading.Condition(self._lock)
+        return waker
+
     def _take_turn(self, me: int) -> None:
-        self._cond.wait_for(lambda: self._holder is None and self._turns and self._turns[0] == me)
+        self._waker(me).wait_for(lambda: self._holder is None and self._turns and self._turns[0] == me)
         self._turns.popleft()
         self._holder = me
+
+    def _pass_baton(self) -> None:
+        """Under the lock, the baton free: to the next in turn (only that thread woken), or else, where
+        every member waits on a decode, a round."""
+        if self._holder is not None:
+            return
+        if self._turns:
+            self._waker(self._turns[0]).notify()
+        else:
+            self._round_if_all_wait()
 
     def _round_if_all_wait(self) -> None:
         """Under the lock: a round is due when every member waits on a decode (nobody holds the baton)."""
@@ -161,6 +184,7 @@ class Lockstep:
         if self._holder is not None or self._turns or not self._waiting:
             return
         self._round_due = True
+        self._round_waker.notify()
         if self._round_thread is None:
             self._round_thread = threading.Thread(target=self._run_rounds, name="ggufspec-rounds", daemon=True)
             self._round_thread.start()
@@ -170,16 +194,18 @@ class Lockstep:
         llama.cpp's OpenMP build keeps a team of worker threads per calling thread, so one team
         serves every round. (Measured at 4 clients on the AMD CPU: no difference, 12.9 against 12.9
         tok/s; kept for the simpler picture of who calls llama.cpp.)"""
-        with self._cond:
+        with self._lock:
             while True:
-                self._cond.wait_for(lambda: self._round_due or self._closing)
+                self._round_waker.wait_for(lambda: self._round_due or self._closing)
                 if self._closing:
                     return
                 self._round_due = False
                 # still due? a slot that joined meanwhile took the baton: its next decode makes it due again
                 if self._holder is None and not self._turns and self._waiting:
                     self._round()
-                    self._cond.notify_all()
+                    for thread in self._sitting:  # each waits for another's request: done, perhaps
+                        self._waker(thread).notify()
+                    self._pass_baton()
 
     def _round(self) -> None:
         groups: dict[int, list[_Request]] = {}
@@ -262,9 +288,11 @@ class Lockstep:
         return rc
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closing = True
-            self._cond.notify_all()
+            self._round_waker.notify_all()
+            for waker in self._wakers.values():
+                waker.notify_all()
         if self._round_thread is not None:
             self._round_thread.join()
         for batch in self._batches.values():
