@@ -3,13 +3,16 @@ hundred microseconds there, so the slots' own synchronisation and Python work sh
 a GPU's 2-4 ms step): a bare loop that decodes one batch holding each of N sequences' next token and
 takes each row's argmax, against `generate_many` over N prompts (N slots, the target alone), per round.
 
-    .venv/bin/python benchmarks/slots_overhead.py [--tokens 300] [--rounds 5] [--json F]
+    .venv/bin/python benchmarks/slots_overhead.py [--tokens 300] [--rounds 5] [--json F] [--lockstep REV ...]
 
-Rounds are interleaved (bare, slots, then slots, bare); the least of each is reported (interference
-only adds time), with the median.
+--lockstep REV adds slots whose `ggufspec/lockstep.py` is the one at git revision REV, in the same
+process (before and after a change, side by side). Rounds are interleaved (the order reversed every
+other round); the least of each is reported (interference only adds time), with the median.
 """
 import argparse
+import importlib.util
 import json
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +20,7 @@ from pathlib import Path
 import llama_cpp  # before numpy (see ggufspec/__init__.py)
 import numpy as np
 
-from ggufspec import SpeculativeDecoder  # noqa: E402
+from ggufspec import SpeculativeDecoder, slots  # noqa: E402
 from ggufspec.bench_parallel import _clear  # noqa: E402
 from ggufspec.load import LoadParams, open_model  # noqa: E402
 from ggufspec.tinymodels import Shape, make_weights, write_model  # noqa: E402
@@ -81,32 +84,62 @@ def main():
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None, help="Write the times (us a round) here as well.")
+    parser.add_argument("--lockstep", action="append", default=[], metavar="REV",
+                        help="Also slots with lockstep.py as at this git revision (repeatable).")
     args = parser.parse_args()
     target = tiny_target(Path(tempfile.mkdtemp()))
     n_ctx = max(COUNTS) * (args.tokens + 64)
     bare = open_model(target, "target", LoadParams(n_ctx=n_ctx, n_threads=1, flash_attn="off", n_seq=max(COUNTS)))
-    times = {(kind, n): [] for n in COUNTS for kind in ("bare", "slots")}
-    with SpeculativeDecoder(target, None, n_ctx=n_ctx, n_threads=1, n_parallel=max(COUNTS), flash_attn="off") as decoder:
-        slot_rounds(decoder, max(COUNTS), 8)  # warm-up
+    decoders = {f"slots@{rev}": slots_decoder(target, n_ctx, lockstep_at(rev)) for rev in args.lockstep}
+    decoders["slots"] = slots_decoder(target, n_ctx, slots.Lockstep)
+    runs = {"bare": lambda n: bare_rounds(bare, n, args.tokens)}
+    runs.update({name: (lambda n, d=decoder: slot_rounds(d, n, args.tokens)) for name, decoder in decoders.items()})
+    times = {(name, n): [] for n in COUNTS for name in runs}
+    try:
         for round_ in range(args.rounds):
             for n in COUNTS:
-                runs = [("bare", lambda: bare_rounds(bare, n, args.tokens)),
-                        ("slots", lambda: slot_rounds(decoder, n, args.tokens))]
-                for kind, run in (runs if round_ % 2 == 0 else runs[::-1]):
-                    times[kind, n].append(1e6 * run())
-    report(times, args)
+                for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
+                    times[name, n].append(1e6 * runs[name](n))
+    finally:
+        for decoder in decoders.values():
+            decoder.close()
+    report(times, list(runs), args)
 
 
-def report(times: dict, args) -> None:
-    print(f"| slots at once (tiny F32 target, {args.tokens} tokens each, 1 thread) | bare batch loop, us a round "
-          f"| generate_many, us a round | slots' own cost a round, us | per slot, us |")
-    print("|---:|---:|---:|---:|---:|")
+def slots_decoder(target: Path, n_ctx: int, lockstep_class) -> SpeculativeDecoder:
+    slots.Lockstep, current = lockstep_class, slots.Lockstep  # what `Slots` makes its rounds with
+    try:
+        decoder = SpeculativeDecoder(target, None, n_ctx=n_ctx, n_threads=1, n_parallel=max(COUNTS), flash_attn="off")
+    finally:
+        slots.Lockstep = current
+    slot_rounds(decoder, max(COUNTS), 8)  # warm-up
+    return decoder
+
+
+def lockstep_at(rev: str):
+    """The Lockstep class of ggufspec/lockstep.py as at git revision `rev`."""
+    source = subprocess.run(["git", "show", f"{rev}:ggufspec/lockstep.py"], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    path = Path(tempfile.mkdtemp()) / "lockstep_at.py"
+    path.write_text(source.replace("from .errors import", "from ggufspec.errors import"))
+    spec = importlib.util.spec_from_file_location(f"lockstep_at_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Lockstep
+
+
+def report(times: dict, names: list[str], args) -> None:
+    slot_names = names[1:]
+    print(f"| slots at once (tiny F32 target, {args.tokens} tokens each, 1 thread), us a round: least (median) | "
+          + " | ".join(names) + " | " + " | ".join(f"{name}: own cost a slot" for name in slot_names) + " |")
+    print("|---:|" + "---:|" * (len(names) + len(slot_names)))
     for n in COUNTS:
-        bare, slots = min(times["bare", n]), min(times["slots", n])
-        print(f"| {n} | {bare:.0f} (median {_median(times['bare', n]):.0f}) | {slots:.0f} (median "
-              f"{_median(times['slots', n]):.0f}) | {slots - bare:.0f} | {(slots - bare) / n:.0f} |")
+        bare = min(times["bare", n])
+        cells = [f"{min(times[name, n]):.0f} ({_median(times[name, n]):.0f})" for name in names]
+        cells += [f"{(min(times[name, n]) - bare) / n:.0f}" for name in slot_names]
+        print(f"| {n} | " + " | ".join(cells) + " |")
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{kind}-{n}": ts for (kind, n), ts in times.items()}, indent=1))
+        Path(args.json).write_text(json.dumps({f"{name}-{n}": ts for (name, n), ts in times.items()}, indent=1))
 
 
 def _median(values: list[float]) -> float:
