@@ -123,8 +123,6 @@ class Lockstep:
         request = _Request(ctx, tokens, n_logits, me)
         with self._lock:
             self._waiting.append(request)
-            if self._members == {me} and len(self._waiting) == 1 and not self._turns:
-                return self._round_alone(request)
             self._holder = None
             self._pass_baton()
             # (a round holds the lock while it decodes: only a request carried over for want of room
@@ -139,15 +137,6 @@ class Lockstep:
                 self._waiting.remove(request)
                 return -1, 0
             self._take_turn(me)
-        return request.rc, request.first_logit
-
-    def _round_alone(self, request: _Request) -> tuple[int, int]:
-        """Under the lock, the only member generating: its round in its own thread, keeping the baton.
-        Nobody to batch with, so handing the round to the round thread would only add two thread
-        switches to every step (about 70 us here: a GPU's step is 2-4 ms). A slot that joins waits for
-        the baton, which this one gives up at its first decode with two members."""
-        self._round()
-        self._turns.remove(request.thread)  # (queued by the round: this thread still holds the baton)
         return request.rc, request.first_logit
 
     def pending(self, ctx) -> _Request | None:
@@ -203,8 +192,10 @@ class Lockstep:
     def _run_rounds(self) -> None:
         """Every round's llama_decode from this one thread, not from whichever slot waited last:
         llama.cpp's OpenMP build keeps a team of worker threads per calling thread, so one team
-        serves every round. (Measured at 4 clients on the AMD CPU: no difference, 12.9 against 12.9
-        tok/s; kept for the simpler picture of who calls llama.cpp.)"""
+        serves every round. Two teams outnumber 2 cores, and libgomp then stops spinning at its
+        barriers (one per graph node) and sleeps: a slot alone decoding in its own thread (round 30,
+        to save two thread switches a step) made the demo target's steps 1.5-2x slower, its cores
+        idle half the time. Even a slot alone has its rounds run here."""
         with self._lock:
             while True:
                 self._round_waker.wait_for(lambda: self._round_due or self._closing)

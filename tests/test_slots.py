@@ -408,3 +408,21 @@ def test_a_round_wakes_each_slot_once_not_every_slot_at_every_handoff(endless_pa
         rounds = decoder.slots.lockstep.rounds - rounds
     assert all(len(a.tokens) == 40 for a in answers)  # (no end of generation: every slot in every round)
     assert len(waits) <= 1.5 * 9 * rounds
+
+
+
+def test_every_slot_decode_runs_in_the_round_thread_even_for_a_slot_alone(tiny_pair, monkeypatch):
+    """llama.cpp's OpenMP build keeps a team of worker threads per calling thread, and libgomp counts
+    every team's threads: once they outnumber the CPUs its barriers (one per graph node) stop spinning
+    and sleep. A slot alone decoding in its own thread (a try in round 30, to save two thread switches a
+    step) left a second team alive in the server's slot threads, and the demo target's steps took
+    1.5-2x as long on 2 cores, the cores idle half the time. So every slot's decode, alone or not,
+    runs in the one round thread."""
+    import llama_cpp
+    callers, decode = set(), llama_cpp.llama_decode
+    monkeypatch.setattr(llama_cpp, "llama_decode", lambda ctx, batch: callers.add(threading.get_ident()) or decode(ctx, batch))
+    with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1, n_parallel=2) as decoder:
+        callers.clear()  # (the decoder's own loading and timing, from this thread)
+        decoder.generate_many(PROMPTS[:1], n_predict=8, n_draft=3)
+        decoder.generate_many(PROMPTS[:2], n_predict=8, n_draft=3)
+        assert callers == {decoder.slots.lockstep._round_thread.ident}
