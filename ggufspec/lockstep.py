@@ -9,14 +9,15 @@ with its own rows of logits. So N slots verifying their drafts cost one target b
 their draft models' proposals one draft batch per drafted position.
 
 Slots take turns: one baton, and only its holder runs engine code; the others wait for it or for a
-round. Each thread waits on a condition of its own (one lock for all), and a change wakes only the
-thread it concerns: the next in turn, the round thread, a slot sitting a round out. One condition
-for all, notified all, woke every slot at every handoff (N handoffs a round, each waking N threads
-that compete for the GIL): 0.35-0.57 ms a slot a round on the tiny models, where a batch of 8 costs
-1.2 ms (`benchmarks/slots_overhead.py`). llama.cpp, which is not thread-safe, is thus called by one thread at a time (cuts, state
+round. llama.cpp, which is not thread-safe, is thus called by one thread at a time (cuts, state
 saves and logits reads included) without a lock around each call, and the turns follow the order of
 the batch, so the same arrivals give the same batches. The turns cost no parallelism: the per-token
 Python work holds the GIL anyway, and the models run in llama.cpp's own threads during the round.
+
+Each thread waits on a condition of its own (one lock for all), and a change wakes only the thread
+it concerns: the next in turn, the round thread, a slot sitting a round out. One condition notified
+all woke every waiting slot at each of a round's N handoffs, to take the lock and the GIL and sleep
+again: on the tiny models 0.19-0.32 ms a slot a round, now about 0.1 (`benchmarks/slots_overhead.py`).
 
 A thread that is not a member (the main thread timing step costs, a decoder used alone) decodes
 directly, as without a Lockstep.

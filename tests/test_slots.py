@@ -397,12 +397,13 @@ def test_strict_with_a_loaded_llama_is_refused(tiny_pair):
 def test_a_round_wakes_each_slot_once_not_every_slot_at_every_handoff(endless_pair, monkeypatch):
     """Each slot waits on a condition of its own: a round of 8 slots is about 9 waits (8 slots and the
     round thread). One condition notified all woke every waiting slot at each of the 8 handoffs (37 waits
-    a round measured), and each woken thread took the GIL: 0.35-0.57 ms a slot a round on these models
+    a round measured), and each woken thread took the GIL: 0.19-0.32 ms a slot a round on these models
     (`benchmarks/slots_overhead.py`)."""
     with SpeculativeDecoder(*endless_pair, n_ctx=2048, n_threads=1, n_parallel=8) as decoder:
         decoder.generate_many(PROMPTS[:7] + PROMPTS[:1], n_predict=4, n_draft=0)  # warm-up
         waits, wait = [], threading.Condition.wait
-        monkeypatch.setattr(threading.Condition, "wait", lambda self, timeout=None: waits.append(1) or wait(self, timeout))
+        monkeypatch.setattr(threading.Condition, "wait",
+                            lambda self, timeout=None: waits.append(1) or wait(self, timeout))
         rounds = decoder.slots.lockstep.rounds
         answers = decoder.generate_many(PROMPTS[:7] + PROMPTS[:1], n_predict=40, n_draft=0)
         rounds = decoder.slots.lockstep.rounds - rounds
@@ -420,7 +421,8 @@ def test_every_slot_decode_runs_in_the_round_thread_even_for_a_slot_alone(tiny_p
     runs in the one round thread."""
     import llama_cpp
     callers, decode = set(), llama_cpp.llama_decode
-    monkeypatch.setattr(llama_cpp, "llama_decode", lambda ctx, batch: callers.add(threading.get_ident()) or decode(ctx, batch))
+    monkeypatch.setattr(llama_cpp, "llama_decode",
+                        lambda ctx, batch: callers.add(threading.get_ident()) or decode(ctx, batch))
     with SpeculativeDecoder(*tiny_pair, n_ctx=512, n_threads=1, n_parallel=2) as decoder:
         callers.clear()  # (the decoder's own loading and timing, from this thread)
         decoder.generate_many(PROMPTS[:1], n_predict=8, n_draft=3)
