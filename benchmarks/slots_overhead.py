@@ -118,8 +118,11 @@ def slots_decoder(target: Path, n_ctx: int, lockstep_class) -> SpeculativeDecode
 
 def lockstep_at(rev: str):
     """The Lockstep class of ggufspec/lockstep.py as at git revision `rev`."""
-    source = subprocess.run(["git", "show", f"{rev}:ggufspec/lockstep.py"], capture_output=True, text=True,
-                            check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    shown = subprocess.run(["git", "show", f"{rev}:ggufspec/lockstep.py"], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parent.parent)
+    if shown.returncode != 0:
+        raise SystemExit(f"--lockstep {rev}: git has no ggufspec/lockstep.py there ({shown.stderr.strip()})")
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / "lockstep_at.py"
     path.write_text(source.replace("from .errors import", "from ggufspec.errors import"))
     spec = importlib.util.spec_from_file_location(f"lockstep_at_{rev}", path)
