@@ -1,7 +1,8 @@
 """What each of llama.cpp's samplers costs ggufspec per row (a verification batch processes one row per
 position), over the demo target's vocabulary (151,936 tokens): the row's processing
-(`TargetProcessor.apply`: bias, penalties, DRY) and the draw's distribution (`sampling.distribution`,
-Mirostat's, adaptive-p's), on random logits after a 3,000-token history of 2,000 distinct tokens.
+(`TargetProcessor.apply`: bias, penalties, DRY), the draw's distribution (`sampling.distribution`), the
+judge's pick under Mirostat and adaptive-p (their cut, the draw, the state moved) and a draft's proposal
+under Mirostat, on random logits after a 3,000-token history of 2,000 distinct tokens.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/sampler_costs.py [--rows 200] [--json FILE]
 
@@ -60,11 +61,13 @@ def main() -> None:
     unfiltered, draws = SamplingParams(temperature=0.8, top_k=0), Draws(1)
     mirostat, mirostat_v1 = Mirostat(2, 5.0, 0.1, 0.8, n_vocab), Mirostat(1, 5.0, 0.1, 0.8, n_vocab)
     adaptive = AdaptiveP(SamplingParams(temperature=0.8, adaptive_target=0.3))
+    miro_params = SamplingParams(temperature=0.8, mirostat=2)
 
-    def steered(state):
+    def steered(state):  # what the target's judge does at a position: the cut, the draw, the state moved
         def run(i):
-            probs = state.distribution(rows[i % len(rows)])
-            state.observe(probs, int(np.argmax(probs)))
+            ids, probs = state.cut(rows[i % len(rows)])
+            index = draws.pick_among(ids, probs, i)
+            state.observe(int(ids[index]), float(probs[index]))
         return run
 
     results = {
@@ -81,9 +84,10 @@ def main() -> None:
                                                              args.rows),
         "the pick: sample, top-k 0 (top-p 0.95, min-p 0.05: a prefix, not the row sorted)": best_us(
             lambda i: sample(rows[i % 8], unfiltered, draws, i), args.rows),
-        "distribution: Mirostat 1": best_us(steered(mirostat_v1), args.rows),
-        "distribution: Mirostat 2": best_us(steered(mirostat), args.rows),
-        "distribution: adaptive-p after the chain": best_us(steered(adaptive), args.rows),
+        "the judge's pick: Mirostat 1": best_us(steered(mirostat_v1), args.rows),
+        "the judge's pick: Mirostat 2": best_us(steered(mirostat), args.rows),
+        "the judge's pick: adaptive-p after the chain": best_us(steered(adaptive), args.rows),
+        "a draft's proposal under Mirostat": best_us(lambda i: sample(rows[i % 8], miro_params, draws, i), args.rows),
     }
     for name, us in results.items():
         print(f"{us:9.1f} us  {name}")

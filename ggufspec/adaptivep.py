@@ -16,33 +16,42 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sampling import SamplingParams, distribution
+from .sampling import SamplingParams, chain
 
 WIDTH, PEAK, SHARPNESS = 0.3, 5.0, 10.0  # llama.cpp's DISTRIBUTION_WIDTH, PEAK_LOGIT_VALUE, SHARPNESS
 
 
 class AdaptiveP:
-    """One generation's adaptive-p over `params`' chain: `distribution(row)`, then `observe` its token."""
+    """One generation's adaptive-p over `params`' chain: `cut(row)`, then `observe` the token drawn from it."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
         self.target, self.decay = min(max(params.adaptive_target, 0.0), 1.0), params.adaptive_decay
         self.weighted_sum = params.adaptive_target / (1 - self.decay)
         self.total_weight = 1 / (1 - self.decay)
-        self._chain: np.ndarray | None = None  # the last row's probabilities before the transform
+        self._chain = (np.zeros(0, dtype=np.intp), np.zeros(0))  # the last row's tokens left by the chain, their p
 
-    def distribution(self, logits: np.ndarray) -> np.ndarray:
-        chain = self._chain = distribution(logits, self.params)
+    def cut(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens the chain leaves and their transformed probabilities (no vector over the vocabulary)."""
+        ids, chain_probs = chain(logits, self.params)
+        left = chain_probs > 0
+        ids, chain_probs = ids[left], chain_probs[left]
+        self._chain = ids, chain_probs
         adapted = min(max(2 * self.target - self.weighted_sum / self.total_weight, 0.0), 1.0)
-        left = np.flatnonzero(chain)
-        d = np.abs(chain[left] - adapted) / WIDTH
+        d = np.abs(chain_probs - adapted) / WIDTH
         transformed = PEAK - SHARPNESS * d * d / (1 + d)
         weights = np.exp(transformed - transformed.max())
-        result = np.zeros(len(chain))
-        result[left] = weights / weights.sum()
+        return ids, weights / weights.sum()
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray:
+        """`cut` as a vector over the vocabulary (0 for the tokens cut)."""
+        ids, probs = self.cut(logits)
+        result = np.zeros(len(logits))
+        result[ids] = probs
         return result
 
-    def observe(self, probs: np.ndarray, token: int) -> None:
-        """The average moved by the chain's probability of the token drawn (`probs`: the transformed ones)."""
-        self.weighted_sum = float(self._chain[token]) + self.decay * self.weighted_sum
+    def observe(self, token: int, p: float) -> None:
+        """The average moved by the chain's probability of the token drawn (p, its transformed one, unused)."""
+        ids, chain_probs = self._chain
+        self.weighted_sum = float(chain_probs[np.flatnonzero(ids == token)[0]]) + self.decay * self.weighted_sum
         self.total_weight = 1 + self.decay * self.total_weight

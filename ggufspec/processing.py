@@ -329,9 +329,10 @@ class TargetJudge:
         if self.params.greedy:
             token = greedy_token(row)
         elif self.steering is not None:  # its state moves with each token decided (all are kept)
-            probs = self.steering.distribution(row)
-            token = self.draws.pick(probs, position)
-            self.steering.observe(probs, token)
+            ids, probs = self.steering.cut(row)
+            index = self.draws.pick_among(ids, probs, position)
+            token = int(ids[index])
+            self.steering.observe(token, float(probs[index]))
         else:
             token, _ = sample(row, self.params, self.draws, position)
         if self.processor is not None and not self._is_end(token):  # every token decided here is kept

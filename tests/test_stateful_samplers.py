@@ -20,7 +20,7 @@ from ggufspec.errors import GgufspecError
 from ggufspec.adaptivep import AdaptiveP
 from ggufspec.mirostat import Mirostat
 from ggufspec.processing import Constraints
-from ggufspec.sampling import distribution
+from ggufspec.sampling import MIROSTAT_HEAD, Draws, distribution, sample
 from reference import sampling_pvalues, seeded_samples
 
 N_VOCAB = 400
@@ -56,10 +56,72 @@ def test_the_cut_and_its_state_are_llamacpps(version, tau, eta, temperature):
         probs = ours.distribution(logits)
         assert set(np.flatnonzero(probs)) == set(np.flatnonzero(theirs)), step
         np.testing.assert_allclose(probs, theirs, atol=1e-5, err_msg=f"step {step}")
-        ours.observe(probs, drawn)
+        ours.observe(drawn, probs[drawn])
         sizes.add(int(np.count_nonzero(probs)))
     llama_cpp.llama_sampler_free(chain)
     assert len(sizes) > 3  # mu moved the cut
+
+
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
+
+
+def llamacpp_kept(chain, logits: np.ndarray) -> tuple[dict[int, float], int]:
+    """`llamacpp_step` over a whole vocabulary's row: the tokens llama.cpp's chain keeps, their probabilities,
+    and the token it drew."""
+    data = np.zeros(len(logits), dtype=TOKEN_DATA)
+    data["id"], data["logit"] = np.arange(len(logits)), logits
+    array = llama_cpp.llama_token_data_array(data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                             size=len(logits), selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(chain, ctypes.byref(array))
+    kept = np.ctypeslib.as_array(array.data, shape=(array.size,)).view(TOKEN_DATA)
+    return dict(zip(kept["id"].tolist(), kept["p"].tolist())), int(kept["id"][array.selected])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_cut_over_a_real_vocabulary_is_llamacpps(version):
+    """At the demo target's vocabulary size (151,936), where the cut reads no float64 vector over the row
+    (v2 compares the float32 weights with their sum; v1 reads its 100 likeliest tokens, then its top k)."""
+    rng, n_vocab = np.random.default_rng(version), 151_936
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(0.8))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_mirostat(n_vocab, 7, 5.0, 0.3, 100)
+                                      if version == 1 else llama_cpp.llama_sampler_init_mirostat_v2(7, 5.0, 0.3))
+    ours, sizes = Mirostat(version, 5.0, 0.3, 0.8, n_vocab), set()
+    for step in range(12):
+        logits = (rng.normal(size=n_vocab) * 2.5).astype(np.float32)
+        logits[rng.choice(n_vocab, 20, replace=False)] += rng.uniform(4.0, 12.0, size=20).astype(np.float32)
+        theirs, drawn = llamacpp_kept(chain, logits)
+        mu, (ids, probs) = ours.mu, ours.cut(logits)
+        ours_kept = dict(zip(ids.tolist(), probs.tolist()))
+        for token in set(ours_kept) ^ set(theirs):  # only at the edge: llama.cpp's float32 sum of 151k terms
+            assert abs(surprise(logits, 0.8, token) - mu) < 1e-3, (step, token)
+        both = sorted(set(ours_kept) & set(theirs))
+        np.testing.assert_allclose([ours_kept[i] for i in both], [theirs[i] for i in both], rtol=2e-3, atol=1e-6)
+        ours.observe(drawn, ours_kept.get(drawn, theirs[drawn]))
+        sizes.add(len(ids))
+    llama_cpp.llama_sampler_free(chain)
+    assert len(sizes) > 3  # mu moved the cut
+
+
+def surprise(logits: np.ndarray, temperature: float, token: int) -> float:
+    """-log2 p of the token at the temperature, in float64."""
+    scaled = logits.astype(np.float64) / temperature
+    return float(-(scaled[token] - scaled.max() - np.log(np.exp(scaled - scaled.max()).sum())) / np.log(2))
+
+
+def test_a_draft_under_mirostat_proposes_among_its_likeliest_tokens():
+    """The draft cannot know the target's mu: it draws among its 100 likeliest tokens at the temperature (no
+    race over the whole row), and gives the token's probability over the whole row (for p_min)."""
+    rng, params, draws = np.random.default_rng(3), SamplingParams(temperature=0.8, mirostat=2, seed=1), Draws(1)
+    logits = (rng.normal(size=151_936) * 2.5).astype(np.float32)
+    logits[:150] += 6.0  # more than 100 plausible tokens: the head is a cut
+    softmax = np.exp((logits.astype(np.float64) - logits.max()) / 0.8)
+    softmax /= softmax.sum()
+    head = set(np.argsort(-logits, kind="stable")[:MIROSTAT_HEAD].tolist())
+    proposals = [sample(logits, params, draws, position) for position in range(300)]
+    assert {token for token, _ in proposals} <= head and len({token for token, _ in proposals}) > 30
+    for token, q in proposals:
+        assert q == pytest.approx(softmax[token], rel=1e-5)
 
 
 @pytest.mark.parametrize("target, decay, temperature", [(0.3, 0.9, 1.0), (0.05, 0.5, 1.5), (0.8, 0.99, 0.7)])
@@ -77,7 +139,7 @@ def test_adaptive_p_and_its_average_are_llamacpps(target, decay, temperature):
         probs = ours.distribution(logits)
         np.testing.assert_allclose(probs, theirs, atol=2e-5, err_msg=f"step {step}")
         llama_cpp.llama_sampler_accept(sampler, int(drawn))
-        ours.observe(probs, drawn)
+        ours.observe(drawn, probs[drawn])
     llama_cpp.llama_sampler_free(sampler)
 
 
@@ -98,12 +160,12 @@ def exact_with_state(llm, params: SamplingParams, prompt):
         if params.mirostat else AdaptiveP(params)
     p1 = state.distribution(row([]))
     x = int(np.argmax(p1))
-    state.observe(p1, x)
+    state.observe(x, p1[x])
     p2 = state.distribution(row([x]))
     joint = {}
     for a in np.flatnonzero(p2):
         after = copy.deepcopy(state)
-        after.observe(p2, int(a))
+        after.observe(int(a), p2[a])
         p3 = after.distribution(row([x, int(a)]))
         for b in np.flatnonzero(p3):
             joint[(int(a), int(b))] = p2[a] * p3[b]
