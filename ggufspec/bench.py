@@ -8,7 +8,6 @@ under the step costs timed between the runs (`stepcosts.CostSampler`), next to t
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -19,7 +18,8 @@ from pathlib import Path
 from .costmodel import acceptance_from_tokens_per_step, speedup
 from .costs import Costs
 from .errors import GgufspecError
-from .load import chat_prompt, default_threads
+from .llamacpp_tools import NativeSettings, run_tool, target_alone_tool
+from .load import chat_prompt
 from .lora import adapters_of
 from .ngram import NgramPool
 from .stepcosts import DRAFT_SIZES, CostSampler, measure_costs  # noqa: F401  (bench.measure_costs)
@@ -368,34 +368,9 @@ def add_cost_model(result: BenchResult, costs: dict, configs: list[Config], trac
 
 # ---------------------------------------------------------------- llama.cpp's own tools
 
-@dataclass(frozen=True)
-class NativeSettings:
-    """What llama.cpp's tools are run with: the same as the decoder's (llama.cpp's own defaults differ:
-    -ngl -1 puts every layer on the GPU, and -fa defaults to auto)."""
-    n_threads: int | None
-    flash_attn: str
-    n_gpu_layers: int
-    n_gpu_layers_draft: int
-    target_args: tuple = ()  # the load flags given (-b, -ub, -tb, -ctk, -ctv), then the draft's (-td, -ctkd...)
-    draft_args: tuple = ()
-
-    def args(self, draft: bool) -> list[str]:
-        args = ["-t", str(self.n_threads or default_threads()), "-ngl", str(self.n_gpu_layers), "-fa", self.flash_attn]
-        return args + [*self.target_args] + (["-ngld", str(self.n_gpu_layers_draft), *self.draft_args] if draft else [])
-
-
 def prompt_text(decoder, item: dict) -> str:
     return chat_prompt(decoder.target_llm, item["prompt"], item.get("system")) if item.get("kind") == "chat" \
         else item["prompt"]
-
-
-def _run_tool(cmd: list[str], what: str, expect: str) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600,
-                          stdin=subprocess.DEVNULL)
-    if proc.returncode != 0 or expect not in proc.stderr + proc.stdout:
-        log = proc.stderr.strip() or proc.stdout.strip()
-        raise GgufspecError(f"{what} failed ({proc.returncode}): {log.splitlines()[-1] if log else 'no output'}")
-    return proc.stderr + "\n" + proc.stdout  # llama.cpp logs to stderr; the text, on stdout, comes last
 
 
 def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int, n_predict: int,
@@ -403,7 +378,7 @@ def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int,
     cmd = [binary, "-m", decoder.target_llm.model_path, "-md", decoder.draft_llm.model_path, "-p", prompt_text(decoder, item),
            "-n", str(n_predict), "--spec-type", "draft-simple", "--spec-draft-n-max", str(config.llamacpp_k),
            "--spec-draft-n-min", "0", "-c", str(decoder.n_ctx), "--temp", "0", *native.args(draft=True)]
-    log = _run_tool(cmd, "llama-speculative-simple", "decoded")
+    log = run_tool(cmd, "llama-speculative-simple", "decoded")
     grab = lambda pattern, cast=float: cast(re.search(pattern, log).group(1))
     n_dec, secs = grab(r"decoded\s+(\d+) tokens", int), grab(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds")
     n_enc, enc_secs = grab(r"encoded\s+(\d+) tokens", int), grab(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds")
@@ -412,19 +387,6 @@ def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int,
     return Run(item["id"], config.name, repeat, n_enc, n_dec, n_enc / enc_secs if enc_secs else 0.0,
                n_dec / secs if secs else 0.0, secs, accepted / drafted if drafted else 0.0, n_dec / steps,
                drafted, accepted)
-
-
-def target_alone_tool(binary: str) -> Path:
-    """llama.cpp's tool for the target alone, from the same build as `binary` (its directory):
-    llama-completion (the same prompt, timed by llama.cpp itself), else llama-bench (text generation
-    from an empty context: the prompt is not used)."""
-    folder = Path(binary).resolve().parent
-    for name in ("llama-completion", "llama-bench"):
-        for candidate in (folder / name, folder / f"{name}.exe"):
-            if candidate.is_file() and os.access(candidate, os.X_OK):
-                return candidate
-    raise GgufspecError(f"--against-llamacpp: no llama-completion or llama-bench next to {binary} for llama.cpp's "
-                        f"own target-alone speed (scripts/build-llamacpp.sh builds both)")
 
 
 def _run_llamacpp_alone(binary: str, decoder, item: dict, config: Config, repeat: int, n_predict: int,
@@ -444,7 +406,7 @@ def _run_llamacpp_alone(binary: str, decoder, item: dict, config: Config, repeat
     # -no-cnv: a model with a chat template would start a conversation; chat prompts come templated already
     cmd = [str(tool), "-m", model, "-p", prompt_text(decoder, item), "-n", str(n_predict), "-c", str(decoder.n_ctx),
            "--temp", "0", "-no-cnv", *native.args(draft=False)]
-    log = _run_tool(cmd, "llama-completion", "eval time")
+    log = run_tool(cmd, "llama-completion", "eval time")
     prompt = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log)
     decode = re.search(r"(?<!prompt) eval time =\s*([\d.]+) ms /\s*(\d+) runs", log)
     if not prompt or not decode:

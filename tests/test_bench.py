@@ -108,6 +108,22 @@ def test_a_bad_flash_attention_setting_is_refused(tiny_decoder):
         B.run_bench(tiny_decoder, [], B.parse_configs("1"), flash_attn="yes")
 
 
+def test_a_tool_whose_log_lost_its_timings_is_run_again(tmp_path):
+    """llama.cpp's logger writes from its own thread, which a quick run's exit can cut short: exit 0 without
+    the line expected is run again (at most three times), a failure is not."""
+    from ggufspec.llamacpp_tools import run_tool
+    tool = tmp_path / "tool"
+    tool.write_text('#!/bin/sh\necho run >> "$0.runs"\n'
+                    '[ "$(wc -l < "$0.runs")" -ge 2 ] && echo "eval time = 1 ms" >&2\nexit 0\n')
+    tool.chmod(0o755)
+    assert "eval time" in run_tool([str(tool)], "llama-completion", "eval time")
+    assert (tmp_path / "tool.runs").read_text().count("run") == 2
+    tool.write_text('#!/bin/sh\necho run >> "$0.runs"\necho "no such model" >&2\nexit 1\n')
+    with pytest.raises(GgufspecError, match=r"llama-completion failed \(1\): no such model"):
+        run_tool([str(tool)], "llama-completion", "eval time")
+    assert (tmp_path / "tool.runs").read_text().count("run") == 3
+
+
 @pytest.mark.skipif(not (LLAMACPP_BIN / "llama-speculative-simple").exists() or
                     not (LLAMACPP_BIN / "llama-completion").exists(),
                     reason="llama.cpp's tools are not built (scripts/build-llamacpp.sh)")
