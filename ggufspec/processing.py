@@ -251,18 +251,21 @@ class TargetProcessor:
             # call the grammar could shape, so the rest of the answer is not constrained (llama.cpp aborts)
             print("ggufspec: the grammar's trigger appeared in the output followed by text the grammar "
                   "rejects; the rest of the answer is not constrained", file=sys.stderr)
-            self.close()
+            self._drop_grammar()  # the grammar alone: the bias, penalties and DRY go on
 
     def grammar_copy(self) -> Grammar | None:
         """The grammar in its current state, to walk ahead of it (None: no grammar)."""
         return self._grammar.clone() if self._grammar is not None else None
 
     def close(self) -> None:
+        self._drop_grammar()
+        if self.dry is not None:
+            self.dry.close()
+
+    def _drop_grammar(self) -> None:
         if self._grammar is not None:
             self._grammar.close()
             self._grammar = None
-        if self.dry is not None:
-            self.dry.close()
 
 
 def _bias_vector(logit_bias: Mapping[int, float], n_vocab: int) -> np.ndarray | None:

@@ -89,6 +89,16 @@ def test_a_trigger_token_whose_text_the_grammar_rejects_is_no_abort_either(stric
 
 
 @pytest.mark.parametrize("n_draft", [0, 3])
+def test_the_penalties_and_dry_go_on_after_a_rejected_trigger(strict_decoder, n_draft):
+    """Only the grammar is dropped: DRY's sampler was freed with it, and the next row read freed memory (a
+    segfault, found by a differential fuzz). The answer is the free one under the same DRY and penalties."""
+    penalties = dict(dry_multiplier=0.5, frequency_penalty=0.5, ignore_eos=True)
+    free = strict_decoder.generate("the cat", n_predict=32, n_draft=0, constraints=Constraints(**penalties))
+    lazy = Constraints(grammar='root ::= "zzz"', grammar_trigger_tokens=(free.tokens[2],), **penalties)
+    assert strict_decoder.generate("the cat", n_predict=32, n_draft=n_draft, constraints=lazy).tokens == free.tokens
+
+
+@pytest.mark.parametrize("n_draft", [0, 3])
 def test_a_grammar_that_takes_its_trigger_still_shapes_what_follows(strict_decoder, n_draft):
     free, word = word_in_free_text(strict_decoder)
     lazy = Constraints(grammar=f'root ::= "{word}" " ab" [ab]*', grammar_patterns=(word,))
