@@ -63,8 +63,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, kinds):
                 kind = "a whole number" if kinds is INTEGERS else "a number"
                 raise GgufspecError(f"{name} must be {kind}, got {value!r}")
-        for name in LLAMACPP_FILTERS:
-            if not np.isfinite(getattr(self, name)):
+        for name in LLAMACPP_FILTERS:  # a whole number is finite (and may be past a float's range)
+            if not isinstance(getattr(self, name), INTEGERS) and not math.isfinite(getattr(self, name)):
                 raise GgufspecError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.adaptive_target > 1:
             raise GgufspecError(f"adaptive_target must be at most 1 (< 0: off), got {self.adaptive_target}")

@@ -95,6 +95,9 @@ KEYWORD_KINDS = {
 }
 
 
+MAX_OPTIONAL = 256  # optional properties in one object (500 take the converter 0.6 s; 1,000 its recursion limit)
+
+
 def check_shapes(schema, where: str = "#") -> None:
     """Each keyword's value of the kind JSON Schema gives it (KEYWORD_KINDS), at every depth, $defs no
     schema refers to included (the converter reads them all): a ToolError naming the first that is not."""
@@ -107,6 +110,11 @@ def check_shapes(schema, where: str = "#") -> None:
                                   or names and not all(isinstance(name, str) for name in value)):
             raise ToolError(f"the JSON schema's {key} at {where} must be {wanted}, got "
                             f"{json.dumps(value, default=str)[:40]}")
+    optional = set(schema.get("properties", {})) - set(schema.get("required", []))
+    if len(optional) > MAX_OPTIONAL:
+        raise ToolError(f"the JSON schema's object at {where} has {len(optional)} optional properties: the grammar "
+                        f"chains each after the others (as llama.cpp's converter does), past {MAX_OPTIONAL} at a cost "
+                        f"that grows as their square; list more of them in required")
     for key, value in schema.items():
         places = (enumerate(value) if key in SCHEMA_LISTS and isinstance(value, list) else
                   [(None, value)] if key in ONE_SCHEMA and isinstance(value, dict) else

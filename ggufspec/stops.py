@@ -17,6 +17,14 @@ def cut_at_stop(text: str, stops) -> str:
     return text if end is None else text[:end]
 
 
+def _places(text: str, char: str, span: int):
+    """Where `char` appears among the last `span` characters of `text`."""
+    i = text.find(char, max(len(text) - span, 0))
+    while i >= 0:
+        yield i
+        i = text.find(char, i + 1)
+
+
 class StopFilter:
     """Holds pieces back while the text might be running into a stop string; cuts at the first one.
 
@@ -54,8 +62,11 @@ class StopFilter:
         return released
 
     def _partial_stop_length(self) -> int:
-        """How many trailing characters are the beginning of a stop string."""
-        return max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        """How many trailing characters are the beginning of a stop string: the text's tail from each place
+        its first character appears, the longest first (each prefix compared would cost the square of a
+        long stop's length)."""
+        return max((next((len(self.text) - i for i in _places(self.text, s[0], len(s) - 1)
+                          if s.startswith(self.text[i:])), 0) for s in self.stops), default=0)
 
     def _release(self, end: int) -> list[dict]:
         released, position = [], self.sent

@@ -457,6 +457,9 @@ def schema_grammar(schema) -> str:
         return json_strings_only(grammar_for(schema))
     except ToolError:
         raise
+    except RecursionError:
+        raise ToolError("the JSON schema is nested too deeply to follow: flatten it, or name its parts in $defs") \
+            from None
     except Exception as exc:  # a keyword of the wrong type ("required": 5, "$ref": 5...) deep inside
         raise ToolError(f"the JSON schema cannot be followed: {schema_problem(exc)}") from None
 

@@ -9,13 +9,12 @@ llama-server batches only slots with equal adapters."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 from fastapi import FastAPI, Request
 
 from ..errors import GgufspecError
 from ..lora import adapters_of, check_rescale_exact
-from .errors import APIError
+from .errors import APIError, json_body
 
 
 def adapter_list(decoder, scales) -> list[dict]:
@@ -65,10 +64,6 @@ def add_adapter_routes(app: FastAPI, decoder, engine) -> None:
 
     @app.post("/lora-adapters")
     async def set_lora_adapters(request: Request):
-        body = await request.body()
-        try:
-            requested = await asyncio.to_thread(json.loads, body)
-        except ValueError:
-            raise APIError(400, 'malformed JSON body: send [{"id": N, "scale": S}, ...]') from None
+        requested = await asyncio.to_thread(json_body, await request.body(), '[{"id": N, "scale": S}, ...]')
         engine.lora_scales = requested_scales(requested, decoder, "body")  # for the requests from now on
         return {"success": True}

@@ -4,7 +4,6 @@ API's (`protocols`: HTTP to jobs, jobs to the API's JSON). The routes only parse
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from importlib import resources
@@ -20,7 +19,7 @@ from .. import tools as toolkit
 from . import protocols
 from .adapters import add_adapter_routes
 from .chatturn import ChatSettings
-from .errors import APIError, add_error_handlers
+from .errors import APIError, add_error_handlers, json_body
 from .front import Endpoints, Front
 from .guard import Exposure, Guard, OffLoopRoute
 from .jobs import Engine
@@ -201,15 +200,12 @@ def add_slot_routes(app: FastAPI, engine, endpoints: Endpoints) -> None:
         if endpoints.slot_save_path is None:
             raise APIError(501, "This server does not support slots action. Start it with --slot-save-path DIR",
                            "not_supported_error")
-        if not (id_slot.isascii() and id_slot.isdigit()):
+        if not (id_slot.isascii() and id_slot.isdigit() and len(id_slot) < 10):
             raise APIError(400, f"Invalid slot ID: {id_slot!r}", param="id_slot")
         if action not in ACTIONS:
             raise APIError(400, f"Invalid action: {action!r} (action=save, restore or erase)", param="action")
         body = await request.body()
-        try:
-            fields = json.loads(body) if body.strip() else {}
-        except ValueError:
-            raise APIError(400, "malformed JSON body: send {\"filename\": \"NAME\"}") from None
+        fields = json_body(body, '{"filename": "NAME"}') if body.strip() else {}
         filename = fields.get("filename") if isinstance(fields, dict) else None
         return await asyncio.to_thread(slot_action, engine.slots, int(id_slot), action, endpoints.slot_save_path,
                                        filename)

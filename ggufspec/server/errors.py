@@ -2,6 +2,7 @@
 `error_body` gives Anthropic's shape instead under its API's paths (/v1/messages)."""
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI
@@ -9,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import CacheFullError, ContextFullError, DecodeError, GgufspecError
 
@@ -62,6 +64,15 @@ class APIError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
+
+
+def json_body(body: bytes, shape: str):
+    """A route's own JSON body, parsed; malformed (a nesting deeper than Python's recursion too) is a 400
+    naming the `shape` expected."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        raise APIError(400, f"malformed JSON body: send {shape}") from None
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -184,6 +195,10 @@ def add_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 405 and exc.headers and exc.headers.get("Allow"):
             message = f"{request.method} is not allowed on {request.url.path}: it takes {exc.headers['Allow']}"
         return APIError(exc.status_code, message, code=code, headers=exc.headers).response(request.url.path)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request, exc: ClientDisconnect):  # while it sent its body: nobody reads the answer
+        return APIError(400, "the client closed the connection before its body was whole").response(request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request, exc: Exception):

@@ -307,6 +307,11 @@ class Checks:
         if method in WITH_BODY or length is not None or b"transfer-encoding" in headers:  # a GET's body too
             if length is not None and length.strip().isdigit() and int(length) > exposure.max_body:
                 return await self.too_large(scope, send)
+            encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+            if encoding not in (b"identity", b""):  # a compressed body is not inflated: no bomb past the cap
+                return await refuse(scope, send, 415, f"Content-Encoding {encoding.decode('latin-1')[:40]} is not "
+                                    f"supported: send the body uncompressed", "invalid_request_error",
+                                    "unsupported_media_type", close=True)
             if length is None:  # chunked: read here, up to the cap, and handed on whole
                 body = await read_capped(receive, exposure.max_body)
                 if body is None:

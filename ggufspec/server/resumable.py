@@ -204,8 +204,8 @@ def add_stream_routes(app: FastAPI) -> None:
     async def lookup(request: Request):
         try:
             body = await request.json()
-        except ValueError as exc:
-            raise APIError(400, f"invalid body: {exc}") from None
+        except (ValueError, RecursionError):
+            raise APIError(400, 'malformed JSON body: send {"conversation_ids": ["ID", ...]}') from None
         asked = body.get("conversation_ids") if isinstance(body, dict) else None
         ids = [i for i in asked if isinstance(i, str) and i] if isinstance(asked, list) else []
         return JSONResponse(streams.lookup(ids))
@@ -226,7 +226,7 @@ def _conversation(conv_id: str) -> str:
 def _offset(text: str) -> int:
     if text == "":
         return 0
-    if not (text.isascii() and text.isdigit()):
+    if not (text.isascii() and text.isdigit() and len(text) < 19):  # below 10^18 bytes
         raise APIError(400, f"Invalid 'from' offset {text!r}: a byte count >= 0", param="from")
     return int(text)
 

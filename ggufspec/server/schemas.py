@@ -2,13 +2,16 @@
 the conversation, the stop strings."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from ..chat_templates import RENDERER_VARIABLES
 from ..sampling import LLAMACPP_FILTERS
 from .errors import APIError
+
+MAX_SAMPLERS = 64   # names or letters in a request's `samplers` (a dozen kinds, each listed once)
+MAX_BREAKERS = 64   # a request's dry_sequence_breakers
 
 
 class Strict(BaseModel):
@@ -92,7 +95,8 @@ class GenerationBody(Strict):
     dry_base: float | None = Field(None, ge=1, strict=True)
     dry_allowed_length: int | None = Field(None, ge=0, strict=True)
     dry_penalty_last_n: int | None = Field(None, ge=-1, strict=True)  # -1: the whole context, 0: off
-    dry_sequence_breakers: list[str] | None = Field(None, min_length=1)
+    # llama.cpp matches each breaker against the whole vocabulary (about 20 ms over 151k tokens): a few do
+    dry_sequence_breakers: list[str] | None = Field(None, min_length=1, max_length=MAX_BREAKERS)
     # what the answer must be: OpenAI's response_format, llama.cpp's grammar (GBNF) and json_schema
     response_format: ResponseFormat | None = None
     grammar: str | None = None
@@ -108,7 +112,8 @@ class GenerationBody(Strict):
     reasoning_budget_end_tag: str | None = None  # its single-tag name (end_tags first where both are sent)
     sse_ping_interval: int | None = Field(None, strict=True)  # llama-server's: this stream's pings (<= 0: none)
     # llama.cpp's sampler chain: its order (names or letters), and what acts only within it (`samplers`)
-    samplers: str | list[str] | None = None
+    samplers: Annotated[str, Field(max_length=MAX_SAMPLERS)] | Annotated[list[str], Field(max_length=MAX_SAMPLERS)] \
+        | None = None
     min_keep: int | None = Field(None, ge=0, strict=True)
     adaptive_target: float | None = Field(None, le=1, strict=True)  # adaptive-p, where `samplers` lists it (< 0: off)
     adaptive_decay: float | None = Field(None, ge=0, le=0.99, strict=True)
@@ -271,7 +276,8 @@ def request_options(body: GenerationBody, defaults: dict) -> dict:
 
 def line_limits(body: GenerationBody) -> dict | None:
     """llama-server's n_indent and t_max_predict_ms as stops.LineLimits' keywords (None: neither is set)."""
-    seconds = body.t_max_predict_ms / 1000 if body.t_max_predict_ms and body.t_max_predict_ms > 0 else None
+    limit_ms = min(body.t_max_predict_ms or 0, 10 ** 15)  # no later than 30,000 years: past a float's range, as never
+    seconds = limit_ms / 1000 if limit_ms > 0 else None
     return {"n_indent": body.n_indent, "time_limit_s": seconds} if body.n_indent or seconds else None
 
 

@@ -1,7 +1,7 @@
 """POST /tokenize and /detokenize, as llama-server has them: the target's own tokenizer."""
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from .errors import APIError
 from .schemas import Strict
@@ -15,7 +15,7 @@ class TokenizeBody(Strict):
 
 
 class DetokenizeBody(Strict):
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[StrictInt] = Field(default_factory=list)  # true is no token
 
 
 def tokenize_text(decoder, body: TokenizeBody) -> dict:

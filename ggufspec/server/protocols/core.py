@@ -45,6 +45,7 @@ ENGINE_EXTRAS = ("seed", "min_p", "draft", "lookup", "hybrid", "speculative", "c
                  "dry_sequence_breakers", "frequency_penalty", "presence_penalty", "logit_bias", "grammar", "json_schema",
                  "ignore_eos", "chat_template_kwargs", "reasoning_budget_tokens", "thinking_budget_tokens",
                  "reasoning_budget_message", "lora", "sse_ping_interval", "samplers", *LLAMACPP_FILTERS)
+PING_NEVER = 10 ** 9  # seconds: a longer sse_ping_interval (past a float's range even) is taken as this
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ class Serving:
         except APIError as exc:
             raise renamed(exc, names) from None
         job.lora = lora
-        job.sse_ping_interval = self.sse_ping_interval if body.sse_ping_interval is None else body.sse_ping_interval
+        job.sse_ping_interval = self.sse_ping_interval if body.sse_ping_interval is None else \
+            min(body.sse_ping_interval, PING_NEVER)
         self.engine.submit(job)
         return job
 
