@@ -60,7 +60,10 @@ class ModelDrafter:
         guide = guide if guide is not None and guide.fits(ctx.n_vocab) else None
         with guide if guide is not None else contextlib.nullcontext():
             proposals = self._draft(tokens, k, params, draws, guide)
-        if len(proposals) < min(self.n_min, k):  # too short to be worth a verification
+        if len(proposals) < min(self.n_min, k):  # too short to be worth a verification, so no rejection
+            # cuts it: dropped here, or the draft's cache would hold the sequence's next token (or another
+            # one) and the next catch-up evaluate nothing, its first proposal read from stale logits
+            ctx.keep(len(tokens))
             return []
         return proposals
 

@@ -380,6 +380,34 @@ def test_a_hybrid_draft_in_slots_under_strict_rolls_back_without_running_out_of_
     assert [g.tokens for g in got] == expected
 
 
+@pytest.mark.parametrize("arch, n_parallel, n_prompts, n_predict", [
+    ("llama", 2, 3, 40), ("gemma2-swa", 2, 5, 60), ("mamba", 3, 5, 60)])
+def test_a_draft_too_short_to_verify_is_dropped_from_the_draft_cache(tiny_pair, tmp_path, monkeypatch, arch,
+                                                                    n_parallel, n_prompts, n_predict):
+    """A draft shorter than draft_min is not verified, so no rejection cut it from the draft's cache: the
+    draft held the sequence's next token already, its catch-up evaluated nothing, and it drafted from the
+    logits of the draft model's latest decode, another slot's round (none at its row: DecodeError 'no
+    logits for row 0 of the draft model', found by a fuzz on Gemma 2). The drafter now drops it itself."""
+    import ggufspec.drafting as drafting
+    pair = {"llama": lambda: tiny_pair, "gemma2-swa": lambda: make_gemma2_pair(tmp_path, seed=0, window=16),
+            "mamba": lambda: make_mamba_pair(tmp_path, seed=0)}[arch]()
+    prompts_ = prompts(n_prompts, seed=5)
+    options = dict(n_predict=n_predict, temperature=0)
+    with SpeculativeDecoder(pair[0], None, n_ctx=256, n_threads=1, strict=True) as alone:
+        expected = [alone.generate(p, n_draft=0, **options).tokens for p in prompts_]
+    lags, propose = [], drafting.ModelDrafter.propose
+
+    def recorded(self, tokens, k, *args, **kwargs):
+        cached = self.context.tokens  # a prefix of the sequence, its last token not yet evaluated (fresh logits)
+        lags.append(len(tokens) - len(cached) if cached == tokens[:len(cached)] else -1)
+        return propose(self, tokens, k, *args, **kwargs)
+    monkeypatch.setattr(drafting.ModelDrafter, "propose", recorded)
+    with SpeculativeDecoder(*pair, n_ctx=256, n_threads=1, strict=True, n_parallel=n_parallel) as decoder:
+        got = decoder.generate_many(prompts_, n_draft=6, drafter="model", draft_p_min=0.3, draft_min=2, **options)
+    assert [g.tokens for g in got] == expected
+    assert lags and min(lags) >= 1
+
+
 def test_strict_with_a_loaded_llama_is_refused(tiny_pair):
     """strict and exact set how the target computes as it loads: a Llama given already loaded kept its
     own micro-batches, and the answers were not bit-exact though the decoder said "strict" (QA)."""
