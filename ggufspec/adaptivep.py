@@ -2,7 +2,7 @@
 favours tokens whose probability is near a target, the target moved so that the average probability of
 the tokens drawn approaches it.
 
-After the chain (`sampling.distribution`), each token left gets the logit 5 - 10 d^2 / (1 + d), d = |p -
+After the chain (`sampling.chain`), each token left gets the logit 5 - 10 d^2 / (1 + d), d = |p -
 t| / 0.3, with p its probability and t the adapted target, and the draw is from their softmax. t = 2
 target - (an exponential moving average, decay `adaptive_decay`, of the chain's probabilities of the
 tokens drawn), clamped to [0, 1]; the average starts at the target.

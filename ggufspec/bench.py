@@ -389,6 +389,9 @@ def _run_llamacpp(binary: str, decoder, item: dict, config: Config, repeat: int,
                drafted, accepted)
 
 
+DECODE_TIME = r"(?<!prompt) eval time =\s*([\d.]+) ms /\s*(\d+) runs"  # llama-completion's decode line, its last
+
+
 def _run_llamacpp_alone(binary: str, decoder, item: dict, config: Config, repeat: int, n_predict: int,
                         native: NativeSettings) -> Run:
     tool = target_alone_tool(binary)
@@ -406,9 +409,9 @@ def _run_llamacpp_alone(binary: str, decoder, item: dict, config: Config, repeat
     # -no-cnv: a model with a chat template would start a conversation; chat prompts come templated already
     cmd = [str(tool), "-m", model, "-p", prompt_text(decoder, item), "-n", str(n_predict), "-c", str(decoder.n_ctx),
            "--temp", "0", "-no-cnv", *native.args(draft=False)]
-    log = run_tool(cmd, "llama-completion", "eval time")
+    log = run_tool(cmd, "llama-completion", DECODE_TIME)
     prompt = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log)
-    decode = re.search(r"(?<!prompt) eval time =\s*([\d.]+) ms /\s*(\d+) runs", log)
+    decode = re.search(DECODE_TIME, log)
     if not prompt or not decode:
         raise GgufspecError(f"llama-completion printed no timings: {log.strip().splitlines()[-1] if log.strip() else ''}")
     prompt_s, n_prompt = float(prompt[1]) / 1000, int(prompt[2])

@@ -3,6 +3,7 @@ the settings they run with, running one, and the tool that times the target alon
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,15 +29,16 @@ class NativeSettings:
 
 
 def run_tool(cmd: list[str], what: str, expect: str, attempts: int = 3) -> str:
-    """The tool's log, run again where it exited 0 without the line expected: llama.cpp's logger writes
-    from a thread of its own that the process's exit can cut short (a third of llama-completion's runs
-    on the tiny models lose their timings)."""
-    for _ in range(attempts):
+    """The tool's log, run again (up to `attempts` runs) where it exited 0 without a line matching the regex
+    `expect`: llama.cpp's logger writes from a thread of its own that the process's exit can cut short (a
+    third of llama-completion's runs on the tiny models lose their timings)."""
+    for _ in range(max(attempts, 1)):
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600,
                               stdin=subprocess.DEVNULL)
-        if proc.returncode != 0 or expect in proc.stderr + proc.stdout:
+        found = re.search(expect, proc.stderr + proc.stdout) is not None
+        if proc.returncode != 0 or found:
             break
-    if proc.returncode != 0 or expect not in proc.stderr + proc.stdout:
+    if proc.returncode != 0 or not found:
         log = proc.stderr.strip() or proc.stdout.strip()
         raise GgufspecError(f"{what} failed ({proc.returncode}): {log.splitlines()[-1] if log else 'no output'}")
     return proc.stderr + "\n" + proc.stdout  # llama.cpp logs to stderr; the text, on stdout, comes last

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from .sampling import top_k_ids
+from .sampling import tempered_row, top_k_ids
 
 ZIPF_TOKENS = 100  # llama.cpp's m for v1 (common/sampling.cpp)
 
@@ -53,11 +53,13 @@ class Mirostat:
         self.mu -= self.eta * (-math.log2(p) - self.tau)
 
     def _v2_kept(self, logits: np.ndarray) -> np.ndarray:
-        """Every token whose surprise -log2 p is at most mu (the likeliest at least): p >= 2^-mu, that is a
-        weight exp((l - max) / T) at least 2^-mu times their sum."""
-        top = logits.max()
-        weights = np.exp((logits - top) * np.float32(1 / self.temperature))  # float32: 0.2 ms, not 2.5
-        kept = np.flatnonzero(weights >= float(weights.sum()) * 2.0 ** -self.mu)  # a pairwise sum: to 1e-7
+        """Every token whose surprise -log2 p is at most mu (the likeliest at least): log p = s - log(sum
+        exp s) >= -mu ln 2, with s = (l - max) / T. In the log domain, as a mu far from 0 (a large eta, a
+        negative tau) would take 2^-mu past a float's range."""
+        scaled = tempered_row(logits, self.temperature)
+        log_total = math.log(float(np.exp(scaled).sum()))  # a pairwise sum: to 1e-7
+        threshold = min(max(log_total - self.mu * math.log(2), -1e30), 1e30)
+        kept = np.flatnonzero(scaled >= threshold)
         return kept if len(kept) else np.array([int(np.argmax(logits))])
 
     def _v1_kept(self, logits: np.ndarray) -> np.ndarray:

@@ -98,9 +98,11 @@ KEYWORD_KINDS = {
 MAX_OPTIONAL = 256  # optional properties in one object (500 take the converter 0.6 s; 1,000 its recursion limit)
 
 
-def check_shapes(schema, where: str = "#") -> None:
+def check_shapes(schema, where: str = "#", max_optional: int | None = None) -> None:
     """Each keyword's value of the kind JSON Schema gives it (KEYWORD_KINDS), at every depth, $defs no
-    schema refers to included (the converter reads them all): a ToolError naming the first that is not."""
+    schema refers to included (the converter reads them all): a ToolError naming the first that is not.
+    `max_optional`: at most that many optional properties in an object (a response format's schema: a
+    tool's parameters are the agent's, not the user's to change)."""
     if not isinstance(schema, dict):
         raise ToolError(f"the JSON schema at {where} must be an object, got {json.dumps(schema, default=str)[:40]}")
     for key, (kind, wanted) in KEYWORD_KINDS.items():
@@ -111,16 +113,16 @@ def check_shapes(schema, where: str = "#") -> None:
             raise ToolError(f"the JSON schema's {key} at {where} must be {wanted}, got "
                             f"{json.dumps(value, default=str)[:40]}")
     optional = set(schema.get("properties", {})) - set(schema.get("required", []))
-    if len(optional) > MAX_OPTIONAL:
+    if max_optional is not None and len(optional) > max_optional:
         raise ToolError(f"the JSON schema's object at {where} has {len(optional)} optional properties: the grammar "
-                        f"chains each after the others (as llama.cpp's converter does), past {MAX_OPTIONAL} at a cost "
+                        f"chains each after the others (as llama.cpp's converter does), past {max_optional} at a cost "
                         f"that grows as their square; list more of them in required")
     for key, value in schema.items():
         places = (enumerate(value) if key in SCHEMA_LISTS and isinstance(value, list) else
                   [(None, value)] if key in ONE_SCHEMA and isinstance(value, dict) else
                   value.items() if key in SCHEMA_MAPS and isinstance(value, dict) else ())
         for name, sub in places:
-            check_shapes(sub, f"{where}/{key}" + ("" if name is None else f"/{name}"))
+            check_shapes(sub, f"{where}/{key}" + ("" if name is None else f"/{name}"), max_optional)
 
 
 def check_keyword_values(schema: dict, root: dict, where: str) -> None:

@@ -25,7 +25,7 @@ from llama_cpp.llama_grammar import JSON_GBNF
 
 from . import tools_xml
 from .errors import ToolError
-from .schemafollow import (BoundedConverter, check_followed, check_shapes, grammar_for, normalized,
+from .schemafollow import (MAX_OPTIONAL, BoundedConverter, check_followed, check_shapes, grammar_for, normalized,
                            patterns_it_can_follow, root_ref_inlined)
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -451,7 +451,7 @@ def schema_grammar(schema) -> str:
     if not isinstance(schema, dict):
         raise ToolError(f"the JSON schema must be an object, got {type(schema).__name__}")
     try:
-        check_shapes(schema)
+        check_shapes(schema, max_optional=MAX_OPTIONAL)
         schema = normalized(schema)
         check_followed(schema, schema)
         return json_strings_only(grammar_for(schema))

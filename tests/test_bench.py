@@ -112,15 +112,15 @@ def test_a_tool_whose_log_lost_its_timings_is_run_again(tmp_path):
     """llama.cpp's logger writes from its own thread, which a quick run's exit can cut short: exit 0 without
     the line expected is run again (at most three times), a failure is not."""
     from ggufspec.llamacpp_tools import run_tool
-    tool = tmp_path / "tool"
-    tool.write_text('#!/bin/sh\necho run >> "$0.runs"\n'
-                    '[ "$(wc -l < "$0.runs")" -ge 2 ] && echo "eval time = 1 ms" >&2\nexit 0\n')
+    tool = tmp_path / "tool"  # the first run cut short after the prompt's timing line, before the decode's
+    tool.write_text('#!/bin/sh\necho run >> "$0.runs"\necho "prompt eval time = 1.0 ms / 3 tokens" >&2\n'
+                    '[ "$(wc -l < "$0.runs")" -ge 2 ] && echo "       eval time = 2.0 ms / 7 runs" >&2\nexit 0\n')
     tool.chmod(0o755)
-    assert "eval time" in run_tool([str(tool)], "llama-completion", "eval time")
+    assert "7 runs" in run_tool([str(tool)], "llama-completion", B.DECODE_TIME)
     assert (tmp_path / "tool.runs").read_text().count("run") == 2
     tool.write_text('#!/bin/sh\necho run >> "$0.runs"\necho "no such model" >&2\nexit 1\n')
     with pytest.raises(GgufspecError, match=r"llama-completion failed \(1\): no such model"):
-        run_tool([str(tool)], "llama-completion", "eval time")
+        run_tool([str(tool)], "llama-completion", B.DECODE_TIME)
     assert (tmp_path / "tool.runs").read_text().count("run") == 3
 
 

@@ -68,8 +68,9 @@ def test_a_ping_interval_past_a_floats_range_streams_the_whole_answer(server):
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("samplers", "k" * 20_000, "samplers"), ("samplers", ["top_k"] * 20_000, "samplers"),
-    ("dry_sequence_breakers", [f"b{i}" for i in range(20_000)], "dry_sequence_breakers")])
+    ("samplers", "k" * 20_000, "samplers: String should have at most 64 characters"),
+    ("samplers", ["top_k"] * 20_000, "samplers: List should have at most 64 items"),
+    ("dry_sequence_breakers", [f"b{i}" for i in range(20_000)], "dry_sequence_breakers: List should have at most 64")])
 def test_lists_whose_checks_would_cost_seconds_are_refused_at_once(server, field, value, says):
     """`samplers`' order was checked pair by pair (48 s for 20,000 letters), and llama.cpp matches each DRY
     breaker against the whole vocabulary: at most 64 of either."""
@@ -93,6 +94,25 @@ def test_a_schema_with_too_many_optional_properties_says_what_to_do(server):
     body = {"messages": [HI], "max_tokens": 2,
             "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}}
     error_400(post(server, "/v1/chat/completions", body), "3000 optional properties")
+
+
+def test_a_tools_wide_parameters_are_not_refused(server):
+    """The cap is a response format's: a tool's parameters are the agent's, not the user's to change."""
+    parameters = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    response = post(server, "/v1/chat/completions", {"messages": [HI], "max_tokens": 2, "tools": tools})
+    # rendered into the prompt, 300 parameters pass the tiny server's context: refused for that alone
+    assert response.json()["error"]["code"] == "context_length_exceeded", response.text
+
+
+@pytest.mark.parametrize("value, says", [(5, "samplers must be a string or an array"),
+                                         (["top_k", 3], "samplers[1] must be a string")])
+def test_samplers_of_the_wrong_kind_still_say_so(server, value, says):
+    """The length cap made `samplers` a union of constrained types, which the error messages named
+    `samplers.constrained-str` until they knew the tag (found by review)."""
+    response = post(server, "/v1/chat/completions", {"messages": [HI], "max_tokens": 2, "samplers": value})
+    error_400(response, says)
+    assert response.json()["error"]["param"] == says.split(" ")[0]
 
 
 def test_a_compressed_body_is_a_415_not_malformed_json(server):

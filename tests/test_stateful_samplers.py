@@ -103,6 +103,26 @@ def test_the_cut_over_a_real_vocabulary_is_llamacpps(version):
     assert len(sizes) > 3  # mu moved the cut
 
 
+def test_mirostat_far_from_its_start_neither_overflows_nor_keeps_what_it_cut():
+    """mu far below 0 (a negative tau, a large eta) took 2^-mu past a float's range; far above, the float32
+    threshold rounded to 0 and kept every token; extreme temperatures made 0 * inf. The cut is compared in
+    the log domain now (found by review)."""
+    row = np.array([0, -50, -100, -120, -300], dtype=np.float32)
+    far_below, far_above = Mirostat(2, -600.0, 0.1, 1.0, 5), Mirostat(2, 75.0, 0.1, 1.0, 5)
+    assert far_below.cut(row)[0].tolist() == [0]  # every surprise is above mu: the likeliest alone
+    assert far_above.cut(row)[0].tolist() == [0, 1, 2]  # mu 150: -log2 p of 150 bits at most
+    steered = Mirostat(2, 5.0, 1000.0, 1.0, 400)
+    for step in range(5):
+        ids, probs = steered.cut(np.random.default_rng(step).normal(size=400).astype(np.float32))
+        steered.observe(int(ids[0]), float(probs[0]))
+    tied = np.array([3, 3, 1, -np.inf], dtype=np.float32)
+    for temperature, kept in ((1e-39, [0, 1]), (1e50, [0, 1, 2])):
+        ids, probs = Mirostat(2, 5.0, 0.1, temperature, 4).cut(tied)
+        assert ids.tolist() == kept and np.allclose(probs, 1 / len(kept))
+        token, q = sample(tied, SamplingParams(temperature=temperature, mirostat=2), Draws(1), 0)
+        assert token in kept and q == pytest.approx(1 / len(kept))
+
+
 def surprise(logits: np.ndarray, temperature: float, token: int) -> float:
     """-log2 p of the token at the temperature, in float64."""
     scaled = logits.astype(np.float64) / temperature

@@ -97,7 +97,7 @@ EXPECTED = {"string_type": "a string", "int_type": "an integer", "int_parsing": 
             "int_from_float": "an integer", "float_type": "a number", "float_parsing": "a number",
             "bool_type": "a boolean", "bool_parsing": "a boolean", "list_type": "an array",
             "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object"}
-SCALAR_TAGS = ("str", "int", "float", "bool", "none")
+SCALAR_TAGS = ("str", "int", "float", "bool", "none", "constrained-str")  # the last: a str with a max_length
 
 
 def validation_message(errors: list[dict]) -> str:
