@@ -81,4 +81,3 @@ class Mirostat:
             epsilon = s_hat - 1
             k = float(np.power(epsilon * np.exp2(self.mu) / (1 - np.power(float(self.n_vocab), -epsilon)), 1 / s_hat))
         return 1 if math.isnan(k) or k < 1 else int(min(k, self.n_vocab))
-
