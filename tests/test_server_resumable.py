@@ -110,7 +110,7 @@ def test_the_messages_stream_resumes_too(server):
     ("GET", "/v1/stream", {}, None, 400, "Missing conversation id"),
     ("GET", "/v1/stream", {"conv_id": "nobody"}, None, 404, "Stream not found or expired"),
     ("DELETE", "/v1/stream", {}, None, 400, "Missing conversation id"),
-    ("POST", "/v1/streams/lookup", {}, b"{not json", 400, "invalid body"),
+    ("POST", "/v1/streams/lookup", {}, b"{not json", 400, "malformed JSON body"),
 ])
 def test_bad_requests_are_openai_errors(server, method, path, params, body, status, words):
     response = httpx.request(method, server.url + path, params=params, content=body, headers=AUTH, timeout=10)
