@@ -28,6 +28,7 @@ import llama_cpp.llama_grammar
 from llama_cpp.llama_grammar import RESERVED_NAMES, BuiltinRule, SchemaConverter
 
 from .errors import ToolError
+from .gbnftrie import TrieWriter
 from .schemaints import INT_BOUNDS, int_range_rule, integer_range, number_bound, number_range, number_range_rule
 from .schemapatterns import anchored, class_escapes, length_in_pattern
 from .schemarefs import ONE_SCHEMA, SCHEMA_LISTS, SCHEMA_MAPS, resolve_refs
@@ -355,12 +356,33 @@ CALENDAR_DATE = BuiltinRule(
     [])
 
 
+def literal_values(schema) -> list | None:
+    """The values a schema is a list of, where the converter's branch for it is an enum, or an anyOf or
+    oneOf of nothing but consts and enums; else None."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("type"), (str, type(None))):
+        return None
+    keywords = schema.keys() & BRANCHES_BEFORE_TYPE
+    if "$ref" in keywords or "const" in keywords and not keywords & {"anyOf", "oneOf"}:
+        return None
+    if "anyOf" in keywords or "oneOf" in keywords:
+        parts = schema.get("oneOf") or schema.get("anyOf")  # the converter's choice
+        if not isinstance(parts, list) or not parts or not all(
+                isinstance(part, dict) and part.keys() & CONSTRAINTS in ({"const"}, {"enum"}) for part in parts):
+            return None
+        return [value for part in parts for value in ([part["const"]] if "const" in part else part["enum"])]
+    return schema["enum"] if isinstance(schema.get("enum"), list) and schema["enum"] else None
+
+
 class BoundedConverter(SchemaConverter):
     """llama-cpp-python's converter, but an integer's bounds are followed (`int_range_rule`), as
     llama.cpp's own converter has done since: pydantic's Field(ge=0) is the common case; and a
     number's (`number_range_rule`: a float's Field(ge=0, le=1) or gt=0.5)."""
 
     def visit(self, schema, name):
+        if (values := literal_values(schema)) is not None:  # as a tree (gbnftrie: one stack per value, else)
+            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+            tree = TrieWriter(self._format_literal, self._add_rule, rule_name)
+            return self._add_rule(rule_name, tree.choice([(json.dumps(value), "") for value in values]))
         kind = schema.get("type")
         if kind not in ("integer", "number") or BRANCHES_BEFORE_TYPE & schema.keys():
             return super().visit(schema, name)
