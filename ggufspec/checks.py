@@ -2,6 +2,9 @@
 computed (`SpeculativeDecoder.steps`, the server's jobs, and `generate_many` for every prompt at once)."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import numbers
 from typing import Sequence
 
@@ -30,3 +33,23 @@ def check_token_ids(tokens: Sequence[int], n_vocab: int) -> None:
                None)
     if bad is not None:
         raise GgufspecError(f"token ids must be whole numbers in [0, {n_vocab}), got {bad!r}")
+
+
+def check_whole_numbers(**values) -> None:
+    """A decoder's counts (n_ctx, n_threads...) whole numbers where given: a text or a float failed inside
+    llama-cpp-python with a TypeError of its own."""
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise GgufspecError(f"{name} must be a whole number, got {value!r}")
+
+
+def check_options(options: dict, fields_of, call) -> None:
+    """Keyword options of a generation (beyond `call`'s own parameters) that `fields_of` (SamplingParams)
+    takes: a typo named the dataclass's __init__ in a TypeError. The message suggests from both."""
+    fields = [field.name for field in dataclasses.fields(fields_of)]
+    for name in options:
+        if name not in fields:
+            known = sorted(set(fields) | set(inspect.signature(call).parameters) - {"self", "filters", "prompt"})
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            raise GgufspecError(f"unknown generation option {name!r}" + (f": did you mean {close[0]!r}?" if close else
+                                                                          f" (options: {', '.join(known)})"))

@@ -25,6 +25,17 @@ def offloaded_layers(ngl: int, n_layer: int) -> int:
     return n_layer + 1 if ngl < 0 or ngl > n_layer + 1 else ngl
 
 
+def offload_as_applied(decoder) -> tuple[int, int]:
+    """(-ngl, -ngld) as llama.cpp applied them to the decoder's models: what the costs remembered for its pair
+    are filed under, and what `bench` stamps for `plan`."""
+    from .load import layer_count
+    ngl = offloaded_layers(decoder.n_gpu_layers, layer_count(decoder.target_llm))
+    ngld = decoder.n_gpu_layers_draft
+    if decoder.draft_llm is not None:
+        ngld = offloaded_layers(ngld, layer_count(decoder.draft_llm))
+    return ngl, ngld
+
+
 COSTS_FILE = "costs.json"  # in ggufspec's home
 
 

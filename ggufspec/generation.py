@@ -33,3 +33,20 @@ def pieces(target, steps: Iterator) -> Iterator[Piece]:
     for step in steps:
         yield Piece(decoder.decode(target.piece(step.token)), *step)
 
+
+
+def one_thread_at_a_time(lock, steps: Iterator) -> Iterator:
+    """`steps` advanced, and closed, holding the decoder's lock. llama.cpp is not thread-safe: two threads
+    stepping generations of one decoder crashed the process; now they take turns, the later generation takes
+    the decoder over as it would in one thread (the earlier one stops with an error), and a close() from
+    another thread waits for the step running."""
+    try:
+        while True:
+            with lock:
+                step = next(steps, None)  # a step is never None
+            if step is None:
+                return
+            yield step
+    finally:
+        with lock:
+            steps.close()

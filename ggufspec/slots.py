@@ -203,6 +203,7 @@ class Slots:
         view = copy.copy(decoder)
         view.target, view.draft, view.last_stats = slot.target, slot.draft, None
         view.is_slot, view.id_slot, view._owned, view.root = True, slot.index, [], decoder
+        view._busy = threading.RLock()  # its own: the slots' turns are the lockstep's (one lock would deadlock it)
         return view
 
     def generate_many(self, prompts, **options) -> list:

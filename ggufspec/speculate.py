@@ -15,12 +15,13 @@ turns them into `Piece` records; `SpeculativeDecoder.generate` collects a `Gener
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Iterator, NamedTuple, Sequence
 
 import llama_cpp
 
-from .checks import check_generation_args, check_token_ids
+from .checks import check_generation_args, check_options, check_token_ids, check_whole_numbers
 from .errors import CacheFullError, GgufspecError, Interrupted
 from .native import Context
 from .stats import Stats
@@ -29,8 +30,8 @@ from .costs import Costs
 from .drafting import AdaptiveK, AutoDrafting, FixedK, HybridDrafter, LookupDrafter, ModelDrafter, VocabBridge
 from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams
-from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs, offloaded_layers  # noqa: F401
-from .generation import Generation, Piece, pieces  # noqa: F401  (ggufspec.Piece)
+from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs, offload_as_applied  # noqa: F401
+from .generation import Generation, Piece, one_thread_at_a_time, pieces  # noqa: F401  (ggufspec.Piece)
 
 
 class Step(NamedTuple):
@@ -248,12 +249,14 @@ class SpeculativeDecoder:
                  exact: bool = False, n_parallel: int = 1, load_flags: dict | None = None, lora: Sequence = ()):
         from .load import LoadParams, check_compatible, check_gguf_file, flags_tag, flash_attn_type, with_flags
         self._owned: list = []
-        self._closed = False
+        self._closed, self._busy = False, threading.RLock()  # llama.cpp's calls, one thread at a time (`steps`)
         mtp = isinstance(draft, str) and draft == MTP
         for model, role in ((target, "target"), (None if mtp else draft, "draft")):  # fail before loading anything
             if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
                 check_gguf_file(model, role)
         flash_attn_type(flash_attn)  # a bad setting fails before loading anything
+        check_whole_numbers(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_parallel=n_parallel,
+                            n_gpu_layers_draft=n_gpu_layers_draft)
         if n_parallel < 1 or (n_parallel > 1 and mtp):
             raise GgufspecError(f"--parallel must be >= 1, got {n_parallel}" if n_parallel < 1 else
                                 "--parallel: MTP drafting runs one sequence at a time; give -md or --parallel 1")
@@ -290,7 +293,7 @@ class SpeculativeDecoder:
         except BaseException:
             self.close()
             raise
-        self.costs_offload = self._offload_as_applied()
+        self.costs_offload = offload_as_applied(self)
         self._costs_key = _costs_key(target, None if mtp else draft, n_threads, *self.costs_offload,
                                      costs_tag + ("mtp" if mtp else "") + flags_tag(load_flags))
         # what `--draft auto` has learned of this machine's step costs, per drafter (remembered on
@@ -298,16 +301,6 @@ class SpeculativeDecoder:
         self.costs: dict[str, Costs] = _load_costs(self._costs_key)
 
     default_drafter = "model"  # a session without a draft model sets "lookup" (`session.open_session`)
-
-    def _offload_as_applied(self) -> tuple[int, int]:
-        """(-ngl, -ngld) as llama.cpp applied them (see costmemory.offloaded_layers): what the costs
-        remembered for this pair are filed under, and what `bench` stamps for `plan`."""
-        from .load import layer_count
-        ngl = offloaded_layers(self.n_gpu_layers, layer_count(self.target_llm))
-        ngld = self.n_gpu_layers_draft
-        if self.draft_llm is not None:
-            ngld = offloaded_layers(ngld, layer_count(self.draft_llm))
-        return ngl, ngld
 
     def _open(self, model, role, params, strict):
         from .load import open_model
@@ -394,6 +387,7 @@ class SpeculativeDecoder:
         drafter = drafter or self.default_drafter
         if isinstance(prompt, str) and not prompt:
             raise GgufspecError("the prompt is empty")
+        check_options(filters, SamplingParams, self.steps)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, **filters)
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise GgufspecError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
@@ -409,7 +403,8 @@ class SpeculativeDecoder:
         if adaptive:  # the machine's costs outlive a generation
             costs = self.costs.setdefault(drafter, Costs())
             if chosen is not None and not costs.warm:  # a fraction of a second, once per pair and machine
-                measure_step_costs(self.target, chosen.context, costs, sizes=(1, 2, 4, 8, 16), token=tokens[0])
+                with self._busy:
+                    measure_step_costs(self.target, chosen.context, costs, sizes=(1, 2, 4, 8, 16), token=tokens[0])
             if self.target.lockstep is not None:  # a slot: drafts priced in the batch it shares (`slots`)
                 from .slots import BatchCosts, BatchGate
                 costs = BatchCosts(costs, self.target.lockstep)
@@ -428,8 +423,9 @@ class SpeculativeDecoder:
             self.last_stats.costs = costs.summary()
         max_tokens = n_predict if n_predict >= 0 else self.n_ctx
         judge = TargetJudge(self.target, params, constraints, logprobs, prompt=tokens)
-        return speculative_steps(self.target, chosen, tokens, controller=controller, judge=judge,
-                                 max_tokens=max_tokens, stats=self.last_stats, reuse_cache=cache_prompt)
+        return one_thread_at_a_time(self._busy, speculative_steps(
+            self.target, chosen, tokens, controller=controller, judge=judge, max_tokens=max_tokens,
+            stats=self.last_stats, reuse_cache=cache_prompt))
 
     def _can_roll_back(self, drafter) -> bool:
         contexts = [self.target] + ([drafter.context] if getattr(drafter, "context", None) is not None else [])
@@ -480,18 +476,19 @@ class SpeculativeDecoder:
     def close(self) -> None:
         if getattr(self, "is_slot", False):
             return  # a slot's view (`slots`): its decoder closes what it shares
-        self._closed = True
-        if getattr(self, "slots", None) is not None:
-            self.slots.close()
-        if getattr(self, "costs", None):
-            _save_costs(self._costs_key, self.costs)
-            self.costs = {}
-        for ctx in (getattr(self, "target", None), getattr(self, "draft", None)):
-            if ctx is not None:
-                ctx.close()
-        for llm in self._owned:
-            llm.close()
-        self._owned = []
+        with self._busy:  # after the step another thread is running: its next one finds the decoder closed
+            self._closed = True
+            if getattr(self, "slots", None) is not None:
+                self.slots.close()
+            if getattr(self, "costs", None):
+                _save_costs(self._costs_key, self.costs)
+                self.costs = {}
+            for ctx in (getattr(self, "target", None), getattr(self, "draft", None)):
+                if ctx is not None:
+                    ctx.close()
+            for llm in self._owned:
+                llm.close()
+            self._owned = []
 
     def __enter__(self):
         return self

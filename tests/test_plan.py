@@ -549,7 +549,7 @@ def test_costs_measured_at_ngl_99_are_the_plans_all_layers(tiny_pair, ggufspec_h
     H100 it asked for -ngl 29 and missed what bench measured at -ngl 99)."""
     from ggufspec import SpeculativeDecoder
     from ggufspec.plan.measured import costs_key
-    from ggufspec.speculate import offloaded_layers
+    from ggufspec.costmemory import offloaded_layers
     assert offloaded_layers(99, 28) == offloaded_layers(-1, 28) == offloaded_layers(29, 28) == 29
     assert offloaded_layers(10, 28) == 10 and offloaded_layers(0, 28) == 0
     target, draft = tiny_pair

@@ -217,3 +217,61 @@ def test_chat_passes_the_templates_variables(tmp_path):
         thinking = decoder.chat(hi, n_predict=1, n_draft=0).stats.n_prompt
         closed = decoder.chat(hi, template_variables={"enable_thinking": False}, n_predict=1, n_draft=0)
         assert closed.stats.n_prompt > thinking
+
+
+def test_two_threads_generating_on_one_decoder_take_turns_instead_of_crashing(slow_target):
+    """Each step holds the decoder (llama.cpp is not thread-safe): two threads' generations crashed the
+    process (a GGML_ASSERT or a segfault, audit); now the later takes the decoder over, as in one thread,
+    and the earlier stops with an error. The decoder goes on exactly afterwards."""
+    import threading
+    with SpeculativeDecoder(slow_target, slow_target, n_ctx=1024, n_threads=1) as decoder:
+        expected = decoder.generate("the cat", n_predict=24, n_draft=3, temperature=0).tokens
+        outcomes, started = {}, threading.Barrier(2)
+
+        def generate(prompt):
+            started.wait()
+            try:
+                outcomes[prompt] = len(decoder.generate(prompt, n_predict=300, n_draft=3, temperature=0).tokens)
+            except GgufspecError as exc:
+                outcomes[prompt] = str(exc)
+        threads = [threading.Thread(target=generate, args=(prompt,)) for prompt in ("the cat", "a dog ran")]
+        [thread.start() for thread in threads]
+        [thread.join(120) for thread in threads]
+        assert sorted(map(type, outcomes.values()), key=str) == [int, str], outcomes
+        assert "left behind" in next(v for v in outcomes.values() if isinstance(v, str))
+        assert decoder.generate("the cat", n_predict=24, n_draft=3, temperature=0).tokens == expected
+
+
+def test_close_from_another_thread_waits_for_the_step_then_stops_the_generation(slow_target):
+    """close() freed the models under a step running in another thread: a segfault (audit)."""
+    import threading
+    import time
+    decoder = SpeculativeDecoder(slow_target, slow_target, n_ctx=1024, n_threads=1)
+    outcome = []
+
+    def generate():
+        try:
+            outcome.append(len(decoder.generate("the cat", n_predict=5000, n_draft=3, temperature=0).tokens))
+        except GgufspecError as exc:
+            outcome.append(str(exc))
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(0.3)
+    decoder.close()
+    thread.join(60)
+    assert not thread.is_alive() and "closed" in outcome[0], outcome
+
+
+@pytest.mark.parametrize("options, says", [({"temprature": 0.5}, "unknown generation option 'temprature': did you "
+                                            "mean 'temperature'"), ({"stop": ["x"]}, r"'stop' \(options: .*top_p")])
+def test_an_unknown_generation_option_is_named_with_what_it_may_have_meant(decoder, options, says):
+    """A typo raised a TypeError that named SamplingParams.__init__ (audit)."""
+    with pytest.raises(GgufspecError, match=says):
+        decoder.generate("the cat", n_predict=2, **options)
+
+
+@pytest.mark.parametrize("field", ["n_ctx", "n_threads", "n_gpu_layers", "n_parallel"])
+def test_a_count_given_as_text_or_a_fraction_is_one_line_error(tiny_pair, field):
+    for value in ("2", 1.5):
+        with pytest.raises(GgufspecError, match=f"{field} must be a whole number, got {value!r}"):
+            SpeculativeDecoder(*tiny_pair, **{field: value})
