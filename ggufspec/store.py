@@ -343,19 +343,25 @@ def _download(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
                          f"the download was deleted")
     expected = entry.sha256.get(remote.file) or remote.lfs_sha256
     if expected is None:  # nothing to check its bytes against: at least that they are a GGUF file's
-        _check_gguf_magic(partial, label, source)
+        _check_gguf_magic(partial, label, source, hashed=False)
     with _progress(partial.stat().st_size, f"verifying {remote.file}", progress) as bar:
         actual = sha256_of(partial, bar)
+    if actual == expected:  # the right bytes, yet not a GGUF file's?
+        _check_gguf_magic(partial, label, source, hashed=True)
     return _install_verified(partial, entry, remote.file, expected, actual)
 
 
-def _check_gguf_magic(staged: Path, label: str, source: str) -> None:
+def _check_gguf_magic(staged: Path, label: str, source: str, hashed: bool) -> None:
+    """Where a sha256 vouches for the bytes, a file that is not GGUF is what the repository holds under that
+    name (`run` failed on it later with a loader's message); without one, likely an error or login page."""
     with staged.open("rb") as f:
         start = f.read(16)
     if not start.startswith(b"GGUF"):
         staged.unlink()
-        raise StoreError(f"{label}: {source} sent no GGUF file (it begins {start!r}: an error "
-                         f"or login page?), and no sha256 to check it by; the download was deleted")
+        why = ("its sha256 is the one announced, so the repository holds something else under that name: "
+               "pick another of its files" if hashed else "an error or login page? There is no sha256 to check "
+               "it by")
+        raise StoreError(f"{label}: {source} sent no GGUF file (it begins {start!r}); {why}; the download was deleted")
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from ggufspec.registry import ModelEntry, load_registry
 from hfserver import hub_for
 
 DATA = b"GGUF" + os.urandom(3_000_000)
+REVERSED = b"GGUF" + DATA[:3:-1]  # another GGUF file of the same size
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
@@ -23,7 +24,7 @@ SHA = hashlib.sha256(DATA).hexdigest()
 def hub(monkeypatch):
     with hub_for(monkeypatch) as server:
         server.state.add("org/model-GGUF", "model-Q4_K_M.gguf", DATA)
-        server.state.add("org/model-GGUF", "model-Q8_0.gguf", DATA[::-1])
+        server.state.add("org/model-GGUF", "model-Q8_0.gguf", REVERSED)
         yield server
 
 
@@ -128,11 +129,11 @@ def test_killed_pull_leaves_nothing_complete(hub, ggufspec_home):
 def test_split_gguf_arrives_whole(hub):
     shards = [f"big-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     for i, name in enumerate(shards):
-        hub.state.add("org/big-GGUF", name, DATA[i::3])
+        hub.state.add("org/big-GGUF", name, b"GGUF" + DATA[i::3])
     ref = store.entry_from_reference("org/big-GGUF:Q4_K_M")
     assert ref.files == tuple(shards)
     paths = store.pull(ref, progress=False)
-    assert [p.read_bytes() for p in paths] == [DATA[i::3] for i in range(3)]
+    assert [p.read_bytes() for p in paths] == [b"GGUF" + DATA[i::3] for i in range(3)]
     assert store.entry_from_reference("hf://org/big-GGUF/" + shards[1]).files == tuple(shards)
 
 
@@ -255,7 +256,7 @@ def test_size_label_unknown_until_pulled_then_recorded(hub):
     assert not [r for r in hub.state.requests if r[0] == "GET"]
     store.pull(model, progress=False)
     recorded = json.loads(store.verified_path().read_text())["org/model-GGUF/model-Q8_0.gguf"]
-    assert recorded["size"] == len(DATA) and recorded["sha256"] == hashlib.sha256(DATA[::-1]).hexdigest()
+    assert recorded["size"] == len(DATA) and recorded["sha256"] == hashlib.sha256(REVERSED).hexdigest()
     assert store.verified_files(model)["model-Q8_0.gguf"]["sha256"] == recorded["sha256"]
     store.remove(model)
     assert not store.is_complete(model)
@@ -272,13 +273,13 @@ def test_size_label_from_the_registry_and_offline_for_the_rest():
 def test_split_model_size_needs_every_shard_verified(hub):
     shards = [f"big-Q4_K_M-0000{i}-of-00002.gguf" for i in (1, 2)]
     for i, name in enumerate(shards):
-        hub.state.add("org/big-GGUF", name, DATA[i::2])
+        hub.state.add("org/big-GGUF", name, b"GGUF" + DATA[i::2])
     ref = ModelEntry("big", "org/big-GGUF", tuple(shards))
     first_only = ModelEntry("big", "org/big-GGUF", tuple(shards[:1]))
     store.pull(first_only, progress=False)
     assert store.known_size(ref) is None
     store.pull(ref, progress=False)
-    assert store.known_size(ref) == len(DATA)
+    assert store.known_size(ref) == len(DATA) + 8  # each shard with its header
 
 
 def test_a_home_that_cannot_be_written_is_one_line_naming_it(hub, tmp_path, monkeypatch):

@@ -92,6 +92,16 @@ def test_bytes_with_no_sha256_to_check_must_at_least_be_a_gguf_file(hub, data, s
     assert store.pull(entry(), progress=False)[0].read_bytes() == DATA
 
 
+def test_a_file_that_is_not_gguf_is_refused_at_pull_even_with_the_right_sha256(hub):
+    """The hub's sha256 vouched for it, so it was installed, and only `run` said (in the loader's words)
+    that it is no model (audit)."""
+    hub.state.add(REPO, "notes-Q4_K_M.gguf", b"hello world, not a gguf" * 100)
+    with pytest.raises(StoreError, match=r"sent no GGUF file \(it begins b'hello.*sha256 is the one announced.*"
+                                         r"pick another of its files; the download was deleted"):
+        store.pull(entry("notes-Q4_K_M.gguf"), progress=False)
+    assert not store.final_path(entry("notes-Q4_K_M.gguf"), "notes-Q4_K_M.gguf").exists()
+
+
 def test_a_login_wall_without_the_hubs_error_code_says_to_set_the_token(hub):
     hub.state.bare_401 = True
     with pytest.raises(StoreError, match="401.*set HF_TOKEN"):
@@ -111,8 +121,8 @@ def write_registry(home, text: str) -> None:
 
 def test_rm_keeps_a_file_that_another_pair_names_by_another_model(hub, ggufspec_home):
     """Two model names for one file: removing one pair must not take the other's draft."""
-    hub.state.add(REPO, "model-Q8_0.gguf", DATA[::-1])
-    hub.state.add(REPO, "small-Q2_K.gguf", DATA[::2])
+    hub.state.add(REPO, "model-Q8_0.gguf", b"GGUF" + DATA[:3:-1])
+    hub.state.add(REPO, "small-Q2_K.gguf", b"GGUF" + DATA[::2])
     write_registry(ggufspec_home, f"""
         [models.t1]
         repo = "{REPO}"
