@@ -5,6 +5,7 @@ judge's pick under Mirostat and adaptive-p (their cut, the draw, the state moved
 under Mirostat, on random logits after a 3,000-token history of 2,000 distinct tokens.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/sampler_costs.py [--rows 200] [--json FILE]
+    # against an older tree (its sampling.py; this script's rows):  PYTHONPATH=/tmp/older:$PWD ...
 
 Best of 3 rounds of `--rows` rows each (interference only adds time), microseconds a row.
 """
@@ -59,6 +60,9 @@ def main() -> None:
 
     sampled = SamplingParams(temperature=0.8)
     unfiltered, draws = SamplingParams(temperature=0.8, top_k=0), Draws(1)
+    temperature_alone = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0)
+    allowed = rng.choice(n_vocab, 100, replace=False)  # a grammar's: 100 tokens allowed, the rest -inf
+    masked = [np.where(np.isin(np.arange(n_vocab), allowed), row, -np.inf).astype(np.float32) for row in rows]
     mirostat, mirostat_v1 = Mirostat(2, 5.0, 0.1, 0.8, n_vocab), Mirostat(1, 5.0, 0.1, 0.8, n_vocab)
     adaptive = AdaptiveP(SamplingParams(temperature=0.8, adaptive_target=0.3))
     miro_params = SamplingParams(temperature=0.8, mirostat=2)
@@ -84,6 +88,10 @@ def main() -> None:
                                                              args.rows),
         "the pick: sample, top-k 0 (top-p 0.95, min-p 0.05: a prefix, not the row sorted)": best_us(
             lambda i: sample(rows[i % 8], unfiltered, draws, i), args.rows),
+        "the pick: sample, temperature alone (top-k 0, top-p 1, min-p 0)": best_us(
+            lambda i: sample(rows[i % 8], temperature_alone, draws, i), args.rows),
+        "the pick: sample, temperature alone, a grammar allowing 100 tokens": best_us(
+            lambda i: sample(masked[i % 8], temperature_alone, draws, i), args.rows),
         "the judge's pick: Mirostat 1": best_us(steered(mirostat_v1), args.rows),
         "the judge's pick: Mirostat 2": best_us(steered(mirostat), args.rows),
         "the judge's pick: adaptive-p after the chain": best_us(steered(adaptive), args.rows),
