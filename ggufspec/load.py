@@ -288,7 +288,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         _opened_with_tiled_products.append(str(path))
     quiet_llama_logs()
     # resolved by name now: RPC workers' buffer types exist once they are registered (an unknown one: one line)
-    overrides = override_array(params.tensor_overrides, "-ot" if role == "target" else "-otd") \
+    overrides = override_array(params.tensor_overrides, "-ot" if role == "target" else "-otd", path) \
         if params.tensor_overrides else None
     # RPC workers, or -dev's devices (resolved by name: handles are this process's)
     devices = params.devices if params.devices is not None or params.device_names is None \
@@ -305,7 +305,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
                 llm = load_on_devices(path, devices, **options)
             else:
                 llm = llama_cpp.Llama(model_path=str(path), **options)
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, MemoryError) as exc:  # MemoryError: llama-cpp-python's n_ctx-long arrays
         raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {load_failure(exc, params)}") from None
     llm._ggufspec_tensor_overrides = overrides  # llama.cpp reads the patterns while loading; kept with the model
     _check_overrides_taken(llm, role)
@@ -360,7 +360,8 @@ def load_failure(exc: Exception, params: LoadParams) -> str:
     only "Failed to load model from file"), with what to change; else llama.cpp's words."""
     failed = allocation_failures()
     if not failed:
-        hint = f" (-c {params.n_ctx}: a smaller context needs less memory)" if "context" in str(exc) else ""
+        memory = "context" in str(exc) or isinstance(exc, MemoryError)
+        hint = f" (-c {params.n_ctx}: a smaller context needs less memory)" if memory else ""
         if "context" in str(exc) and params.type_v not in FLOAT_CACHE_TYPES + (params.type_k,):
             hint += f"; this model may need the same K and V cache types, not {params.type_k} and {params.type_v}"
         if params.check_tensors and "model" in str(exc):
@@ -368,7 +369,7 @@ def load_failure(exc: Exception, params: LoadParams) -> str:
         if params.tensor_overrides and "model" in str(exc):  # llama.cpp compiles them as it loads
             hint += ("; check the -ot/-otd patterns for Python-only regex syntax ((?P<name>...), (?<=...), \\A...): "
                      "llama.cpp compiles them as ECMAScript regexes")
-        return f"{exc}{hint}"
+        return f"{str(exc) or 'out of memory'}{hint}"
     buffer, size = failed[0]
     if worker := re.fullmatch(r"RPC\d*\[(.+)\]", buffer):
         return (f"the RPC worker {worker[1]} ran out of memory: it could not allocate {size / 2 ** 20:.1f} MiB; free "

@@ -29,18 +29,35 @@ EXPERTS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 DENSE_FFN_REGEX = r"\.ffn_(up|down|gate)\."  # LLM_FFN_DENSE_REGEX: a dense model's FFN (-ncffn)
 CPU = "CPU"  # the CPU device's buffer type (ggml_backend_cpu_buffer_type)
 FLAGS = {"target": ("-ot", "--cpu-moe", "--n-cpu-moe"), "draft": ("-otd", "--cpu-moe-draft", "--n-cpu-moe-draft")}
+# The most layers -ncmoe/-ncffn write a pattern for (plan.shape's bound on a model's block_count): a larger N
+# means every layer, as in llama.cpp, without a pattern per number up to N (-ncmoe 99999999999 never ended).
+MAX_LAYERS = 10_000
+# one of those patterns: (its layer, its regex)
+_LAYER_PATTERN = re.compile(r"blk\\\.(\d+)(" + re.escape(EXPERTS_REGEX) + "|" + re.escape(DENSE_FFN_REGEX) + ")")
 
 
 def expert_overrides(cpu_moe: bool = False, n_cpu_moe: int = 0) -> tuple[tuple[str, str], ...]:
     """--n-cpu-moe N (the experts of layers 0..N-1: llm_add_n_cpu_ffn_overrides) and --cpu-moe (every
     layer's: llm_ffn_exps_cpu_override), to the CPU."""
-    layers = tuple((f"blk\\.{i}{EXPERTS_REGEX}", CPU) for i in range(n_cpu_moe))
-    return layers + (((EXPERTS_REGEX, CPU),) if cpu_moe else ())
+    return _first_layers(n_cpu_moe, EXPERTS_REGEX) + (((EXPERTS_REGEX, CPU),) if cpu_moe else ())
 
 
 def dense_ffn_overrides(n_cpu_ffn: int) -> tuple[tuple[str, str], ...]:
     """-ncffn N: the dense FFN weights of layers 0..N-1 to the CPU (llm_add_n_cpu_ffn_overrides)."""
-    return tuple((f"blk\\.{i}{DENSE_FFN_REGEX}", CPU) for i in range(n_cpu_ffn))
+    return _first_layers(n_cpu_ffn, DENSE_FFN_REGEX)
+
+
+def _first_layers(n: int, regex: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f"blk\\.{i}{regex}", CPU) for i in range(min(n, MAX_LAYERS)))
+
+
+def within_layers(overrides: Sequence[tuple[str, str]], n_layer: int | None) -> tuple[tuple[str, str], ...]:
+    """`overrides` less -ncmoe's and -ncffn's patterns for layers from `n_layer` on (None: unknown, all
+    kept), which match no tensor of the model: llama.cpp compiles every pattern for every tensor it loads,
+    and an N far past the model's layers cost seconds there."""
+    if n_layer is None:
+        return tuple(overrides)
+    return tuple(o for o in overrides if not ((m := _LAYER_PATTERN.fullmatch(o[0])) and int(m[1]) >= n_layer))
 
 
 def parse_override_tensor(value: str, flag: str = "-ot") -> tuple[tuple[str, str], ...]:
@@ -79,6 +96,13 @@ def tensor_overrides(override_tensor: Sequence[str] | str = (), cpu_moe: bool = 
 
 # ---------------------------------------------------------------- buffer types, as llama.cpp names them
 
+class _GGUFInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+_GGUF_UINT32, _GGUF_STRING = 4, 8  # gguf.h's enum gguf_type
+
+
 @functools.cache
 def _ggml():
     """libllama's ggml backend functions, on a handle of our own (the same library llama_cpp loaded, so
@@ -93,7 +117,12 @@ def _ggml():
                                     ("ggml_backend_dev_name", ctypes.c_char_p, [vp]),
                                     ("ggml_backend_dev_description", ctypes.c_char_p, [vp]),
                                     ("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(ctypes.c_size_t),
-                                                                       ctypes.POINTER(ctypes.c_size_t)])):
+                                                                       ctypes.POINTER(ctypes.c_size_t)]),
+                                    ("gguf_init_from_file", vp, [ctypes.c_char_p, _GGUFInitParams]),
+                                    ("gguf_free", None, [vp]), ("gguf_find_key", ctypes.c_int64, [vp, ctypes.c_char_p]),
+                                    ("gguf_get_kv_type", ctypes.c_int, [vp, ctypes.c_int64]),
+                                    ("gguf_get_val_str", ctypes.c_char_p, [vp, ctypes.c_int64]),
+                                    ("gguf_get_val_u32", ctypes.c_uint32, [vp, ctypes.c_int64])):
         getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
 
@@ -126,17 +155,36 @@ class _Override(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-def override_array(overrides: Sequence[tuple[str, str]], flag: str = "-ot"):
-    """llama_model_params.tensor_buft_overrides for `overrides`: llama_model_tensor_buft_override
-    structs ({const char * pattern; buft}) ended by a NULL pattern, as common.cpp terminates its list.
-    The array holds its pattern strings: keep it alive while the model loads."""
+def override_array(overrides: Sequence[tuple[str, str]], flag: str = "-ot", path: str | os.PathLike | None = None):
+    """llama_model_params.tensor_buft_overrides for `overrides` (for the model at `path`: the per-layer
+    ones within its layers): llama_model_tensor_buft_override structs ({const char * pattern; buft})
+    ended by a NULL pattern, as common.cpp terminates its list. The array holds its pattern strings:
+    keep it alive while the model loads."""
     known = buffer_types()
     check_buffer_types(overrides, flag, known)
+    if path is not None and any(_LAYER_PATTERN.fullmatch(pattern) for pattern, _ in overrides):
+        overrides = within_layers(overrides, block_count(path))
     patterns = [pattern.encode() for pattern, _ in overrides]
     array = (_Override * (len(overrides) + 1))(*[_Override(p, known[b]) for p, (_, b) in zip(patterns, overrides)],
                                                _Override(None, None))
     array.patterns = patterns  # the bytes the structs point at, owned by the array
     return array
+
+
+def block_count(path: str | os.PathLike) -> int | None:
+    """A GGUF's ARCH.block_count, read from its header by ggml's reader (no tensor data); None if absent."""
+    lib = _ggml()
+    ctx = lib.gguf_init_from_file(os.fsencode(path), _GGUFInitParams(True, None))
+    if not ctx:
+        return None
+    try:
+        key = lib.gguf_find_key(ctx, b"general.architecture")
+        if key < 0 or lib.gguf_get_kv_type(ctx, key) != _GGUF_STRING:
+            return None
+        key = lib.gguf_find_key(ctx, lib.gguf_get_val_str(ctx, key) + b".block_count")
+        return lib.gguf_get_val_u32(ctx, key) if key >= 0 and lib.gguf_get_kv_type(ctx, key) == _GGUF_UINT32 else None
+    finally:
+        lib.gguf_free(ctx)
 
 
 def overrides_tag(overrides: Sequence[tuple[str, str]]) -> str:
@@ -221,6 +269,8 @@ def devices_named(names: Sequence[str]) -> list[Device]:
 def host_tensor_bytes(tensors: Sequence[tuple[str, int]], overrides: Sequence[tuple[str, str]]) -> dict[str, int]:
     """The tensors (name -> bytes) whose first matching override is the CPU's: in host memory whatever -ngl."""
     kept = {}
+    layers = [int(m[1]) for name, _ in tensors if (m := re.match(r"blk\.(\d+)\.", name))]
+    overrides = within_layers(overrides, max(layers, default=-1) + 1)  # not 10,000 patterns per tensor
     for name, size in tensors:
         first = next((buffer for pattern, buffer in overrides if re.search(pattern, name)), None)
         if first == CPU:

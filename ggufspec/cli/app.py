@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import signal
@@ -19,8 +20,9 @@ def fail(message: str, exit_code: int = 2):
 
 
 def friendly_errors(command):
-    """Turn GgufspecError into a one-line message and its exit code; and a file system refusal (a
-    folder that cannot be written, a file where a folder should be) into one line naming the path."""
+    """Turn GgufspecError into a one-line message and its exit code; a file system refusal (a folder
+    that cannot be written, a file where a folder should be) into one line naming the path; and output
+    that cannot be written (stdout on a full disk, or /dev/full) into one line too, exit code 1."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
@@ -31,10 +33,27 @@ def friendly_errors(command):
             click.echo("ggufspec: interrupted", err=True)
             sys.exit(130)  # the shell's code for it
         except OSError as exc:
-            if exc.filename is None:  # not a path's problem (a socket, a device): the traceback says more
-                raise
-            fail(os_error_line(exc), 1)
+            if exc.filename is not None:
+                fail(os_error_line(exc), 1)
+            if exc.errno in FULL:  # a write to stdout (or a file already open): no path to name
+                _drop_unwritten_output()
+                fail(f"could not write the output: {exc.strerror}", 1)
+            raise  # a broken pipe (click exits quietly), a socket's or a device's: the traceback says more
     return wrapper
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # what writing (and only writing) fails with
+
+
+def _drop_unwritten_output() -> None:
+    """Point stdout at /dev/null: what its buffer still holds would fail again, as a traceback, when
+    Python flushes it at exit (click does the like for a broken pipe)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's stream): nothing flushes it later
+        pass
 
 
 def utf8_text(option: str, text: str | None) -> str | None:

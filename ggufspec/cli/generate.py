@@ -13,6 +13,7 @@ from ..errors import GgufspecError
 from ..sampling import SamplingParams
 from ..terminal import shown
 from .app import friendly_errors, main, utf8_text
+from .bounds import FiniteRange, check_sequences, threads, tokens
 from .llamacli_flags import llamacli_flags
 from .log_flags import log_flags
 from .sampler_flags import sampler_flags
@@ -96,14 +97,14 @@ def write_stream(stream, *, color: bool, quiet: bool):
 @click.option("--lookup", is_flag=True, help="Also run the n-gram lookup drafter.")
 @click.option("--hybrid", is_flag=True, help="Also run the hybrid (lookup, else draft model) drafter.")
 @click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
-              type=click.FloatRange(0, 1, max_open=True), help="Confidence gating for the draft model.")
+              type=FiniteRange(0, 1, max_open=True), help="Confidence gating for the draft model.")
 @click.option("-n", "--n-predict", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs of each configuration per prompt.")
 @click.option("--temp", "temperature", default=0.0, show_default=True)
 @click.option("-s", "--seed", type=click.IntRange(min=-1), default=1, show_default=True, help="-1: random.")
-@click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=None)
+@click.option("-c", "--ctx-size", "n_ctx", type=tokens(), default=4096, show_default=True)
+@click.option("-t", "--threads", "n_threads", type=threads(), default=None)
 @click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "n_gpu_layers", type=int, default=None,
               help="Target layers on the GPU [default: planned].")
 @click.option("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
@@ -164,6 +165,7 @@ def bench(pair, model, model_draft, prompts_file, drafts, lookup, hybrid, draft_
         raise GgufspecError("--plot needs matplotlib: pip install 'ggufspec[plot]' (or leave --plot out)")
     trace = simulate.read_trace(trace_file) if trace_file else None  # a bad trace fails before the models load
     counts = _stream_counts(streams)
+    check_sequences("--streams", max(counts, default=1), n_ctx, load["n_batch"], load["n_ubatch"])
     if counts:
         _streams_alone(("drafts", "lookup", "hybrid", "draft_p_min", "repeat", "temperature", "seed", "llamacpp",
                         "plot_file", "record_trace", "trace_file"))
@@ -307,7 +309,7 @@ def check_alias(alias: str | None) -> None:
                    "they share the -c context's cache (an idle slot's cached conversation goes first when full).")
 @click.option("--max-queue", default=16, type=click.IntRange(0),
               help="Requests that may wait while every slot generates; beyond that, 429 with Retry-After.")
-@click.option("--rpc-timeout", default=60.0, type=click.FloatRange(0, min_open=True),
+@click.option("--rpc-timeout", default=60.0, type=FiniteRange(0, min_open=True),
               help="With --rpc: a generation with no new token for this many seconds means a hung worker (503, "
                    "then the model reloads when the workers answer).")
 @click.option("-a", "--alias", default=None, metavar="NAME",
@@ -351,6 +353,8 @@ def serve(host, port, api_key, api_key_file, cors_origins, allowed_hosts, max_bo
                             f"pip install 'ggufspec[server]'") from None
     llamacpp = server_flags(opts)  # llama-server's flags: a refused one fails here, before anything loads
     check_defaults(opts)
+    unified = not (opts["strict"] or opts["exact"])  # else a cache per slot, -c cells each
+    check_sequences("-np", opts["parallel"], opts["n_ctx"] if unified else None, opts["n_batch"], opts["n_ubatch"])
     check_alias(alias)
     template_defaults = template_variables(template_kwargs, opts)
     tls = tls_from(ssl_key_file, ssl_cert_file)
@@ -433,12 +437,12 @@ def eval_():
 @click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
 @click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N problems [default: all 164].")
 @click.option("--draft", "n_draft", default="auto", help="K for the speculative run, or 'auto'.")
-@click.option("--temp", "temperature", type=click.FloatRange(min=0), default=0.0, help="Temperature (0: greedy).")
+@click.option("--temp", "temperature", type=FiniteRange(min=0), default=0.0, help="Temperature (0: greedy).")
 @click.option("--samples", type=click.IntRange(1), default=1, help="Completions per problem and mode (pass@1 estimated over them).")
 @click.option("-n", "--n-predict", type=click.IntRange(1), default=512, help="Most tokens per completion.")
 @click.option("-s", "--seed", type=click.IntRange(min=-1), default=1, help="-1: random.")
-@click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(1), default=2048)
-@click.option("-t", "--threads", "n_threads", type=click.IntRange(1), default=None)
+@click.option("-c", "--ctx-size", "n_ctx", type=tokens(), default=2048)
+@click.option("-t", "--threads", "n_threads", type=threads(), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Results as JSON on stdout.")
 @options(*load_flag_options())
 @log_flags

@@ -110,8 +110,9 @@ def logging_as(given: dict, behind_supervisor: bool = False):
         threshold=click.get_current_context().meta.get(VERBOSITY, llamalog.LogSettings.threshold),
         disabled=given["log_disable"], prefix=given["log_prefix"], timestamps=given["log_timestamps"],
         colors=_colours(given["log_colors"], stderr), stderr=to_stderr, file=log_file))
+    copy = None
     if not behind_supervisor and (given["log_disable"] or log_file is not None):
-        sys.stderr = StderrLog(stderr, log_file, given["log_disable"])
+        sys.stderr = copy = StderrLog(stderr, log_file, given["log_disable"])
     try:
         yield
     finally:
@@ -119,7 +120,18 @@ def logging_as(given: dict, behind_supervisor: bool = False):
         llamalog.configure(previous)
         to_stderr.close()
         if log_file is not None:
-            log_file.close()
+            _close_log_file(log_file, given["log_file"], copy and copy.failed)
+
+
+def _close_log_file(log_file, path: str, failed: OSError | None) -> None:
+    """Close --log-file; a write to it that failed (a full disk) is one line and exit code 1 once the
+    command is done, unless it failed anyway (its own error said)."""
+    try:
+        log_file.close()
+    except OSError as exc:
+        failed = failed or exc
+    if failed is not None and sys.exc_info()[0] is None:
+        fail(f"--log-file {path}: could not write the log: {failed.strerror or failed}", 1)
 
 
 def _open_log_file(path: str | None):
@@ -146,6 +158,7 @@ class StderrLog:
 
     def __init__(self, stream, log_file, disabled: bool):
         self.stream, self.log_file, self.disabled = stream, log_file, disabled
+        self.failed: OSError | None = None  # a write to the log file that failed: said at the end (logging_as)
 
     def write(self, text: str) -> int:
         if not isinstance(text, str):  # a binary write fails, as on a text stream (click probes with b"")
@@ -153,14 +166,20 @@ class StderrLog:
         if self.disabled and not text.lstrip("\n").startswith(ERROR_LINE):
             return len(text)
         self.stream.write(text)
-        if self.log_file is not None:
-            self.log_file.write(text)
+        self._to_log_file(lambda file: file.write(text))
         return len(text)
 
     def flush(self) -> None:
         self.stream.flush()
-        if self.log_file is not None:
-            self.log_file.flush()
+        self._to_log_file(lambda file: file.flush())
+
+    def _to_log_file(self, act) -> None:
+        """Not raised here: the one-line error that would say it is written through this very copy."""
+        if self.log_file is not None and self.failed is None:
+            try:
+                act(self.log_file)
+            except OSError as exc:
+                self.failed = exc
 
     def __getattr__(self, name):
         if name == "buffer":  # bytes written there would pass by the copy and the filter

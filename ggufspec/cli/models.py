@@ -8,6 +8,7 @@ import click
 
 from ..errors import GgufspecError
 from .app import friendly_errors, main
+from .bounds import threads, tokens
 from .options import cache_type_options, options, tensor_placement_options
 
 
@@ -302,18 +303,18 @@ def _entry_shape(entry, name: str):
 @click.option("-md", "--model-draft", "model_draft", help="Draft model (GGUF path).")
 @click.option("--vram", default=None, help="Plan for this much GPU memory (e.g. 24GiB) instead of the detected.")
 @click.option("--ram", default=None, help="Plan for this much host memory instead of the detected.")
-@click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=None,
+@click.option("-c", "--ctx-size", "n_ctx", type=tokens(), default=None,
               help="Context size [default: 4096, shrunk to fit].")
 @click.option("--draft", "n_draft", type=click.IntRange(min=1), default=3, show_default=True,
               help="Tokens drafted per step, K.")
-@click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=None,
+@click.option("-t", "--threads", "n_threads", type=threads(), default=None,
               help="Threads the pair will run with (which measured costs apply) [default: any measured].")
 @click.option("--trace", "trace_files", multiple=True, metavar="FILE",
               help="The pair's acceptance trace(s) (bench --record-trace) [default: the known ones].")
 @click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="Plan the target across these workers.")
 @click.option("--rpc-mem", multiple=True, metavar="HOST:PORT=SIZE",
               help="A worker's memory, to plan without contacting it (repeatable).")
-@click.option("-ub", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("-ub", "--ubatch-size", "n_ubatch", type=tokens(), default=512, show_default=True,
               metavar="N", help="The micro-batch the pair will run with (it sizes the compute buffer).")
 @options(*cache_type_options(), *tensor_placement_options())
 @click.option("-kvo/-nkvo", "--kv-offload/--no-kv-offload", "kv_offload", default=None,
@@ -420,7 +421,7 @@ def asdict_(obj) -> dict:
 @click.option("--host", default="127.0.0.1",
               help="Address to listen on. Workers are unauthenticated: beyond loopback only on a private network.")
 @click.option("--port", default=50052, type=click.IntRange(1, 65535), help="Port to listen on.")
-@click.option("-t", "--threads", type=click.IntRange(1), default=None, help="CPU threads [default: physical cores].")
+@click.option("-t", "--threads", type=threads(), default=None, help="CPU threads [default: physical cores].")
 @click.option("--mem", default=None, help="Memory a CPU worker offers to hosts, e.g. 24GiB [default: all its RAM].")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
               help="Keep large tensors received here, by hash: a restarted host loads faster.")

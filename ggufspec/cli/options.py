@@ -14,6 +14,7 @@ from ..load import KV_CACHE_TYPES
 from ..ngram import DEFAULT_POOL_SIZE
 from ..sampling import LLAMACPP_FILTERS, SamplingParams  # the sampling defaults, in one place
 from .app import not_utf8_file, utf8_text
+from .bounds import FiniteRange, threads, tokens
 from .constraint_options import constraint_options, constraints_from
 from .hub_flags import hub_flag_options
 from .load_extras import EXTRA_LOAD_FLAGS, extra_load_options
@@ -55,9 +56,9 @@ def model_options(command):
                      help="Also look for a draft model in this folder (besides ggufspec's models)."),
         click.option("--lookup-pool", "lookup_pool", type=int, default=DEFAULT_POOL_SIZE, metavar="N",
                      help="N-grams the n-gram pool keeps across requests (12 bytes each)."),
-        click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=0), default=4096,
+        click.option("-c", "--ctx-size", "n_ctx", type=tokens(0), default=4096,
                      help="Context size in tokens (0: the model's own)."),
-        click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=None,
+        click.option("-t", "--threads", "n_threads", type=threads(), default=None,
                      help="CPU threads [default: physical cores]."),
         click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "n_gpu_layers", type=int, default=None,
                      help="Target layers on the GPU [default: planned]."),
@@ -87,20 +88,20 @@ def load_flag_options(hub: bool = True):
     """llama.cpp's load flags, by its names (common/arg.cpp). -b, -ub, --mlock and --no-mmap apply to
     both models; the draft's threads default to the target's, its cache types are its own. `hub`: with
     the download flags (-hf...: bench's and eval's; model_options puts them beside its -m)."""
-    threads = dict(type=click.IntRange(min=1), default=None, metavar="N")
+    count, batch = dict(type=threads(), default=None, metavar="N"), dict(type=tokens(), default=None, metavar="N")
     return [
         *(hub_flag_options() if hub else []),
-        click.option("-b", "--batch-size", "n_batch", **threads,
+        click.option("-b", "--batch-size", "n_batch", **batch,
                      help="Logical batch: the most tokens one decode takes (a prompt goes in chunks of it; a step's "
                           "K drafts + 1 must fit) [default: 512, or -ub if larger; llama.cpp's is 2048]."),
-        click.option("-ub", "--ubatch-size", "n_ubatch", **threads,
+        click.option("-ub", "--ubatch-size", "n_ubatch", **batch,
                      help="Physical batch: tokens computed at once, at most -b (--strict: the target's is 1; "
                           "--exact: at most 32) [default: 512]."),
-        click.option("-tb", "--threads-batch", "n_threads_batch", **threads,
+        click.option("-tb", "--threads-batch", "n_threads_batch", **count,
                      help="Threads for batches: prompts, verifications [default: -t]."),
-        click.option("-td", "--threads-draft", "--spec-draft-threads", "n_threads_draft", **threads,
+        click.option("-td", "--threads-draft", "--spec-draft-threads", "n_threads_draft", **count,
                      help="The draft's threads [default: -t]."),
-        click.option("-tbd", "--threads-batch-draft", "--spec-draft-threads-batch", "n_threads_batch_draft", **threads,
+        click.option("-tbd", "--threads-batch-draft", "--spec-draft-threads-batch", "n_threads_batch_draft", **count,
                      help="The draft's threads for batches [default: -tb]."),
         click.option("--mlock", "use_mlock", is_flag=True, help="Keep the models in RAM, never swapped out."),
         click.option("--no-mmap", "no_mmap", is_flag=True,
@@ -204,7 +205,7 @@ def generation_options(n_predict: int):
                      type=click.IntRange(min=0),
                      help="Do not verify drafts shorter than this."),
         click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", cls=RenamedOption, default=0.0,
-                     type=click.FloatRange(0, 1, max_open=True), help="Stop drafting when the draft's probability of its token is below this."),
+                     type=FiniteRange(0, 1, max_open=True), help="Stop drafting when the draft's probability of its token is below this."),
         click.option("--lookup", is_flag=True, help="Draft by n-gram lookup in the prompt and output (no draft model needed)."),
         click.option("--hybrid", is_flag=True, help="A lookup match when there is one, else the draft model."),
         click.option("--temp", "temperature", default=SamplingParams.temperature, help="Temperature (0 or -1: greedy)."),
@@ -350,7 +351,7 @@ LOAD_FLAGS = ("n_batch", "n_ubatch", "n_threads_batch", "n_threads_draft", "n_th
 def rpc_timeout_option(command):
     """--rpc-timeout of run, chat and bench (serve has its own: its supervisor reloads the model)."""
     from ..rpc.faults import DEFAULT_STALL_S
-    return click.option("--rpc-timeout", "rpc_timeout", type=click.FloatRange(min=0), default=DEFAULT_STALL_S,
+    return click.option("--rpc-timeout", "rpc_timeout", type=FiniteRange(min=0), default=DEFAULT_STALL_S,
                         show_default=True, metavar="SECONDS",
                         help="With --rpc: no progress for this many seconds while generating means a hung worker "
                              "(stopped, frozen): one error line and exit code 1 instead of waiting for ever (0: "

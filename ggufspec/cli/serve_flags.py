@@ -7,6 +7,7 @@ from __future__ import annotations
 import click
 
 from ..errors import GgufspecError
+from .bounds import INT32_MAX, AtMost, FiniteRange
 from .options import options
 from .unsupported_flags import refuse_unsupported, unsupported_options
 
@@ -36,12 +37,13 @@ def llamacpp_server_options(command):
         click.option("--threads-http", "threads_http", type=click.IntRange(min=1), default=None, metavar="N",
                      help="Threads for the HTTP side's work off its event loop (tokenizing, parsing bodies, slot "
                           "files) [default: Python's]; generations run in one thread per slot (-np)."),
-        click.option("--sse-ping-interval", "sse_ping_interval", type=int, default=30, metavar="N",
+        click.option("--sse-ping-interval", "sse_ping_interval", default=30, metavar="N",
+                     type=AtMost(-1, INT32_MAX, "llama.cpp's int"),
                      help="Seconds between a stream's keep-alive pings (-1: none), as llama-server's; a request's "
                           "sse_ping_interval over it."),
         click.option("--reuse-port", "reuse_port", is_flag=True,
                      help="Let several servers listen on the same port (SO_REUSEPORT; the kernel spreads clients)."),
-        click.option("-sps", "--slot-prompt-similarity", "prompt_similarity", type=click.FloatRange(0, 1),
+        click.option("-sps", "--slot-prompt-similarity", "prompt_similarity", type=FiniteRange(0, 1),
                      default=0.1, metavar="F",
                      help="A free slot's cached conversation is cut back to serve a new prompt only where it holds "
                           "more than this share of it (0: only a conversation's own next turn goes back to its "

@@ -118,11 +118,11 @@ def refuse_given(table, opts: dict, where: str = "") -> None:
     opts.pop("taken_negatives", None)
     for flags, takes_value, harmless, why in table:
         value = opts.pop(_name(flags))
-        if isinstance(value, tuple):  # a flag given once per value
-            value = ",".join(value) or None
+        if isinstance(value, tuple):  # a flag given once per value (--image '' is given too)
+            value = ",".join(value) if value else None
         given = value is not None if takes_value else value
         if given and not (takes_value and harmless is not None and _same(str(value).strip(), harmless)):
-            shown = "/".join(flags) + (f" {value}" if takes_value else "")
+            shown = "/".join(flags) + (f" {value or repr(value)}" if takes_value else "")
             raise GgufspecError(f"{shown} is not supported{where}: {why}")
 
 
