@@ -13,13 +13,19 @@ returns False, and the caller decides (the target's processor stops constraining
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import re
+import sys
+import tempfile
+import threading
 
 import llama_cpp
 import numpy as np
 
 from .errors import GgufspecError
+from .llamalog import grammar_refusals
 from .native import token_piece
 
 _TOKEN_DATA = np.dtype(  # llama_token_data
@@ -120,22 +126,59 @@ class Trigger:
         return None
 
 
+# llama.cpp's GBNF parser prints why it refuses a grammar to fd 2 (fprintf: "parse: error parsing grammar:
+# REASON\n\nGRAMMAR"), not to its log; the sampler's checks after it (no root, left recursion) go to the log
+PARSE_ERROR = re.compile(r"error parsing grammar: (.*)")
+_FD2 = threading.Lock()  # one capture of fd 2 at a time: two would restore each other's
+
+
+class ParserSaid:
+    reason = ""
+
+
+@contextlib.contextmanager
+def parser_said():
+    """fd 2 read for the block (the grammar's init, milliseconds): a ParserSaid whose `reason` is the parser's,
+    cut to a line; whatever else was written there meanwhile (another thread's log line) is passed on."""
+    said = ParserSaid()
+    grammar_refusals()  # the log's, from here on
+    with _FD2, tempfile.TemporaryFile() as captured:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield said
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode("utf-8", errors="replace")
+    found = PARSE_ERROR.search(text)
+    if found:
+        said.reason = found[1] if len(found[1]) <= 120 else found[1][:117] + "..."
+        text = text[:text.rfind("\n", 0, found.start()) + 1]  # the parser's report (its grammar too) dropped
+    said.reason = said.reason or "; ".join(grammar_refusals())
+    if text:
+        sys.stderr.write(text)
+
+
 class Grammar:
     """llama.cpp's grammar sampler (lazy when trigger patterns or tokens are given), wrapped once.
     `c`: anything with grammar, grammar_root, grammar_patterns and grammar_trigger_tokens."""
 
     def __init__(self, vocab, c):
         self._vocab, self._text, self._root = vocab, c.grammar.encode(), c.grammar_root.encode()
-        if c.grammar_patterns or c.grammar_trigger_tokens:
-            patterns = (ctypes.c_char_p * max(1, len(c.grammar_patterns)))(*[p.encode() for p in c.grammar_patterns])
-            tokens = (llama_cpp.llama_token * max(1, len(c.grammar_trigger_tokens)))(*c.grammar_trigger_tokens)
-            self._sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
-                vocab, self._text, self._root, patterns, len(c.grammar_patterns), tokens, len(c.grammar_trigger_tokens))
-        else:
-            self._sampler = llama_cpp.llama_sampler_init_grammar(vocab, self._text, self._root)
+        with parser_said() as said:
+            if c.grammar_patterns or c.grammar_trigger_tokens:
+                patterns = (ctypes.c_char_p * max(1, len(c.grammar_patterns)))(*[p.encode() for p in c.grammar_patterns])
+                tokens = (llama_cpp.llama_token * max(1, len(c.grammar_trigger_tokens)))(*c.grammar_trigger_tokens)
+                self._sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+                    vocab, self._text, self._root, patterns, len(c.grammar_patterns), tokens,
+                    len(c.grammar_trigger_tokens))
+            else:
+                self._sampler = llama_cpp.llama_sampler_init_grammar(vocab, self._text, self._root)
         if not self._sampler:
-            raise GgufspecError("the grammar does not parse (llama.cpp's GBNF parser rejected it; "
-                                "set GGUFSPEC_VERBOSE=1 to see where)")
+            raise GgufspecError(f"the grammar does not parse: {said.reason or 'llama.cpp GBNF parser refused it'}")
         self._trigger = Trigger(c.grammar_patterns, c.grammar_trigger_tokens)
         self._pieces: dict[int, bytes] = {}
 

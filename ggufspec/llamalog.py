@@ -111,6 +111,10 @@ _allocation_failures: list[tuple[str, int]] = []
 # used, the override silently dropped (`ignored_overrides`)
 OVERRIDE_IGNORED = re.compile(rb"Bad metadata override type for key '([^']*)', expected (\w+) but got (\w+)")
 _ignored_overrides: list[tuple[str, str, str]] = []
+# the grammar sampler's refusals after its parser's (which prints to fd 2: grammar.parser_said)
+GRAMMAR_REFUSED = re.compile(rb"grammar does not contain a '[^']*' symbol|left recursion detected for nonterminal "
+                             rb"at index \d+")
+_grammar_refusals: list[str] = []
 
 
 @llama_cpp.llama_log_callback
@@ -121,6 +125,8 @@ def _log_to_stderr_if_verbose(level, text, user_data):
         _allocation_failures.append((found[1].decode("utf-8", errors="replace"), int(found[2])))
     if found := OVERRIDE_IGNORED.search(text or b""):
         _ignored_overrides.append(tuple(part.decode("utf-8", errors="replace") for part in found.groups()))
+    if found := GRAMMAR_REFUSED.search(text or b""):
+        _grammar_refusals.append(found[0].decode("utf-8", errors="replace"))
     continued = level == GGML_LOG_LEVEL_CONT
     # a continuation (the load's "." progress dots) is shown or not with the line it continues: llama.cpp
     # gives every one verbosity 4: the same for those dots, but at -lv 2 or 3 it would cut a warning short
@@ -184,6 +190,13 @@ def ignored_overrides() -> list[tuple[str, str, str]]:
     ignored = list(_ignored_overrides)
     _ignored_overrides.clear()
     return ignored
+
+
+def grammar_refusals() -> list[str]:
+    """Why llama.cpp's grammar sampler refused grammars since the last call (a missing root, left recursion)."""
+    refused = list(_grammar_refusals)
+    _grammar_refusals.clear()
+    return refused
 
 
 def quiet_llama_logs() -> None:

@@ -5,6 +5,7 @@ llama-cpp-python, one token per eval, its logits processed by `reference_process
 llama.cpp's penalties, in numpy) and, for a grammar, by a fresh llama.cpp grammar sampler walked
 along the reference's own output.
 """
+import os
 from collections import Counter
 
 import numpy as np
@@ -189,6 +190,27 @@ def test_bad_constraints_are_one_line(kwargs, says):
     with pytest.raises(GgufspecError, match=None) as caught:
         Constraints(**kwargs)
     assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("grammar, says", [
+    ("root ::= (unclosed", "expecting ')' at"), ("a,b", "expecting ::= at ,b"),
+    ('root ::= "a"{3000}', "number of repetitions exceeds sane defaults"), ("root ::= x", "Undefined rule identifier 'x'"),
+    ('other ::= "a"', "grammar does not contain a 'root' symbol"),
+    ('root ::= root "a"', "left recursion detected for nonterminal at index 0")])
+def test_a_grammar_that_does_not_parse_says_why_in_one_line_and_nothing_else(tiny_decoder, capfd, grammar, says):
+    """llama.cpp's parser prints its reason (and the grammar) to fd 2: the error said only to set
+    GGUFSPEC_VERBOSE, below the parser's report already on the terminal (audit). Its reason is the error's now."""
+    with pytest.raises(GgufspecError) as caught:
+        tiny_decoder.generate("the", n_predict=4, constraints=Constraints(grammar=grammar))
+    assert str(caught.value).startswith("the grammar does not parse: ") and says in str(caught.value)
+    assert "\n" not in str(caught.value) and capfd.readouterr().err == ""
+
+
+def test_what_else_reaches_fd_2_while_a_grammar_is_read_is_passed_on(tiny_decoder, capfd):
+    from ggufspec.grammar import parser_said
+    with parser_said():
+        os.write(2, b"another thread's log line\n")
+    assert capfd.readouterr().err == "another thread's log line\n"
 
 
 def test_bad_grammar_and_vocabulary_errors(tiny_decoder):
