@@ -40,6 +40,7 @@ import numpy as np
 
 from .drafting import ModelDrafter
 from .errors import DecodeError, ModelFileError
+from .ggufheader import local_header
 from .load import ROPE_FIELDS, cache_type
 from .lora import adapters_of, set_on as set_lora
 from .native import _SEQ, Context
@@ -75,39 +76,15 @@ _get_embeddings_nextn_ith = _cxx_function("_Z30llama_get_embeddings_nextn_ithP13
 
 # ---------------------------------------------------------------- does this model have MTP blocks?
 
-class _GGUFInitParams(ctypes.Structure):
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
-
-
-_GGUF_TYPE_UINT32, _GGUF_TYPE_STRING = 4, 8
-
-
 def gguf_has_mtp(path: str | os.PathLike) -> bool:
     """Whether a GGUF file carries MTP blocks llama.cpp can draft with, read from its header only
     (llama.cpp's own test: the last block has `nextn.eh_proj`), before loading it."""
-    c_void_p, i64 = ctypes.c_void_p, ctypes.c_int64
-    init = _cxx_function("gguf_init_from_file", [ctypes.c_char_p, _GGUFInitParams], c_void_p)
-    free = _cxx_function("gguf_free", [c_void_p], None)
-    find_key = _cxx_function("gguf_find_key", [c_void_p, ctypes.c_char_p], i64)
-    kv_type = _cxx_function("gguf_get_kv_type", [c_void_p, i64], ctypes.c_int)
-    get_str = _cxx_function("gguf_get_val_str", [c_void_p, i64], ctypes.c_char_p)
-    get_u32 = _cxx_function("gguf_get_val_u32", [c_void_p, i64], ctypes.c_uint32)
-    find_tensor = _cxx_function("gguf_find_tensor", [c_void_p, ctypes.c_char_p], i64)
-    ctx = init(os.fsencode(path), _GGUFInitParams(True, None))
-    if not ctx:
+    header = local_header(path)
+    if header is None:
         return False
-    try:
-        key = find_key(ctx, b"general.architecture")
-        if key < 0 or kv_type(ctx, key) != _GGUF_TYPE_STRING:
-            return False
-        arch = get_str(ctx, key)
-        key = find_key(ctx, arch + b".block_count")
-        if arch.decode() not in MTP_ARCHITECTURES or key < 0 or kv_type(ctx, key) != _GGUF_TYPE_UINT32:
-            return False
-        last = get_u32(ctx, key) - 1
-        return find_tensor(ctx, f"blk.{last}.nextn.eh_proj.weight".encode()) >= 0
-    finally:
-        free(ctx)
+    with header:
+        arch, n_layer = header.value("general.architecture"), header.block_count()
+        return arch in MTP_ARCHITECTURES and bool(n_layer) and header.has_tensor(f"blk.{n_layer - 1}.nextn.eh_proj.weight")
 
 
 def has_mtp(llm: llama_cpp.Llama) -> bool:

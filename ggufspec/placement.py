@@ -23,6 +23,7 @@ from typing import Sequence
 import llama_cpp
 
 from .errors import GgufspecError
+from .ggufheader import local_header
 
 # common/common.h's LLM_FFN_EXPS_REGEX: the experts' FFN tensors (ffn_up_exps, ffn_gate_up_exps, ffn_down_chexps...)
 EXPERTS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
@@ -96,13 +97,6 @@ def tensor_overrides(override_tensor: Sequence[str] | str = (), cpu_moe: bool = 
 
 # ---------------------------------------------------------------- buffer types, as llama.cpp names them
 
-class _GGUFInitParams(ctypes.Structure):
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
-
-
-_GGUF_UINT32, _GGUF_STRING = 4, 8  # gguf.h's enum gguf_type
-
-
 @functools.cache
 def _ggml():
     """libllama's ggml backend functions, on a handle of our own (the same library llama_cpp loaded, so
@@ -117,12 +111,7 @@ def _ggml():
                                     ("ggml_backend_dev_name", ctypes.c_char_p, [vp]),
                                     ("ggml_backend_dev_description", ctypes.c_char_p, [vp]),
                                     ("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(ctypes.c_size_t),
-                                                                       ctypes.POINTER(ctypes.c_size_t)]),
-                                    ("gguf_init_from_file", vp, [ctypes.c_char_p, _GGUFInitParams]),
-                                    ("gguf_free", None, [vp]), ("gguf_find_key", ctypes.c_int64, [vp, ctypes.c_char_p]),
-                                    ("gguf_get_kv_type", ctypes.c_int, [vp, ctypes.c_int64]),
-                                    ("gguf_get_val_str", ctypes.c_char_p, [vp, ctypes.c_int64]),
-                                    ("gguf_get_val_u32", ctypes.c_uint32, [vp, ctypes.c_int64])):
+                                                                       ctypes.POINTER(ctypes.c_size_t)])):
         getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
 
@@ -172,19 +161,12 @@ def override_array(overrides: Sequence[tuple[str, str]], flag: str = "-ot", path
 
 
 def block_count(path: str | os.PathLike) -> int | None:
-    """A GGUF's ARCH.block_count, read from its header by ggml's reader (no tensor data); None if absent."""
-    lib = _ggml()
-    ctx = lib.gguf_init_from_file(os.fsencode(path), _GGUFInitParams(True, None))
-    if not ctx:
+    """A GGUF's ARCH.block_count, read from its header (no tensor data); None where it cannot be read."""
+    header = local_header(path)
+    if header is None:
         return None
-    try:
-        key = lib.gguf_find_key(ctx, b"general.architecture")
-        if key < 0 or lib.gguf_get_kv_type(ctx, key) != _GGUF_STRING:
-            return None
-        key = lib.gguf_find_key(ctx, lib.gguf_get_val_str(ctx, key) + b".block_count")
-        return lib.gguf_get_val_u32(ctx, key) if key >= 0 and lib.gguf_get_kv_type(ctx, key) == _GGUF_UINT32 else None
-    finally:
-        lib.gguf_free(ctx)
+    with header:
+        return header.block_count()
 
 
 def overrides_tag(overrides: Sequence[tuple[str, str]]) -> str:

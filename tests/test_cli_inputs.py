@@ -119,3 +119,14 @@ def test_a_usage_error_is_one_line_naming_the_help_to_read(args, words):
 def test_a_group_without_its_command_still_shows_its_help():
     result = CliRunner().invoke(main, ["eval"])
     assert result.exit_code == 2 and "humaneval" in result.output and "Usage:" in result.output
+
+
+def test_a_truncated_model_is_one_line_and_nothing_from_ggml(tiny_pair, tmp_path):
+    """ggml's reader printed "gguf_init_from_reader: failed to read key-value pairs" above the error (the MTP
+    blocks' check read the header without capturing ggml's log, audit): `ggufheader` reads every header."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_pair[0].read_bytes()[:300])
+    done = subprocess.run([sys.executable, "-m", "ggufspec.cli", "run", "-m", str(cut), "-p", "the cat", "-n", "2",
+                           "-t", "1"], capture_output=True, text=True, env={**os.environ, "GGUFSPEC_HOME": str(tmp_path)})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "cannot read its GGUF header" in done.stderr and "gguf_init" not in done.stderr

@@ -1,138 +1,22 @@
 """Reading a model's shape from its GGUF header: a local file, or a hub file's first bytes over an
 HTTP range request (so a plan can be made before a model is downloaded), remembered per file.
 
-The header is parsed by ggml's own GGUF reader (libggml-base, shipped with llama-cpp-python),
-through ctypes: it reads the header in C++ in tens of milliseconds where the gguf package's
-GGUFReader spends seconds in Python building an object per vocabulary entry; no tensor data is
-read (no_alloc, no ggml context). GGUFReader remains the fallback where libggml-base cannot be
-loaded or lacks one of the functions.
+The header is parsed by ggml's own GGUF reader (`ggufheader`), in tens of milliseconds where the gguf
+package's GGUFReader spends seconds in Python building an object per vocabulary entry. GGUFReader remains
+the fallback where libggml-base cannot be loaded or lacks one of the functions.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import os
 import re
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from ..backends import find_lib
+from ..ggufheader import GGMLHeader as _GGMLHeader, HeaderError, ggml_base as _ggml_base
 from ..home import read_json, write_json
 from .shape import ModelShape, shape_from_header, shape_from_reader, with_host_tensors
 from .units import MiB, PlanError
-
-# ---------------------------------------------------------------- ggml's reader, through ctypes
-
-
-class _GGUFInitParams(ctypes.Structure):
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
-
-
-_LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-_GGUF_SCALARS = {  # gguf_type -> (getter suffix, ctypes type)
-    0: ("u8", ctypes.c_uint8), 1: ("i8", ctypes.c_int8), 2: ("u16", ctypes.c_uint16), 3: ("i16", ctypes.c_int16),
-    4: ("u32", ctypes.c_uint32), 5: ("i32", ctypes.c_int32), 6: ("f32", ctypes.c_float), 7: ("bool", ctypes.c_bool),
-    10: ("u64", ctypes.c_uint64), 11: ("i64", ctypes.c_int64), 12: ("f64", ctypes.c_double)}
-
-
-def _signatures() -> dict:
-    """gguf.h / ggml.h function -> (argtypes, restype), for the calls the reader makes."""
-    ctx, i64, c_char_p = ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p
-    return {
-        "gguf_init_from_file": ([c_char_p, _GGUFInitParams], ctx), "gguf_free": ([ctx], None),
-        "gguf_init_from_buffer": ([ctypes.c_void_p, ctypes.c_size_t, _GGUFInitParams], ctx),
-        "gguf_find_key": ([ctx, c_char_p], i64), "gguf_get_kv_type": ([ctx, i64], ctypes.c_int),
-        "gguf_get_arr_type": ([ctx, i64], ctypes.c_int), "gguf_get_arr_n": ([ctx, i64], ctypes.c_size_t),
-        "gguf_get_arr_data": ([ctx, i64], ctypes.c_void_p), "gguf_get_val_str": ([ctx, i64], c_char_p),
-        "gguf_get_n_tensors": ([ctx], i64), "gguf_get_tensor_name": ([ctx, i64], c_char_p),
-        "gguf_get_tensor_type": ([ctx, i64], ctypes.c_int), "gguf_get_tensor_size": ([ctx, i64], ctypes.c_size_t),
-        "ggml_log_get": ([ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)], None),
-        "ggml_log_set": ([ctypes.c_void_p, ctypes.c_void_p], None),
-        **{f"gguf_get_val_{suffix}": ([ctx, i64], ctype) for suffix, ctype in _GGUF_SCALARS.values()}}
-
-
-@functools.lru_cache(maxsize=None)
-def _ggml_base():
-    """libggml-base with the gguf functions typed, or None where it cannot be loaded."""
-    path = find_lib("ggml-base")
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
-        return None
-    try:
-        for fn, (argtypes, restype) in _signatures().items():
-            getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
-    except AttributeError:  # an older or newer libggml without one of these: use the gguf package
-        return None
-    return lib
-
-
-@contextlib.contextmanager
-def _ggml_log_captured(lib):
-    """ggml's log lines while inside, in the list it yields (ggml logs its reasons for refusing a
-    file: they make our error message); the previous log callback is restored after."""
-    lines: list[str] = []
-    callback = _LOG_CALLBACK(lambda level, text, _: lines.append(text.decode(errors="replace").strip()))
-    saved_cb, saved_data = ctypes.c_void_p(), ctypes.c_void_p()
-    lib.ggml_log_get(ctypes.byref(saved_cb), ctypes.byref(saved_data))
-    lib.ggml_log_set(ctypes.cast(callback, ctypes.c_void_p), None)
-    try:
-        yield lines
-    finally:
-        lib.ggml_log_set(saved_cb, saved_data)
-
-
-class _GGMLHeader:
-    """An open gguf_context, from a file or from a file's first bytes (a header that ends inside
-    them reads whole; one cut short fails, never reads past them): values by key, the token
-    list's length, tensor (name, bytes)."""
-
-    def __init__(self, lib, path: str | None = None, data: bytes | None = None):
-        self.lib = lib
-        with _ggml_log_captured(lib) as errors:
-            params = _GGUFInitParams(True, None)  # no_alloc, no ggml context: the header only
-            self.ctx = (lib.gguf_init_from_file(os.fsencode(path), params) if data is None
-                        else lib.gguf_init_from_buffer(data, len(data), params))
-        if not self.ctx:
-            raise PlanError(errors[-1] if errors else "not a GGUF file")
-
-    def close(self):
-        if self.ctx:
-            self.lib.gguf_free(self.ctx)
-            self.ctx = None
-
-    def value(self, key: str, default=None):
-        lib, ctx = self.lib, self.ctx
-        kid = lib.gguf_find_key(ctx, key.encode())
-        if kid < 0:
-            return default
-        kind = lib.gguf_get_kv_type(ctx, kid)
-        if kind == _GGUF_STRING:
-            return lib.gguf_get_val_str(ctx, kid).decode(errors="replace")
-        if kind in _GGUF_SCALARS:
-            return getattr(lib, f"gguf_get_val_{_GGUF_SCALARS[kind][0]}")(ctx, kid)
-        if kind == _GGUF_ARRAY and lib.gguf_get_arr_type(ctx, kid) in _GGUF_SCALARS:  # per-layer lists
-            ctype = _GGUF_SCALARS[lib.gguf_get_arr_type(ctx, kid)][1]
-            n = lib.gguf_get_arr_n(ctx, kid)
-            return list((ctype * n).from_address(lib.gguf_get_arr_data(ctx, kid))) if n else []
-        return default
-
-    def array_length(self, key: str) -> int | None:
-        kid = self.lib.gguf_find_key(self.ctx, key.encode())
-        if kid < 0 or self.lib.gguf_get_kv_type(self.ctx, kid) != _GGUF_ARRAY:
-            return None
-        return self.lib.gguf_get_arr_n(self.ctx, kid)
-
-    def tensors(self) -> list[tuple[str, int]]:
-        lib, ctx = self.lib, self.ctx
-        return [(lib.gguf_get_tensor_name(ctx, i).decode(errors="replace"), lib.gguf_get_tensor_size(ctx, i))
-                for i in range(lib.gguf_get_n_tensors(ctx))]
-
 
 def _read_shape_uncached(path: str | None, name: str, data: bytes | None = None) -> ModelShape:
     """The shape from a file's header, or from `data`, a file's first bytes (ggml's reader only)."""
@@ -150,7 +34,7 @@ def _read_shape_uncached(path: str | None, name: str, data: bytes | None = None)
 def _open_header(lib, path: str | None, data: bytes | None, name: str) -> "_GGMLHeader":
     try:
         return _GGMLHeader(lib, path, data)
-    except PlanError as exc:
+    except HeaderError as exc:
         raise PlanError(f"{name}: cannot read the GGUF header ({exc}); the file may be truncated") from None
 
 
