@@ -29,7 +29,9 @@ PAIRS = {"llama": lambda d: make_pair(d, seed=0, shape=Shape(eos_bias=2.0)), "ma
 GRAMMARS = ['root ::= pair+\npair ::= (" the" | " a") (" cat" | " dog" | " mat")\n', 'root ::= [a-z ]+\n',
             'root ::= (" the" | " cat" | " sat" | " on" | " mat")+ " ."\n']
 SCHEMAS = [{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
-            "required": ["a"]}, {"type": "array", "items": {"type": "boolean"}, "maxItems": 4}]
+            "required": ["a"]}, {"type": "array", "items": {"type": "boolean"}, "maxItems": 4},
+           {"type": "object", "properties": {"pet": {"enum": ["the cat", "the dog", "a cat", 1, 12, None]}},
+            "required": ["pet"]}]  # an enum's tree (gbnftrie)
 WORDS = range(259, 281)  # the tiny vocabulary's words (tinymodels.WORDS)
 
 
