@@ -43,7 +43,8 @@ def _signatures() -> dict:
         "gguf_get_arr_data": ([ctx, i64], ctypes.c_void_p), "gguf_get_val_str": ([ctx, i64], c_char_p),
         "gguf_get_n_tensors": ([ctx], i64), "gguf_get_tensor_name": ([ctx, i64], c_char_p),
         "gguf_get_tensor_type": ([ctx, i64], ctypes.c_int), "gguf_get_tensor_size": ([ctx, i64], ctypes.c_size_t),
-        "gguf_find_tensor": ([ctx, c_char_p], i64),
+        "gguf_find_tensor": ([ctx, c_char_p], i64), "gguf_get_data_offset": ([ctx], ctypes.c_size_t),
+        "gguf_get_tensor_offset": ([ctx, i64], ctypes.c_size_t),
         "ggml_log_get": ([ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)], None),
         "ggml_log_set": ([ctypes.c_void_p, ctypes.c_void_p], None),
         **{f"gguf_get_val_{suffix}": ([ctx, i64], ctype) for suffix, ctype in GGUF_SCALARS.values()}}
@@ -138,6 +139,13 @@ class GGMLHeader:
     def has_tensor(self, name: str) -> bool:
         return self.lib.gguf_find_tensor(self.ctx, name.encode()) >= 0
 
+    def file_size(self) -> int:
+        """The bytes a whole file of this header holds: its tensor data's end (one shard's, for a split model)."""
+        lib, ctx = self.lib, self.ctx
+        ends = [lib.gguf_get_tensor_offset(ctx, i) + lib.gguf_get_tensor_size(ctx, i)
+                for i in range(lib.gguf_get_n_tensors(ctx))]
+        return lib.gguf_get_data_offset(ctx) + max(ends, default=0)
+
     def block_count(self) -> int | None:
         """ARCH.block_count, the model's repeating layers; None where the header has none."""
         count = self.value(f"{self.value('general.architecture', '')}.block_count")
@@ -154,3 +162,14 @@ def local_header(path: str | os.PathLike) -> GGMLHeader | None:
         return GGMLHeader(lib, path)
     except HeaderError:
         return None
+
+
+def cut_short(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(bytes on disk, bytes its header needs) for a local GGUF shorter than its tensor data's end (a download
+    cut short); None where it is whole or its header cannot be read (the loader says why)."""
+    header = local_header(path)
+    if header is None:
+        return None
+    with header:
+        needed, held = header.file_size(), os.path.getsize(path)
+    return (held, needed) if held < needed else None

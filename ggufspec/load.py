@@ -13,6 +13,7 @@ import llama_cpp
 
 from . import lora
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
+from .ggufheader import cut_short
 from .gguffiles import check_gguf
 from .llamalog import allocation_failures, ignored_overrides, interrupt_after_native, quiet_llama_logs
 from .native import Context
@@ -306,7 +307,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
             else:
                 llm = llama_cpp.Llama(model_path=str(path), **options)
     except (ValueError, RuntimeError, MemoryError) as exc:  # MemoryError: llama-cpp-python's n_ctx-long arrays
-        raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {load_failure(exc, params)}") from None
+        raise ModelFileError(f"llama.cpp could not load the {role} model {path}: {load_failure(exc, params, path)}") from None
     llm._ggufspec_tensor_overrides = overrides  # llama.cpp reads the patterns while loading; kept with the model
     _check_overrides_taken(llm, role)
     if adapters:
@@ -355,10 +356,13 @@ def _check_overrides_taken(llm: llama_cpp.Llama, role: str) -> None:
                             f"so it would ignore the override: give {key}={expected}:VALUE")
 
 
-def load_failure(exc: Exception, params: LoadParams) -> str:
+def load_failure(exc: Exception, params: LoadParams, path=None) -> str:
     """Why a load failed: where the memory ran out, when llama.cpp's log said so (its exception says
-    only "Failed to load model from file"), with what to change; else llama.cpp's words."""
+    only "Failed to load model from file"), or a file cut short, with what to change; else llama.cpp's words."""
     failed = allocation_failures()
+    if path is not None and "model" in str(exc) and (short := cut_short(path)):
+        return (f"the file is cut short ({short[0]:,} of the {short[1]:,} bytes its header describes): download "
+                f"it again (`ggufspec pull` resumes a partial download)")
     if not failed:
         memory = "context" in str(exc) or isinstance(exc, MemoryError)
         hint = f" (-c {params.n_ctx}: a smaller context needs less memory)" if memory else ""

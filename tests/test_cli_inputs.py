@@ -130,3 +130,12 @@ def test_a_truncated_model_is_one_line_and_nothing_from_ggml(tiny_pair, tmp_path
                            "-t", "1"], capture_output=True, text=True, env={**os.environ, "GGUFSPEC_HOME": str(tmp_path)})
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "cannot read its GGUF header" in done.stderr and "gguf_init" not in done.stderr
+
+
+def test_a_model_whose_tensor_data_is_cut_short_says_so_and_to_download_it_again(tiny_pair, tmp_path):
+    """llama.cpp says only "Failed to load model from file" (audit)."""
+    data = tiny_pair[0].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) * 3 // 4])
+    one_line_error(run(tiny_pair, "-m", str(cut), "-p", "the cat"), "the file is cut short",
+                   f"{len(data) * 3 // 4:,} of the {len(data):,} bytes", "download it again")
