@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .errors import GgufspecError, IncompatibleModelsError
 from .fingerprint import describe, differences, file_size, first_token_difference, read_fingerprint
+from .ggufheader import cut_short
 
 MIN_SIZE_RATIO = 5.0   # a draft that is not this much smaller costs too much of a target step
 MAX_SCANNED = 500      # .gguf files looked at per folder
@@ -123,8 +124,10 @@ def registry_pairs(target: Path, registry=None) -> list[tuple]:
 
 
 def _pairs_with(target_print, target: Path, path: Path) -> bool:
+    """Whether the file at `path` could draft for the target: its tokenizer pairs, and it is whole (a download
+    cut short has a readable header, and was offered, then failed to load)."""
     try:
-        return not differences(target_print, read_fingerprint(path), target, path)
+        return not differences(target_print, read_fingerprint(path), target, path) and not cut_short(path)
     except GgufspecError:  # a damaged or foreign .gguf in the folder: not a candidate
         return False
 

@@ -52,6 +52,18 @@ def test_a_matching_smaller_model_is_chosen(models):
     assert "shares the target's tokenizer" in choice.why and "x smaller" in choice.why
 
 
+def test_a_draft_cut_short_is_neither_chosen_nor_offered(models, tmp_path):
+    """Its header reads, so it was chosen (or offered as a file that would work) and then failed to load (audit)."""
+    data = models["draft"].read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
+    assert choose_draft(models["target"], [tmp_path]).kind == "ngram"
+    with pytest.raises(IncompatibleModelsError) as caught:
+        check_draft(models["target"], models["other"], folders=[tmp_path])
+    assert "cut.gguf" not in str(caught.value)
+    shutil.copy(models["draft"], tmp_path / "whole.gguf")
+    assert choose_draft(models["target"], [tmp_path]).path == str(tmp_path / "whole.gguf")
+
+
 def test_no_match_no_pair_means_ngram(models, tmp_path):
     shutil.copy(models["other"], tmp_path / "renamed-small.gguf")  # a matching name proves nothing
     choice = choose_draft(models["target"], [tmp_path])
