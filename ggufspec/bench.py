@@ -89,6 +89,8 @@ def load_prompts(path: str | None) -> list[dict]:
             except (ValueError, KeyError, AssertionError, TypeError):
                 raise GgufspecError(f"{source}:{number}: expected a JSON object with a string 'prompt' and "
                                     f"kind 'chat' or 'raw'") from None
+            if not item["prompt"]:
+                raise GgufspecError(f"{source}:{number}: the prompt is empty")
             item.setdefault("id", f"p{len(prompts)}")
             prompts.append(item)
     return prompts

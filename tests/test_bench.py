@@ -28,6 +28,9 @@ def test_a_malformed_prompts_line_names_file_and_line(tmp_path):
     bad.write_text('{"prompt": "fine"}\nnot json\n')
     with pytest.raises(GgufspecError, match=r"bad.jsonl:2:"):
         B.load_prompts(str(bad))
+    bad.write_text('{"prompt": "fine"}\n{"prompt": ""}\n')
+    with pytest.raises(GgufspecError, match=r"bad.jsonl:2: the prompt is empty"):
+        B.load_prompts(str(bad))
 
 
 def test_bench_cli_with_a_missing_prompts_file_exits_2_without_a_traceback(tiny_pair, tmp_path):

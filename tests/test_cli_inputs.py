@@ -24,6 +24,11 @@ def test_a_prompt_file_that_is_not_utf8(tiny_pair, tmp_path):
     one_line_error(run(tiny_pair, "-f", str(latin1)), "-f/--file", "latin1.txt", "not UTF-8", "0xe9")
 
 
+def test_an_empty_prompt_file_is_named(tiny_pair, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    one_line_error(run(tiny_pair, "-f", str(tmp_path / "empty.txt")), "-f", "empty.txt: the file is empty")
+
+
 def test_a_grammar_file_that_is_not_utf8(tiny_pair, tmp_path):
     grammar = tmp_path / "bad.gbnf"
     grammar.write_bytes(b'root ::= "\xe9"\n')

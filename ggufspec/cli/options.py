@@ -449,6 +449,8 @@ def read_prompt(prompt: str | None, prompt_file, escape: bool) -> str:
     text = _read_file(prompt_file) if prompt_file is not None else utf8_text("-p/--prompt", prompt)
     if text is None:
         raise GgufspecError("no prompt: give one with -p TEXT or -f FILE")
+    if prompt_file is not None and not text:
+        raise GgufspecError(f"-f {prompt_file.name}: the file is empty: write the prompt in it, or give -p TEXT")
     return process_escapes(text) if escape else text
 
 
