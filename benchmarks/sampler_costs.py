@@ -12,7 +12,6 @@ Best of 3 rounds of `--rows` rows each (interference only adds time), microsecon
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import llama_cpp  # before numpy (see ggufspec/__init__.py)
@@ -27,16 +26,7 @@ from ggufspec.dry import Dry  # noqa: E402
 from ggufspec.mirostat import Mirostat  # noqa: E402
 from ggufspec.processing import Constraints, TargetProcessor  # noqa: E402
 from ggufspec.sampling import Draws, distribution, sample  # noqa: E402
-
-
-def best_us(run, rows: int, rounds: int = 3) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for i in range(rows):
-            run(i)
-        best = min(best, (time.perf_counter() - t0) / rows)
-    return round(best * 1e6, 1)
+from timing import best_us  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def main() -> None:

@@ -9,13 +9,13 @@ logits): with the tree on PYTHONPATH, before round 31 (its dense `distribution`,
 Best of 3 rounds of 100 rows, microseconds a row.
 """
 import json
-import time
 
 import numpy as np
 
 from ggufspec.adaptivep import AdaptiveP
 from ggufspec.mirostat import Mirostat
 from ggufspec.sampling import Draws, SamplingParams, sample
+from timing import best_us  # benchmarks/, the script's folder
 
 N_VOCAB = 151_936
 ROWS = [np.random.default_rng(0).normal(size=N_VOCAB).astype(np.float32) * 3 for _ in range(8)]
@@ -34,16 +34,6 @@ def judged(state):
             probs = state.distribution(row)
             state.observe(probs, DRAWS.pick(probs, i))
     return run
-
-
-def best_us(run, rows: int = 100, rounds: int = 3) -> int:
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for i in range(rows):
-            run(i)
-        best = min(best, (time.perf_counter() - t0) / rows)
-    return round(best * 1e6)
 
 
 def main() -> None:
