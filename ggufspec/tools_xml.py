@@ -30,6 +30,7 @@ import json
 import math
 import re
 
+from .gbnftrie import TrieWriter
 from .schemafollow import local_target, normalized
 
 CLOSE = "</parameter>"
@@ -278,7 +279,7 @@ def _value_rule(schema: dict, resolved: dict, root: dict, converter, name: str) 
         texts = [text for text in texts if CLOSE not in text]
         if not texts:
             raise ValueError(f"nothing can follow {name} (an empty enum)")
-        return "(" + " | ".join(gbnf_literal(text) for text in texts) + ")"
+        return TrieWriter(gbnf_literal, converter._add_rule, name).choice([(text, "") for text in texts]) or '""'
     types = value_types(schema, root)
     if types is None or "string" in types:  # as llama.cpp: a value that may be a string is free text
         return TEXT_RULE
