@@ -35,8 +35,9 @@ class TrieWriter:
     def choice(self, entries: Sequence[tuple[str, str]], depth: int = 0) -> str:
         """GBNF for one of `entries`, each (text, tail): the text as a literal, then the tail (a GBNF
         expression, "" for none). Entries with the same text and tail are one alternative."""
-        if depth >= MAX_NESTING and (tree := self.choice(entries)).startswith("("):
-            return self.add_rule(f"{self.name}-trie", tree[1:-1])
+        if depth >= MAX_NESTING:  # the subtree as a rule of its own, nesting from 0 again
+            tree = self.choice(entries)
+            return self.add_rule(f"{self.name}-trie", tree[1:-1]) if tree.startswith("(") else tree
         entries = list(dict.fromkeys(entries))
         by_first: dict[str, list[tuple[str, str]]] = {}
         ends: list[str] = []  # the tails of entries whose text ends here

@@ -34,7 +34,6 @@ def pieces(target, steps: Iterator) -> Iterator[Piece]:
         yield Piece(decoder.decode(target.piece(step.token)), *step)
 
 
-
 def one_thread_at_a_time(lock, steps: Iterator) -> Iterator:
     """`steps` advanced, and closed, holding the decoder's lock. llama.cpp is not thread-safe: two threads
     stepping generations of one decoder crashed the process; now they take turns, the later generation takes
@@ -47,6 +46,5 @@ def one_thread_at_a_time(lock, steps: Iterator) -> Iterator:
             if step is None:
                 return
             yield step
-    finally:
-        with lock:
-            steps.close()
+    finally:  # no lock: nothing steps it now, and its close frees only its own samplers (and may come from a
+        steps.close()  # garbage collection in a thread that holds a lock a step waits on)

@@ -14,6 +14,7 @@ import os
 import llama_cpp
 
 from .backends import find_lib
+from .llamalog import FD2_SWAP
 
 
 class HeaderError(ValueError):
@@ -54,19 +55,16 @@ def _signatures() -> dict:
 def ggml_base():
     """libggml-base with the gguf functions typed (or libllama, which resolves them from it where no separate
     file is found), or None where neither can be loaded or one lacks a function."""
-    path = find_lib("ggml-base") or getattr(getattr(llama_cpp.llama_cpp, "_lib", None), "_name", None)
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
-        return None
-    try:
-        for fn, (argtypes, restype) in _signatures().items():
-            getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
-    except AttributeError:  # an older or newer libggml without one of these: the callers' fallbacks
-        return None
-    return lib
+    for path in (find_lib("ggml-base"), getattr(getattr(llama_cpp.llama_cpp, "_lib", None), "_name", None)):
+        try:
+            lib = ctypes.CDLL(str(path)) if path is not None else None
+            for fn, (argtypes, restype) in (_signatures().items() if lib is not None else ()):
+                getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
+        except (OSError, AttributeError):  # not loadable, or an older or newer libggml without one of these
+            continue
+        if lib is not None:
+            return lib
+    return None  # the callers' fallbacks
 
 
 @contextlib.contextmanager
@@ -76,12 +74,13 @@ def ggml_log_captured(lib):
     lines: list[str] = []
     callback = _LOG_CALLBACK(lambda level, text, _: lines.append(text.decode(errors="replace").strip()))
     saved_cb, saved_data = ctypes.c_void_p(), ctypes.c_void_p()
-    lib.ggml_log_get(ctypes.byref(saved_cb), ctypes.byref(saved_data))
-    lib.ggml_log_set(ctypes.cast(callback, ctypes.c_void_p), None)
-    try:
-        yield lines
-    finally:
-        lib.ggml_log_set(saved_cb, saved_data)
+    with FD2_SWAP:  # the process's logger: two swaps at once could leave it on a callback freed since
+        lib.ggml_log_get(ctypes.byref(saved_cb), ctypes.byref(saved_data))
+        lib.ggml_log_set(ctypes.cast(callback, ctypes.c_void_p), None)
+        try:
+            yield lines
+        finally:
+            lib.ggml_log_set(saved_cb, saved_data)
 
 
 class GGMLHeader:

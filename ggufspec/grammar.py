@@ -19,13 +19,12 @@ import os
 import re
 import sys
 import tempfile
-import threading
 
 import llama_cpp
 import numpy as np
 
 from .errors import GgufspecError
-from .llamalog import grammar_refusals
+from .llamalog import FD2_SWAP, grammar_refusals
 from .native import token_piece
 
 _TOKEN_DATA = np.dtype(  # llama_token_data
@@ -127,9 +126,8 @@ class Trigger:
 
 
 # llama.cpp's GBNF parser prints why it refuses a grammar to fd 2 (fprintf: "parse: error parsing grammar:
-# REASON\n\nGRAMMAR"), not to its log; the sampler's checks after it (no root, left recursion) go to the log
-PARSE_ERROR = re.compile(r"error parsing grammar: (.*)")
-_FD2 = threading.Lock()  # one capture of fd 2 at a time: two would restore each other's
+# REASON\n\nGRAMMAR\n"), not to its log; the sampler's checks after it (no root, left recursion) go to the log
+PARSE_ERROR = "error parsing grammar: "
 
 
 class ParserSaid:
@@ -137,14 +135,21 @@ class ParserSaid:
 
 
 @contextlib.contextmanager
-def parser_said():
-    """fd 2 read for the block (the grammar's init, milliseconds): a ParserSaid whose `reason` is the parser's,
-    cut to a line; whatever else was written there meanwhile (another thread's log line) is passed on."""
+def parser_said(grammar: str):
+    """fd 2 read for the block (a grammar's init, milliseconds): a ParserSaid whose `reason` is the parser's for
+    `grammar`, cut to a line. One capture at a time, and none while a model loads (llama-cpp-python points fd 2
+    elsewhere then: the two would restore each other's); what else reached fd 2 meanwhile (another thread's log
+    line) is written back to it. Without a usable fd 2 (closed), nothing is read."""
     said = ParserSaid()
-    grammar_refusals()  # the log's, from here on
-    with _FD2, tempfile.TemporaryFile() as captured:
-        sys.stderr.flush()
-        saved = os.dup(2)
+    with FD2_SWAP, tempfile.TemporaryFile() as captured:
+        grammar_refusals()  # the log's, from here on
+        try:
+            if sys.stderr is not None:
+                sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError):
+            yield said
+            return
         os.dup2(captured.fileno(), 2)
         try:
             yield said
@@ -153,13 +158,22 @@ def parser_said():
             os.close(saved)
             captured.seek(0)
             text = captured.read().decode("utf-8", errors="replace")
-    found = PARSE_ERROR.search(text)
-    if found:
-        said.reason = found[1] if len(found[1]) <= 120 else found[1][:117] + "..."
-        text = text[:text.rfind("\n", 0, found.start()) + 1]  # the parser's report (its grammar too) dropped
-    said.reason = said.reason or "; ".join(grammar_refusals())
-    if text:
-        sys.stderr.write(text)
+            said.reason, text = _parser_report(text, grammar)
+            said.reason = said.reason or "; ".join(grammar_refusals())
+            if text:
+                os.write(2, text.encode())  # fd 2 as it was written (sys.stderr may copy to --log-file: done)
+
+
+def _parser_report(text: str, grammar: str) -> tuple[str, str]:
+    """(the parser's reason, cut to 120 characters; "" for none) and `text` without its report."""
+    start = text.find(PARSE_ERROR)
+    if start < 0:
+        return "", text
+    line_start, reason_end = text.rfind("\n", 0, start) + 1, text.find("\n", start)
+    reason = text[start + len(PARSE_ERROR):reason_end if reason_end >= 0 else len(text)]
+    report_end = reason_end + len(f"\n\n{grammar}\n") if text.startswith(f"\n\n{grammar}\n", reason_end) else \
+        (reason_end + 1 if reason_end >= 0 else len(text))
+    return (reason if len(reason) <= 120 else reason[:117] + "..."), text[:line_start] + text[report_end:]
 
 
 class Grammar:
@@ -168,7 +182,7 @@ class Grammar:
 
     def __init__(self, vocab, c):
         self._vocab, self._text, self._root = vocab, c.grammar.encode(), c.grammar_root.encode()
-        with parser_said() as said:
+        with parser_said(c.grammar) as said:
             if c.grammar_patterns or c.grammar_trigger_tokens:
                 patterns = (ctypes.c_char_p * max(1, len(c.grammar_patterns)))(*[p.encode() for p in c.grammar_patterns])
                 tokens = (llama_cpp.llama_token * max(1, len(c.grammar_trigger_tokens)))(*c.grammar_trigger_tokens)

@@ -115,6 +115,10 @@ _ignored_overrides: list[tuple[str, str, str]] = []
 GRAMMAR_REFUSED = re.compile(rb"grammar does not contain a '[^']*' symbol|left recursion detected for nonterminal "
                              rb"at index \d+")
 _grammar_refusals: list[str] = []
+# held while fd 2 or ggml's log callback points elsewhere: a model's load (llama-cpp-python's
+# suppress_stdout_stderr), a grammar's parse (`grammar.parser_said`), a GGUF header's read
+# (`ggufheader.ggml_log_captured`); two at once would each restore what the other had swapped in
+FD2_SWAP = threading.RLock()
 
 
 @llama_cpp.llama_log_callback

@@ -15,7 +15,7 @@ from . import lora
 from .errors import GgufspecError, IncompatibleModelsError, ModelFileError
 from .ggufheader import cut_short
 from .gguffiles import check_gguf
-from .llamalog import allocation_failures, ignored_overrides, interrupt_after_native, quiet_llama_logs
+from .llamalog import FD2_SWAP, allocation_failures, ignored_overrides, interrupt_after_native, quiet_llama_logs
 from .native import Context
 from .placement import (SPLIT_MODES, apply_process_placement, devices_named, numa_strategy, override_array,
                         overrides_tag)
@@ -301,7 +301,7 @@ def open_model(path: str | os.PathLike, role: str, params: LoadParams, *, strict
         unified = params.kv_unified and not (strict or params.strict or params.exact)
         options = _llama_options(params, strict, unified)
         with _context_params(flash_attn_type(resolved_flash_attn(params)), params.n_rs_seq, params.n_seq, unified), \
-                _model_params(params, overrides), interrupt_after_native():
+                _model_params(params, overrides), interrupt_after_native(), FD2_SWAP:  # it points fd 2 elsewhere
             if devices is not None:  # placed on chosen devices: a loading concern, same Llama
                 llm = load_on_devices(path, devices, **options)
             else:
@@ -483,7 +483,7 @@ def load_on_devices(model_path: str | os.PathLike, devices: Sequence, **llama_kw
     n_gpu_layers (in llama_kwargs) says how many blocks leave the CPU; tensor_split (one weight
     per device, same order) how they are shared; by default llama.cpp shares by free memory.
     """
-    with model_devices(devices) as array:
+    with model_devices(devices) as array, FD2_SWAP:
         llm = llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
     llm._ggufspec_devices = array  # llama.cpp copied the pointers; keep the array anyway
     return llm

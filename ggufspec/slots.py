@@ -217,7 +217,10 @@ class Slots:
                 with self.use(tokens) as view:
                     return view.generate(tokens, **options)
             return self.retrying(attempt)
-        with ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot") as pool:
+        # several slots: the decoder held meanwhile (slot 0 is its own sequence; a generate() or close() from
+        # another thread waits); one slot is the decoder itself, whose steps hold it
+        held = self.decoder._busy if len(self.slots) > 1 else contextlib.nullcontext()
+        with held, ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="ggufspec-slot") as pool:
             return list(pool.map(one, every_tokens))
 
     def retrying(self, attempt, given_up=lambda: False, patience: float | None = 600.0):

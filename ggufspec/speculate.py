@@ -465,8 +465,10 @@ class SpeculativeDecoder:
         return pieces(self.target, self.steps(prompt, **options))
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
-        collected = list(self.stream(prompt, **options))  # the text as streamed and served
-        return Generation("".join(p.text for p in collected), [p.token for p in collected], self.last_stats)
+        with self._busy:  # the statistics this generation fills (`steps` sets them), not another thread's
+            stream, stats = self.stream(prompt, **options), self.last_stats
+        collected = list(stream)  # the text as streamed and served
+        return Generation("".join(p.text for p in collected), [p.token for p in collected], stats)
 
     def generate_many(self, prompts: Sequence, **options) -> list[Generation]:
         """Each prompt's Generation, in order, up to n_parallel at a time in one batch (`slots`)."""

@@ -358,8 +358,8 @@ def _check_gguf_magic(staged: Path, label: str, source: str, hashed: bool) -> No
         start = f.read(16)
     if not start.startswith(b"GGUF"):
         staged.unlink()
-        why = ("its sha256 is the one announced, so the repository holds something else under that name: "
-               "pick another of its files" if hashed else "an error or login page? There is no sha256 to check "
+        why = ("its sha256 is the one announced, so the repository holds something else under that name, not "
+               "a model" if hashed else "an error or login page? There is no sha256 to check "
                "it by")
         raise StoreError(f"{label}: {source} sent no GGUF file (it begins {start!r}); {why}; the download was deleted")
 

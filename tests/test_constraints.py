@@ -207,10 +207,30 @@ def test_a_grammar_that_does_not_parse_says_why_in_one_line_and_nothing_else(tin
 
 
 def test_what_else_reaches_fd_2_while_a_grammar_is_read_is_passed_on(tiny_decoder, capfd):
+    """Another thread's lines, before and after the parser's report, go on to fd 2 (review); the report does not."""
     from ggufspec.grammar import parser_said
-    with parser_said():
-        os.write(2, b"another thread's log line\n")
-    assert capfd.readouterr().err == "another thread's log line\n"
+    with parser_said("a,b") as said:
+        os.write(2, b"before\nparse: error parsing grammar: expecting ::= at ,b\n\na,b\nafter\n")
+    assert said.reason == "expecting ::= at ,b" and capfd.readouterr().err == "before\nafter\n"
+
+
+def test_a_grammar_is_read_with_fd_2_closed_and_with_an_error_inside(tiny_decoder, capfd):
+    """A server started with 2>&- : os.dup(2) failed on every constrained request (review)."""
+    from ggufspec.grammar import parser_said
+    saved = os.dup(2)
+    os.close(2)
+    try:
+        with parser_said("root ::= x") as said:
+            pass
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert said.reason == ""
+    with pytest.raises(KeyError):
+        with parser_said("root ::= x"):
+            os.write(2, b"kept\n")
+            raise KeyError("inside")
+    assert capfd.readouterr().err == "kept\n"
 
 
 def test_bad_grammar_and_vocabulary_errors(tiny_decoder):

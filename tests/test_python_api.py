@@ -275,3 +275,28 @@ def test_a_count_given_as_text_or_a_fraction_is_one_line_error(tiny_pair, field)
     for value in ("2", 1.5):
         with pytest.raises(GgufspecError, match=f"{field} must be a whole number, got {value!r}"):
             SpeculativeDecoder(*tiny_pair, **{field: value})
+
+
+def test_generate_many_in_one_thread_and_generate_or_close_in_another_take_turns(slow_target):
+    """With several slots, slot 0 is the decoder's own sequence: a generate() from another thread decoded
+    beside the slots' rounds, and close() freed them under it (review). generate_many holds the decoder."""
+    import threading
+    import time
+    decoder = SpeculativeDecoder(slow_target, slow_target, n_ctx=1024, n_threads=1, n_parallel=2)
+    expected = decoder.generate("the cat", n_predict=16, n_draft=3, temperature=0).tokens
+    many = []
+    worker = threading.Thread(target=lambda: many.extend(decoder.generate_many(
+        ["the dog", "a cat"], n_predict=200, n_draft=3, temperature=0)))
+    worker.start()
+    time.sleep(0.3)
+    alone = decoder.generate("the cat", n_predict=16, n_draft=3, temperature=0)  # waits for generate_many
+    worker.join(120)
+    assert [len(g.tokens) for g in many] == [200, 200] and alone.tokens == expected
+    assert alone.stats.n_predict == 16  # its own statistics, not another generation's
+    worker = threading.Thread(target=lambda: many.extend(decoder.generate_many(
+        ["the dog", "a cat"], n_predict=200, n_draft=3, temperature=0)))
+    worker.start()
+    time.sleep(0.3)
+    decoder.close()  # after generate_many
+    worker.join(120)
+    assert len(many) == 4 and not worker.is_alive()

@@ -97,7 +97,7 @@ def test_a_file_that_is_not_gguf_is_refused_at_pull_even_with_the_right_sha256(h
     that it is no model (audit)."""
     hub.state.add(REPO, "notes-Q4_K_M.gguf", b"hello world, not a gguf" * 100)
     with pytest.raises(StoreError, match=r"sent no GGUF file \(it begins b'hello.*sha256 is the one announced.*"
-                                         r"pick another of its files; the download was deleted"):
+                                         r"not a model; the download was deleted"):
         store.pull(entry("notes-Q4_K_M.gguf"), progress=False)
     assert not store.final_path(entry("notes-Q4_K_M.gguf"), "notes-Q4_K_M.gguf").exists()
 
