@@ -464,9 +464,21 @@ def test_a_ref_key_in_data_is_data(schema, tiny_decoder):
     grammar = schema_grammar(schema)
     assert "stdin" not in grammar, grammar
     Grammar(tiny_decoder.target.vocab, Constraints(grammar=grammar))  # llama.cpp's parser takes it
-    for value in [*schema.get("enum", []), schema.get("properties", {}).get("a", {}).get("const")]:
-        if value is not None:
-            assert json.dumps(json.dumps(value))[1:-1] in grammar, (value, grammar)
+    for value in schema.get("enum", []):  # a tree of its values (gbnftrie): each taken whole, by llama.cpp
+        assert takes(Grammar(tiny_decoder.target.vocab, Constraints(grammar=grammar)), json.dumps(value)), value
+    if (value := schema.get("properties", {}).get("a", {}).get("const")) is not None:
+        assert json.dumps(json.dumps(value))[1:-1] in grammar, (value, grammar)
+
+
+def takes(grammar, text: str) -> bool:
+    """Whether the grammar takes `text` whole, byte token by byte token (the tiny vocabulary's <0xNN>: id 3 + NN),
+    and may end there (</s>, id 2, allowed)."""
+    import numpy as np
+    for token in [3 + byte for byte in text.encode()]:
+        if not grammar.allows(np.array([token]), np.zeros(1, np.float32))[0]:
+            return False
+        grammar.accept(token)
+    return bool(grammar.allows(np.array([2]), np.zeros(1, np.float32))[0])
 
 
 def test_a_tools_parameters_with_a_ref_key_in_data():
