@@ -43,13 +43,14 @@ def check_whole_numbers(**values) -> None:
             raise GgufspecError(f"{name} must be a whole number, got {value!r}")
 
 
-def check_options(options: dict, fields_of, call) -> None:
-    """Keyword options of a generation (beyond `call`'s own parameters) that `fields_of` (SamplingParams)
-    takes: a typo named the dataclass's __init__ in a TypeError. The message suggests from both."""
+def check_options(options: dict, fields_of, *calls) -> None:
+    """Keyword options of a generation (beyond `calls`' own parameters) that `fields_of` (SamplingParams)
+    takes: a typo named the dataclass's __init__ in a TypeError. The message suggests from all of them."""
     fields = [field.name for field in dataclasses.fields(fields_of)]
     for name in options:
         if name not in fields:
-            known = sorted(set(fields) | set(inspect.signature(call).parameters) - {"self", "filters", "prompt"})
+            parameters = {name for call in calls for name in inspect.signature(call).parameters}
+            known = sorted(set(fields) | parameters - {"self", "filters", "prompt", "options"})
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
             raise GgufspecError(f"unknown generation option {name!r}" + (f": did you mean {close[0]!r}?" if close else
                                                                           f" (options: {', '.join(known)})"))

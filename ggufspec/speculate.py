@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, Sequence
 
 import llama_cpp
 
@@ -31,17 +31,7 @@ from .drafting import AdaptiveK, AutoDrafting, FixedK, HybridDrafter, LookupDraf
 from .processing import MAX_TOP_LOGPROBS, Constraints, TargetJudge
 from .sampling import SamplingParams
 from .costmemory import COSTS_FILE, _costs_key, _load_costs, _save_costs, offload_as_applied  # noqa: F401
-from .generation import Generation, Piece, one_thread_at_a_time, pieces  # noqa: F401  (ggufspec.Piece)
-
-
-class Step(NamedTuple):
-    """One generated token: the target's choice, whether the draft proposed it, and (when asked) its
-    log-probability and the most likely alternatives, from the target's processed distribution."""
-
-    token: int
-    from_draft: bool
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+from .generation import Generation, Piece, Step, one_thread_at_a_time, pieces, stop_strings, until_stop  # noqa: F401
 
 
 def speculative_steps(target: Context, drafter, prompt: Sequence[int], *, controller, judge: TargetJudge,
@@ -387,7 +377,7 @@ class SpeculativeDecoder:
         drafter = drafter or self.default_drafter
         if isinstance(prompt, str) and not prompt:
             raise GgufspecError("the prompt is empty")
-        check_options(filters, SamplingParams, self.steps)
+        check_options(filters, SamplingParams, self.steps, self.stream)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, **filters)
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise GgufspecError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
@@ -460,9 +450,12 @@ class SpeculativeDecoder:
             return model
         return HybridDrafter(self._drafter("lookup", p_min), model)
 
-    def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Piece]:
-        """Yield a `Piece` per generated token, as soon as the target has decided it."""
-        return pieces(self.target, self.steps(prompt, **options))
+    def stream(self, prompt: str | Sequence[int], *, stop: str | Sequence[str] = (), **options) -> Iterator[Piece]:
+        """Yield a `Piece` per generated token, as soon as the target has decided it. stop: the text ends before
+        the first of these strings (llama-cpp-python's `stop`; `Stats.stop_reason` "stop")."""
+        stops = stop_strings(stop)  # checked before anything runs; the statistics are the ones `steps` sets
+        generated = pieces(self.target, self.steps(prompt, **options))
+        return until_stop(generated, stops, self.last_stats) if stops else generated
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
         with self._busy:  # the statistics this generation fills (`steps` sets them), not another thread's

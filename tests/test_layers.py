@@ -9,7 +9,7 @@ import ggufspec
 PACKAGE = Path(ggufspec.__file__).parent
 # native -> sampling/drafting -> speculate, with what they need to load models and keep costs
 ENGINE = {"errors", "gguffiles", "ggufheader", "backends", "native", "lora", "placement", "bridge", "sampling", "processing", "thinking", "grammar", "dry", "mirostat", "adaptivep", "checks", "costmodel", "costs", "drafting", "ngram", "mtp", "simulate", "stats",
-          "speculate", "generation", "stepcosts", "load", "home", "costmemory", "lockstep", "slots", "llamalog", "chat_templates"}
+          "speculate", "generation", "stepcosts", "load", "home", "costmemory", "lockstep", "slots", "llamalog", "chat_templates", "stops"}
 MAX_LINES = 500
 
 

@@ -263,7 +263,8 @@ def test_close_from_another_thread_waits_for_the_step_then_stops_the_generation(
 
 
 @pytest.mark.parametrize("options, says", [({"temprature": 0.5}, "unknown generation option 'temprature': did you "
-                                            "mean 'temperature'"), ({"stop": ["x"]}, r"'stop' \(options: .*top_p")])
+                                            "mean 'temperature'"), ({"stpo": ["x"]}, "did you mean 'stop'"),
+                                           ({"stops": ["x"]}, "did you mean 'stop'")])
 def test_an_unknown_generation_option_is_named_with_what_it_may_have_meant(decoder, options, says):
     """A typo raised a TypeError that named SamplingParams.__init__ (audit)."""
     with pytest.raises(GgufspecError, match=says):
@@ -300,3 +301,35 @@ def test_generate_many_in_one_thread_and_generate_or_close_in_another_take_turns
     decoder.close()  # after generate_many
     worker.join(120)
     assert len(many) == 4 and not worker.is_alive()
+
+
+def _greedy(decoder, **options):
+    return decoder.generate("once upon a time", n_predict=40, temperature=0, **options)
+
+
+def test_stop_ends_the_text_before_the_first_stop_string_as_llama_cpp_python_does(decoder):
+    whole = _greedy(decoder, n_draft=0)
+    assert len(whole.text) > 20 and whole.stats.stop_reason == "n_predict"
+    stop = whole.text[12:15]  # may span tokens; the text ends before its first appearance
+    ended = _greedy(decoder, n_draft=3, stop=[stop, "never there"])
+    assert ended.text == whole.text[:whole.text.find(stop)] and ended.stats.stop_reason == "stop"
+    assert ended.tokens == whole.tokens[:len(ended.tokens)] and ended.stats.n_predict <= len(whole.tokens)
+    streamed = list(decoder.stream("once upon a time", n_predict=40, temperature=0, stop=stop))  # one string too
+    assert "".join(piece.text for piece in streamed) == ended.text
+    assert [piece.token for piece in streamed] == ended.tokens
+    assert _greedy(decoder, stop=["never there", ""]).text == whole.text  # none found: all of it
+
+
+def test_stop_in_generate_many_applies_to_each_prompt(decoder):
+    prompts = ["the cat", "once upon a time"]
+    alone = [decoder.generate(p, n_predict=30, temperature=0) for p in prompts]
+    stops = [alone[0].text[8:10], alone[1].text[12:14]]
+    both = decoder.generate_many(prompts, n_predict=30, temperature=0, stop=stops)
+    for one, many in zip(alone, both):
+        assert many.text == one.text[:min(i for s in stops if (i := one.text.find(s)) >= 0)]
+
+
+@pytest.mark.parametrize("stop", [5, [b"x"], {"x": 1}, ["x", None]])
+def test_a_stop_that_is_not_strings_is_one_line_error(decoder, stop):
+    with pytest.raises(GgufspecError, match="stop must be a string or a list of strings"):
+        decoder.generate("the cat", n_predict=4, stop=stop)

@@ -144,7 +144,7 @@ def test_escapes_and_chat(tiny_pair):
 
 
 def test_utf8_pieces_never_split_a_character():
-    from ggufspec.speculate import Step, pieces
+    from ggufspec.generation import Step, pieces
 
     class Bytes:
         def piece(self, token):
