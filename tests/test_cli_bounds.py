@@ -190,6 +190,8 @@ def test_a_huge_ncffn_is_every_layer_on_the_cli(tiny_pair):
     (["--rpc-timeout", "nan"], ["--rpc-timeout", "nan", "finite"]),
     (["--rpc-timeout", "inf"], ["--rpc-timeout", "inf", "finite"]),
     (["--spec-draft-p-min", "nan"], ["--spec-draft-p-min", "nan", "finite"]),
+    (["-to", "1" + "0" * 400], ["-to", "more than 2147483647"]),  # was an OverflowError in every request
+    (["--threads-http", "1" + "0" * 30], ["--threads-http", "more than 2147483647"]),
 ])
 def test_serve_refuses_nan_and_inf(flags, words):
     one_line_error(CliRunner().invoke(main, ["serve", "-m", MISSING, *flags]), *words)

@@ -23,7 +23,7 @@ def llamacpp_server_options(command):
                      help="The chat page at / (--no-webui: GET / is a 404, as llama-server's; the API the same)."),
         click.option("--api-prefix", "api_prefix", default="", metavar="PREFIX",
                      help="Serve every route under this path, e.g. /llm: the API at /llm/v1, the page at /llm/."),
-        click.option("-to", "--timeout", "timeout", type=click.IntRange(min=1), default=DEFAULT_TIMEOUT_S,
+        click.option("-to", "--timeout", "timeout", type=AtMost(1, INT32_MAX, "llama.cpp's int"), default=DEFAULT_TIMEOUT_S,
                      metavar="N", help="llama-server's read/write timeout, in seconds, as far as uvicorn keeps it: a "
                      "request body pausing longer gets 408, a client taking no answer data this long is cut off "
                      "(request headers and idle keep-alive follow uvicorn's own limits)."),
@@ -34,7 +34,7 @@ def llamacpp_server_options(command):
                           "file in DIR and back (the target's cache; the draft's in FILE.draft)."),
         click.option("--props", "props_endpoint", is_flag=True,
                      help="Answer POST /props (llama-server's: it changes nothing, {\"success\": true}); else 501."),
-        click.option("--threads-http", "threads_http", type=click.IntRange(min=1), default=None, metavar="N",
+        click.option("--threads-http", "threads_http", type=AtMost(1, INT32_MAX, "llama.cpp's int"), default=None, metavar="N",
                      help="Threads for the HTTP side's work off its event loop (tokenizing, parsing bodies, slot "
                           "files) [default: Python's]; generations run in one thread per slot (-np)."),
         click.option("--sse-ping-interval", "sse_ping_interval", default=30, metavar="N",
