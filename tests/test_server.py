@@ -220,7 +220,6 @@ def post(server, path, body, **kwargs):
     ("/v1/completions", '{"prompt": "the cat", "max_tokens": ', 400, "malformed JSON"),
     ("/v1/completions", "[1, 2]", 400, ""),
     ("/v1/completions", {"prompt": "the cat", "model": "gpt-4o"}, 404, "gpt-4o"),
-    ("/v1/completions", {"prompt": "the cat", "max_tokens": 600}, 400, "512"),
     ("/v1/completions", {"prompt": "the cat " * 300}, 400, "512"),
     ("/v1/completions", {"prompt": "the cat", "top_p": 5}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {"prompt": "the cat", "temperature": -2}, 400, "temperature must be >= 0"),

@@ -102,6 +102,14 @@ def test_max_tokens_beyond_the_context_is_a_ceiling_not_an_error(claude, server)
     assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens < N_CTX
     response = server.client().responses.create(model="target", input="hi", max_output_tokens=100_000)
     assert response.status in ("completed", "incomplete")
+    # opencode asks chat for 32000 whatever the context: every turn was a 400 (audit); llama-server lowers it too
+    chat = server.client().chat.completions.create(model="target", max_tokens=100_000, messages=HI,
+                                                   stream=True, stream_options={"include_usage": True})
+    chunks = list(chat)
+    assert chunks[-1].usage.completion_tokens < N_CTX
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    text = server.client().completions.create(model="target", prompt="the cat", max_tokens=100_000)
+    assert text.choices[0].finish_reason in ("stop", "length") and text.usage.completion_tokens < N_CTX
 
 
 def test_a_streamed_message_is_the_deltas_and_the_events_come_in_order(server, claude):

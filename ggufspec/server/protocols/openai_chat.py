@@ -58,12 +58,14 @@ def conversation(serving: Serving, body: ChatBody) -> tuple[ChatBody, AnswerStar
 async def answer(serving: Serving, request: Request, body: GenerationBody, chat: bool, prompts=None):
     """The body as a job on the engine (its messages, or /v1/completions' prompts, `n` choices each,
     index i * n + j for prompt i's j-th, in the slots at once), answered whole or as OpenAI's chunks.
-    A max_tokens beyond the context is refused, as OpenAI's API does, not lowered."""
+    A max_tokens beyond the context is a ceiling the context lowers (the answer ends with "length" where the
+    context is full), as llama-server's: opencode asks for 32,000 tokens whatever the context (OpenAI's own API
+    refuses; an agent's every turn would)."""
     serving.check_model(body.model)
     start = ""
     if chat:
         body, start = conversation(serving, body)
-    job = await serving.submit(body, start, prompts=prompts, n=body.n, fit_to_context=False,
+    job = await serving.submit(body, start, prompts=prompts, n=body.n, fit_to_context=True,
                                line_limits=line_limits(body))
     reasoning = reasoning_content_for(serving, body, job) if chat else None
     reply = Reply(serving.model_name, chat, job.shape, job.n_choices, serving.fingerprint_of(job), reasoning,
