@@ -249,6 +249,11 @@ class MessageState:
     def start(self) -> list[dict]:
         return []  # message_start waits for the prompt's evaluation: its usage splits off the cached tokens
 
+    def heartbeat(self) -> list[dict]:
+        """Nothing new for a while (a long prompt, before message_start too): Anthropic's own keep-alive
+        event, which its SDKs skip wherever it comes."""
+        return [sse("ping", {"type": "ping"})]
+
     def message_start(self, n_cached: int) -> list[dict]:
         self.started = True
         usage = {"input_tokens": self.n_prompt - n_cached, "cache_read_input_tokens": n_cached,

@@ -303,8 +303,8 @@ def joined_text(parts: list[str]) -> str:
 
 async def respond(job: Job, request: Request, stream: bool, new_state, new_splitter=lambda: None):
     """The submitted job's answer, rendered by a protocol's state (`new_state(n_prompt)`: its
-    `start()` and `on(event)` give stream events, `whole()` the answer, `error(APIError)` a stream's
-    error event), whole or streamed (`answer_or_stream`)."""
+    `start()`, `on(event)` and `heartbeat()` give stream events, `whole()` the answer, `error(APIError)` a
+    stream's error event), whole or streamed (`answer_or_stream`)."""
     async def whole(n_prompt: int) -> dict:
         state = new_state(n_prompt)
         async for event in answer_events(job, request, new_splitter()):
@@ -316,8 +316,9 @@ async def respond(job: Job, request: Request, stream: bool, new_state, new_split
         try:
             for event in state.start():
                 yield event
-            async for answer_event in answer_events(job, splitter=new_splitter()):
-                for event in state.on(answer_event):
+            async for answer_event in with_heartbeats(answer_events(job, splitter=new_splitter()),
+                                                      job.sse_ping_interval):
+                for event in state.heartbeat() if answer_event is HEARTBEAT else state.on(answer_event):
                     yield event
         except APIError as exc:  # after the stream started: the protocol's error event ends it
             yield state.error(exc)
@@ -325,6 +326,36 @@ async def respond(job: Job, request: Request, stream: bool, new_state, new_split
             job.cancel()
 
     return await answer_or_stream(job, request, stream, whole, events)
+
+
+HEARTBEAT = object()  # `with_heartbeats`' word that nothing came for a while
+
+
+async def with_heartbeats(events, seconds: float):
+    """`events`, and HEARTBEAT each time `seconds` pass without one (0 or less: never). A protocol's own
+    keep-alive event goes out then (Anthropic's `ping`, a numbered `response.in_progress`), through a
+    prompt evaluated for minutes or a tool call held back until it is whole: SSE comments (the transport's
+    pings) are dropped by clients' event parsers, and Codex, timing its stream by events, gave up after
+    300 s of them and sent the request again (audit; openai/codex#31539)."""
+    pending = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=seconds if seconds > 0 else None)
+            if not done:
+                yield HEARTBEAT
+                continue
+            finished, pending = pending, None
+            try:
+                event = finished.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if pending is not None:  # the consumer left mid-wait: the answer's generator stops where it waits
+            pending.cancel()
+            await asyncio.wait({pending})  # (its cancellation is the generator's end; waiting raises nothing)
+        await events.aclose()
 
 
 async def answer_or_stream(job: Job, request: Request, stream: bool, whole, events):

@@ -203,6 +203,11 @@ class ResponseState:
         return [self.event("response.created", response=self.response()),
                 self.event("response.in_progress", response=self.response())]
 
+    def heartbeat(self) -> list[dict]:
+        """Nothing new for a while (a long prompt): the response still in progress, numbered as any event
+        (the SDK's stream helper takes it as it takes the first), without the output so far."""
+        return [self.event("response.in_progress", response={**self.response(), "output": []})]
+
     def on(self, event) -> list[dict]:
         if isinstance(event, Evaluated):
             return []
