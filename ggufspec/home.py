@@ -18,9 +18,16 @@ from pathlib import Path
 def home() -> Path:
     """The ggufspec directory: $GGUFSPEC_HOME, else $XDG_DATA_HOME/ggufspec (~/.local/share/ggufspec)."""
     if os.environ.get("GGUFSPEC_HOME"):
-        return Path(os.environ["GGUFSPEC_HOME"])
-    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(data) / "ggufspec"
+        return _absolute(os.environ["GGUFSPEC_HOME"])
+    if os.environ.get("XDG_DATA_HOME"):
+        return _absolute(os.environ["XDG_DATA_HOME"]) / "ggufspec"
+    return Path.home() / ".local" / "share" / "ggufspec"
+
+
+def _absolute(setting: str) -> Path:
+    """A folder as a variable gives it, `~` and `$VARS` expanded (a quoted "~/gg" reaches us unexpanded) and made
+    absolute: a relative one would be another store in each folder a command runs from."""
+    return Path(os.path.abspath(os.path.expandvars(os.path.expanduser(setting))))
 
 
 def read_json(name: str) -> dict:

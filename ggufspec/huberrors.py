@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import socket
 
@@ -40,12 +41,14 @@ class HubUnreachable(StoreError):
     """No connection to the hub could be made (refused, DNS, offline mode): nothing was transferred."""
 
 
-def hub_errors(label: str, *, transfer: bool = False, where: str | None = None, hub: bool = True):
+def hub_errors(label: str, *, transfer: bool = False, where: str | None = None, hub: bool = True,
+               revision: str | None = None):
     """huggingface_hub's exceptions as one-line StoreErrors that say how to fix the problem.
 
     Outside a transfer (HEAD requests, listings) every transport error means the hub was not
     reached; during one, only a failure to connect does: anything else cut a transfer that had
-    started, which the next pull resumes. `hub`: False for a plain URL's server (no HF_ENDPOINT to check)."""
+    started, which the next pull resumes. `hub`: False for a plain URL's server (no HF_ENDPOINT to check).
+    `revision`: the one asked for, named when the hub has no such revision."""
     from huggingface_hub import errors as hf_errors
 
     @contextlib.contextmanager
@@ -58,17 +61,14 @@ def hub_errors(label: str, *, transfer: bool = False, where: str | None = None, 
             raise StoreError(f"{label}: the repository is gated: accept its licence on the hub, then "
                              f"`hf auth login` or set HF_TOKEN") from None
         except hf_errors.RepositoryNotFoundError:
-            raise StoreError(f"{label}: repository not found (or private: set HF_TOKEN)") from None
+            private = ("the token given may not read it" if token_given() else "set HF_TOKEN")
+            raise StoreError(f"{label}: repository not found (or private: {private})") from None
         except hf_errors.EntryNotFoundError:
             raise StoreError(f"{label}: file not found in the repository; check the name with the hub") from None
         except hf_errors.RevisionNotFoundError:
-            raise StoreError(f"{label}: revision not found") from None
+            raise StoreError(_no_revision(label, revision)) from None
         except hf_errors.HfHubHTTPError as exc:
-            status = getattr(getattr(exc, "response", None), "status_code", None)
-            hint = ": set HF_TOKEN (or `hf auth login`) to a token that may read it" if status in (401, 403) else ""
-            if status is not None and (status >= 500 or status == 429):
-                hint = ": the hub is failing or busy; run pull again later (what was downloaded is kept)"
-            raise StoreError(f"{label}: hub error: {str(exc).splitlines()[0]}{hint}") from None
+            raise StoreError(_http_message(label, exc)) from None
         except OSError as exc:
             if exc.errno in (errno.EFBIG, errno.EROFS):  # the store's disk refuses the file: not a cut transfer
                 raise StoreError(f"{label}: the download cannot be written ({_reason(exc)}): set GGUFSPEC_HOME to "
@@ -82,6 +82,10 @@ def hub_errors(label: str, *, transfer: bool = False, where: str | None = None, 
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if transfer:
                 raise
+            if isinstance(exc, json.JSONDecodeError):  # an HTML page answered with 200: a captive portal, a proxy
+                raise StoreError(f"{label}: the hub at {where or endpoint()} answered with something no hub sends (a "
+                                 f"page that is not JSON: a network's login page, a proxy?): check the network, or "
+                                 f"HF_ENDPOINT") from None
             # an answer that is not what a hub sends (not JSON, or JSON of another shape): a mirror or a proxy's page
             raise StoreError(f"{label}: the hub at {where or endpoint()} answered with something no hub sends "
                              f"({type(exc).__name__}: {_reason(exc)}): check HF_ENDPOINT") from None
@@ -93,11 +97,54 @@ def hub_errors(label: str, *, transfer: bool = False, where: str | None = None, 
         """A transport error as a StoreError; anything else is left to the caller to raise."""
         if not _is_transport_error(exc):
             return
+        if any(type(e).__name__ == "TooManyRedirects" for e in _causes(exc)):  # reached, but it goes round in circles
+            raise StoreError(f"{label}: {where or endpoint()} redirects in a loop ({_reason(exc)}): check "
+                             f"{'HF_ENDPOINT' if hub else 'the URL'}, or try again later") from None
         if not transfer or _is_connect_error(exc):
             raise HubUnreachable(_unreachable_message(where or endpoint(), exc, hub)) from None
         raise StoreError(f"{label}: download interrupted ({type(exc).__name__}: {_reason(exc)}); "
                          f"run pull again to resume") from None
     return mapping()
+
+
+def token_given() -> bool:
+    """Whether huggingface_hub sends a token (HF_TOKEN, or `hf auth login`'s): a 401 then means it was refused."""
+    from huggingface_hub import get_token
+    return bool(get_token())
+
+
+def _no_revision(label: str, revision: str | None) -> str:
+    if revision in (None, "main"):
+        return f"{label}: the repository has no revision 'main' (no main branch?): check the repository on the hub"
+    # only a models.toml entry asks for a revision other than main
+    return (f"{label}: revision {revision!r} not found in the repository: fix `revision` where models.toml defines "
+            f"the model (a branch, tag or commit of the repository; `ggufspec list` names the models)")
+
+
+def _http_message(label: str, exc: Exception) -> str:
+    """The hub's HTTP error as one line: what the status means, and what to do about it."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    said = (getattr(response, "headers", None) or {}).get("X-Error-Message")
+    said = f": {said.strip().rstrip('.')}" if said and said.strip() else ""
+    if status == 401:
+        hint = ("the token given (HF_TOKEN, or `hf auth login`'s) was refused: check it, or log in again"
+                if token_given() else "set HF_TOKEN (or `hf auth login`) to a token that may read it")
+        return f"{label}: the hub asks for a login (HTTP 401{said}): {hint}"
+    if status == 403:
+        hint = ("the token given may not read it: use one with read access to the repository" if token_given()
+                else "set HF_TOKEN (or `hf auth login`) to a token that may read it")
+        return f"{label}: the hub refused access (HTTP 403{said}): {hint}"
+    if status == 429:
+        wait = (getattr(response, "headers", None) or {}).get("Retry-After")
+        return (f"{label}: the hub is rate-limiting requests (HTTP 429): run pull again later (in "
+                f"{f'{wait} s' if wait else 'a few minutes'}; what was downloaded is kept)")
+    if status is not None and status >= 500:
+        return f"{label}: the hub is failing (HTTP {status}): run pull again later (what was downloaded is kept)"
+    if status == 404:
+        return f"{label}: not found at the hub (HTTP 404{said}): check the name, and HF_ENDPOINT if it is set"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"{label}: hub error: {first}" if status is None else f"{label}: the hub answered HTTP {status}{said}"
 
 
 def _is_transport_error(exc: Exception) -> bool:
@@ -146,7 +193,8 @@ CONNECT_ERRORS = {"ConnectError", "ConnectTimeout", "NewConnectionError", "NameR
 
 def _causes(exc: BaseException):
     seen = set()
-    while exc is not None and id(exc) not in seen:
+    # isinstance: a JSONDecodeError's __context__ is a number (json.decoder's StopIteration value)
+    while isinstance(exc, BaseException) and id(exc) not in seen:
         seen.add(id(exc))
         yield exc
         exc = exc.__cause__ or exc.__context__

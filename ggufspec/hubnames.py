@@ -7,6 +7,8 @@ backslash or a drive letter, so refusing those loses nothing legitimate, and a s
 really uses (`Q4_K_M/model-Q4_K_M-00001-of-00002.gguf`) passes. `contained` checks the joined path
 as well: what the names allow must still land inside the store's folder.
 
+A split GGUF's shard names (MODEL-00001-of-00003.gguf...) are made here from any one of them.
+
 Where those folders are: a hub file at models/OWNER__REPO/FILE once verified, its partial download
 under downloads/OWNER__REPO/ (`stored_names` reads a repository's back, for the store to choose among
 them when the hub cannot be asked).
@@ -24,6 +26,35 @@ MAX_SEGMENT = 255 - len(".0123456789abcdef.incomplete")  # a partial download's 
 MAX_NAME = 1024                     # the hub's own limit on a path is far below this
 MAX_LISTING = 20_000                # files in one repository's listing; the largest GGUF repos list a few hundred
 MAX_FILE_BYTES = 8 << 40            # 8 TiB: no GGUF file (a shard, or a whole unsplit model) comes near
+
+
+SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _split(file: str) -> re.Match | None:
+    """The shard numbers of a split GGUF's file name; None for a file of its own (or numbers no split has)."""
+    m = SPLIT_SHARD.search(file)
+    return m if m and 1 <= int(m[1]) <= int(m[2]) <= MAX_LISTING else None
+
+
+def shard_names(file: str):
+    """A split GGUF's shard names in order, from any one shard's name (made one at a time: a listing may
+    claim thousands); the file alone otherwise."""
+    m = _split(file)
+    if m is None:
+        yield file
+        return
+    for i in range(1, int(m[2]) + 1):
+        yield f"{file[:m.start()]}-{i:05d}-of-{m[2]}.gguf"
+
+
+def first_shard(file: str) -> str:
+    return next(shard_names(file))
+
+
+def with_shards(repo: str, file: str) -> tuple[str, ...]:
+    """A split GGUF's shard list, from any one shard's name; a single file otherwise."""
+    return tuple(shard_names(file))
 
 
 def unsafe_file_reason(name: object) -> str | None:

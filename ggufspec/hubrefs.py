@@ -9,16 +9,21 @@ asked (offline mode, unreachable), as huggingface_hub and llama.cpp's -hf fall b
 from __future__ import annotations
 
 import re
+import sys
 
 from .errors import BadReferenceError, StoreError, UnsafeNameError
-from .huberrors import HubUnreachable, endpoint, hub_errors
+from .registry import ModelEntry
+from .urlmodels import entry_from_url, is_url
+from .huberrors import HubUnreachable, endpoint, hub_errors, offline_mode
 from .hubnames import MAX_LISTING, stored_names, unsafe_file_reason, unsafe_repo_reason
+from .hubnames import SPLIT_SHARD, first_shard, shard_names, with_shards  # noqa: F401  (hubrefs.shard_names)
 
 HF_URL = re.compile(r"^hf://(?P<repo>[^/\s]+/[^/\s]+)/(?P<file>\S+\.gguf)$")
 HF_REPO = re.compile(r"^hf://(?P<repo>[^/\s:]+/[^/\s:]+)$")  # the repository's default model
 HF_SHORTHAND = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>[\w.-]+)$")
+# a file's path as the hub's web pages show it: OWNER/REPO/blob/REV/FILE, OWNER/REPO/resolve/REV/FILE
+WEB_PAGE_PATH = re.compile(r"^(?P<kind>blob|resolve)/(?P<revision>[^/]+)/(?P<file>.+\.gguf)$")
 LOOKS_LIKE_SHORTHAND = re.compile(r"^[^/\s:]+/[^/\s:]+:")  # OWNER/REPO:... whatever follows
-SPLIT_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 # a word of a file name that looks like a quantization: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, F16, BF16, F32, MXFP4
 QUANT_WORD = re.compile(r"(?i)(?:I?Q|TQ)\d(?:_[0-9A-Z]+)*|B?F16|F32|MXFP4(?:_MOE)?")
 MAX_NAMED = 12  # candidates or quants named in one error line
@@ -40,12 +45,17 @@ def check_reference(ref: str, repo: str, file: str | None = None) -> None:
 
 def repo_files(repo: str) -> list[str]:
     """The hub's listing of a repository (HubUnreachable when it cannot be asked)."""
+    return checked_listing(repo, _hub_listing(repo))
+
+
+def _hub_listing(repo: str) -> list[str]:
+    """The names the hub lists, unchecked; a StoreError where the hub did not answer with a listing."""
     # model_info is one request, made once: an unreachable hub fails at once, where the paginated
     # tree listing (list_repo_files) retries with backoff for half a minute first
     from huggingface_hub import HfApi
     with hub_errors(repo):
         info = HfApi(endpoint=endpoint()).model_info(repo)
-    return checked_listing(repo, [s.rfilename for s in info.siblings or []])
+        return [s.rfilename for s in info.siblings or []]
 
 
 def checked_listing(repo: str, names: list[str]) -> list[str]:
@@ -58,32 +68,6 @@ def checked_listing(repo: str, names: list[str]) -> list[str]:
             raise UnsafeNameError(f"{repo}: the hub at {endpoint()} lists a file named {name!r}, refused "
                                   f"({reason}); nothing was written")
     return names
-
-
-def _split(file: str) -> re.Match | None:
-    """The shard numbers of a split GGUF's file name; None for a file of its own (or numbers no split has)."""
-    m = SPLIT_SHARD.search(file)
-    return m if m and 1 <= int(m[1]) <= int(m[2]) <= MAX_LISTING else None
-
-
-def shard_names(file: str):
-    """A split GGUF's shard names in order, from any one shard's name (made one at a time: a listing may
-    claim thousands); the file alone otherwise."""
-    m = _split(file)
-    if m is None:
-        yield file
-        return
-    for i in range(1, int(m[2]) + 1):
-        yield f"{file[:m.start()]}-{i:05d}-of-{m[2]}.gguf"
-
-
-def first_shard(file: str) -> str:
-    return next(shard_names(file))
-
-
-def with_shards(repo: str, file: str) -> tuple[str, ...]:
-    """A split GGUF's shard list, from any one shard's name; a single file otherwise."""
-    return tuple(shard_names(file))
 
 
 def _models_in(repo: str, names: list[str]) -> list[str]:
@@ -140,16 +124,66 @@ def default_files(repo: str, names: list[str], where: str) -> tuple[str, ...]:
 
 
 def model_files(repo: str, quant: str | None) -> tuple[str, ...]:
-    """The files a quant tag (None: the default) names: in the hub's listing, or, when the hub cannot be
-    asked, among the files of the repository in the store. Only with no match there is the hub's
-    failure raised."""
+    """The files a quant tag (None: the default) names: in the hub's listing, or, when the hub gives
+    none (unreachable, failing, rate-limiting, a captive portal's page, a token refused), among the
+    files of the repository in the store, with a warning, as hf_hub_download falls back to its cache.
+    Only with no match there is the hub's failure raised."""
     def choose(names: list[str], where: str) -> tuple[str, ...]:
         return quant_files(repo, quant, names, where) if quant else default_files(repo, names, where)
     try:
-        names = repo_files(repo)
-    except HubUnreachable as unreachable:
+        names = _hub_listing(repo)
+    except StoreError as failure:
         try:
-            return choose(stored_names(repo), "the store (the hub cannot be asked)")
+            files = choose(stored_names(repo), "the store (the hub cannot be asked)")
         except NoSuchQuant:
-            raise unreachable from None
-    return choose(names, "the repository")
+            raise failure from None
+        if not (isinstance(failure, HubUnreachable) and offline_mode()):  # offline mode asks for just this
+            print(f"ggufspec: warning: {failure}; using {repo}/{files[0]} from the store", file=sys.stderr)
+        return files
+    return choose(checked_listing(repo, names), "the repository")
+
+
+def entry_from_reference(ref: str) -> ModelEntry | None:
+    """`hf://OWNER/REPO/FILE.gguf`, llama.cpp's `OWNER/REPO:QUANT`, `hf://OWNER/REPO` (its default
+    model) or an http(s) URL (`urlmodels`) as an ad-hoc model entry.
+
+    None when `ref` is none of them; BadReferenceError when it is meant as one but is malformed."""
+    if is_url(ref):
+        return entry_from_url(ref)
+    if m := HF_REPO.match(ref):
+        check_reference(ref, m["repo"])
+        return ModelEntry(ref, m["repo"], model_files(m["repo"], None))
+    if ref.startswith("hf://"):
+        m = HF_URL.match(ref)
+        if not m:
+            raise BadReferenceError(f"{ref!r} is not a hub file reference: use hf://OWNER/REPO/FILE.gguf (or "
+                                    f"hf://OWNER/REPO: its Q4_K_M, else Q8_0, else first model)")
+        if web := WEB_PAGE_PATH.match(m["file"]):  # copied from the browser's address bar
+            main = "" if web["revision"] == "main" else " (hf:// takes the main revision)"
+            raise BadReferenceError(f"{ref!r} holds the web page's /{web['kind']}/{web['revision']}/: give "
+                                    f"hf://{m['repo']}/{web['file']}{main}")
+        check_reference(ref, m["repo"], m["file"])
+        return ModelEntry(ref, m["repo"], with_shards(m["repo"], m["file"]))
+    if m := HF_SHORTHAND.match(ref):
+        check_reference(ref, m["repo"])
+        return ModelEntry(ref, m["repo"], model_files(m["repo"], m["quant"]))
+    if LOOKS_LIKE_SHORTHAND.match(ref):
+        raise BadReferenceError(f"{ref!r} is not a hub reference: use OWNER/REPO:QUANT (e.g. "
+                                f"bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M)")
+    return None
+
+
+def hub_form_hint(name: str) -> str:
+    """For a name that is no reference but reads as a hub repository (OWNER/REPO) or a file of one
+    (OWNER/REPO/FILE.gguf): ': give ...' naming the form that works; '' otherwise."""
+    repo, _, file = name.partition("/")[2].partition("/")
+    repo = f"{name.partition('/')[0]}/{repo}"
+    if unsafe_repo_reason(repo):
+        return ""
+    if not file:
+        return (f": for the hub repository give hf://{repo} (its Q4_K_M, else Q8_0, else first model) or "
+                f"{repo}:QUANT (e.g. {repo}:Q4_K_M)")
+    file = web["file"] if (web := WEB_PAGE_PATH.match(file)) else file
+    if file.endswith(".gguf") and not unsafe_file_reason(file):
+        return f": for the hub's file give hf://{repo}/{file}"
+    return ""

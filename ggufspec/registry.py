@@ -1,6 +1,7 @@
 """models.toml: the shipped registry of models and pairs, plus the user's additions and overrides."""
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -62,13 +63,20 @@ class Registry:
         if name not in self.pairs:
             hint = (": a model file is given with -m FILE (and its draft with -md FILE)"
                     if name.lower().endswith(".gguf") or Path(name).is_file() else ": see `ggufspec list` for the pairs")
-            raise RegistryError(f"unknown pair {name!r}{hint}")
+            raise RegistryError(f"unknown pair {name!r}{did_you_mean(name, self.pairs) or hint}")
         return self.pairs[name]
 
     def model(self, name: str) -> ModelEntry:
         if name not in self.models:
-            raise RegistryError(f"unknown model {name!r}: see `ggufspec list` for the models")
+            hint = did_you_mean(name, self.models) or ": see `ggufspec list` for the models"
+            raise RegistryError(f"unknown model {name!r}{hint}")
         return self.models[name]
+
+
+def did_you_mean(name: str, known) -> str:
+    """': did you mean 'NAME'? (`ggufspec list` shows them all)' for a typo of a known name; '' otherwise."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f": did you mean {close[0]!r}? (`ggufspec list` shows them all)" if close else ""
 
 
 def _line_of(text: str, table: str, name: str, key: str | None = None) -> int:
@@ -114,6 +122,9 @@ def _model_from(path, text, name, entry) -> ModelEntry:
     if entry.get("size", 1) < 1:
         raise RegistryError(f"{path}:{_line_of(text, 'models', name, 'size')}: models.{name}.size: "
                             f"expected a number of bytes above 0, got {entry['size']}")
+    if not entry.get("revision", "main").strip():  # "" would ask the hub for .../resolve//FILE: "file not found"
+        raise RegistryError(f"{path}:{_line_of(text, 'models', name, 'revision')}: models.{name}.revision: empty; "
+                            f"give a branch, tag or commit, or leave the key out for main")
     _check_names(path, text, name, entry["repo"], files, entry.get("pypi_parts"))
     sha = entry.get("sha256", {})
     if isinstance(sha, str):

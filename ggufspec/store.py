@@ -17,16 +17,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import BadReferenceError, StoreError, UnsafeNameError
-from .huberrors import HubUnreachable, download_headers, endpoint, hub_errors, offline_mode, origin
+from .errors import StoreError, UnsafeNameError
+from .huberrors import HubUnreachable, at_hub, download_headers, endpoint, hub_errors, offline_mode, origin
 from .home import home, one_at_a_time
 from .hubnames import MAX_FILE_BYTES, contained, unsafe_file_reason, unsafe_repo_reason
 from .hubnames import PARTIAL, downloads_dir, models_dir, partial_of as _partial_of, repo_folder as _slug  # noqa: F401
-from .hubrefs import HF_REPO, HF_SHORTHAND, HF_URL, LOOKS_LIKE_SHORTHAND, model_files
 from .hubrefs import SPLIT_SHARD, checked_listing as _checked_listing  # noqa: F401  (hubdraft's store._checked_listing)
-from .hubrefs import check_reference as _check_reference, with_shards as _with_shards
+from .hubrefs import entry_from_reference, with_shards as _with_shards  # noqa: F401  (store.entry_from_reference)
 from .registry import ModelEntry, Registry, load_registry
-from .urlmodels import entry_from_url, is_url, is_url_entry, label_of, url_metadata
+from .urlmodels import is_url_entry, label_of, url_metadata
 from .verified import record_verified, verified_files, verified_path  # noqa: F401  (store.verified_path)
 
 CHUNK = 8 << 20
@@ -218,22 +217,24 @@ class RemoteFile:
 
 def remote_files(entry: ModelEntry) -> list[RemoteFile]:
     """Size and LFS sha256 of each file, from the hub's HEAD answers (the ETag of an LFS file is its sha256)."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    found = []
     for file in entry.files:
         final_path(entry, file)  # a name that cannot be stored is refused before the hub is asked
-        if is_url_entry(entry):  # a plain URL's file (urlmodels): its server's HEAD answers
-            found.append(RemoteFile(file, *url_metadata(entry, file)))
-            continue
-        url = hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=endpoint())
-        with hub_errors(f"{entry.repo}/{file}"):
-            meta = get_hf_file_metadata(url)
-        if meta.size is not None and not 0 < meta.size <= MAX_FILE_BYTES:
-            raise StoreError(f"{entry.repo}/{file}: the hub at {endpoint()} reports a size of {meta.size} bytes, "
-                             f"which no GGUF file has; nothing was written")
-        etag = (meta.etag or "").strip('"').lower()
-        found.append(RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None, meta.location or url, etag))
-    return found
+    return [remote_file(entry, file) for file in entry.files]
+
+
+def remote_file(entry: ModelEntry, file: str) -> RemoteFile:
+    """One file's size, sha256 and download link (a CDN's signed URL expires: ask again before each download)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    if is_url_entry(entry):  # a plain URL's file (urlmodels): its server's HEAD answers
+        return RemoteFile(file, *url_metadata(entry, file))
+    url = hf_hub_url(entry.repo, file, revision=entry.revision, endpoint=endpoint())
+    with hub_errors(f"{entry.repo}/{file}", revision=entry.revision):
+        meta = get_hf_file_metadata(url)
+    if meta.size is not None and not 0 < meta.size <= MAX_FILE_BYTES:
+        raise StoreError(f"{entry.repo}/{file}: the hub at {endpoint()} reports a size of {meta.size} bytes, "
+                         f"which no GGUF file has; nothing was written")
+    etag = (meta.etag or "").strip('"').lower()
+    return RemoteFile(file, meta.size, etag if HEX64.fullmatch(etag) else None, meta.location or url, etag)
 
 
 def _check_disk_room(needed: int, where: Path) -> None:
@@ -295,7 +296,8 @@ def _pull_file(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     with _one_pull_of(entry, remote.file, progress):
         if _already_pulled(entry, remote):
             return final_path(entry, remote.file)
-        return _download(entry, remote, progress)
+        # the link pull() resolved up front may have expired while the files before this one downloaded
+        return _download(entry, remote_file(entry, remote.file), progress)
 
 
 def _one_pull_of(entry: ModelEntry, file: str, progress: bool):
@@ -312,7 +314,51 @@ def _already_pulled(entry: ModelEntry, remote: RemoteFile) -> bool:
             and (noted.get("sha256") == expected if expected else noted.get("size") == remote.size))
 
 
+class _LinkRefused(Exception):
+    """A host the hub sent the download to (its CDN) refused the link: a signed URL that expired."""
+
+
 def _download(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
+    """The file downloaded (see _download_once); a download link the CDN refuses is asked of the hub
+    again once, and the transfer resumed with the new one."""
+    try:
+        return _download_once(entry, remote, progress)
+    except _LinkRefused:
+        remote = remote_file(entry, remote.file)
+    try:
+        return _download_once(entry, remote, progress)
+    except _LinkRefused as refused:
+        raise StoreError(f"{label_of(entry, remote.file)}: {origin(remote.url)} refused the download link the hub "
+                         f"gave ({refused}): it expired; run `ggufspec pull` again to resume (what was downloaded "
+                         f"is kept)") from None
+
+
+@contextlib.contextmanager
+def _refused_link(url: str):
+    """A 403 from a host that is not the hub, during a transfer, as _LinkRefused: the hub's link to it expired."""
+    from huggingface_hub import errors as hf_errors
+    try:
+        yield
+    except hf_errors.HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status != 403 or at_hub(url):
+            raise
+        raise _LinkRefused(f"HTTP {status}") from None
+
+
+@contextlib.contextmanager
+def _no_empty_partial(partial: Path):
+    """A transfer that failed before its first byte (a 503, a 429) leaves no empty partial for `list` to show."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if partial.stat().st_size == 0:
+                partial.unlink()
+        raise
+
+
+def _download_once(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
     """Download into a persistent `.incomplete` file, resuming from its size, then verify and rename.
 
     huggingface_hub's `http_get` does the transfer (Range, retries within a call);
@@ -329,8 +375,9 @@ def _download(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Path:
             other.unlink()  # bytes of another upload of the file: of no use to this one
     if remote.size is not None and _staged_bytes(entry, remote) > remote.size:
         partial.unlink()  # not a prefix of this file: start again
-    with partial.open("ab") as out, hub_errors(label, transfer=True, where=origin(remote.url), hub=not web), \
-            _progress_bars(progress):
+    with _no_empty_partial(partial), partial.open("ab") as out, \
+            hub_errors(label, transfer=True, where=origin(remote.url), hub=not web), \
+            _progress_bars(progress), _refused_link(remote.url):
         resume = out.tell()
         if remote.size is None or resume < remote.size:
             http_get(remote.url, out, resume_size=resume, headers=download_headers(remote.url),
@@ -432,33 +479,8 @@ def human_size(n: int | None) -> str:
 
 
 # ---------------------------------------------------------------- hub references and URLs outside the registry
-# Parsing and quant matching (in the hub's listing or the store's) live in hubrefs, URLs in urlmodels.
-
-def entry_from_reference(ref: str) -> ModelEntry | None:
-    """`hf://OWNER/REPO/FILE.gguf`, llama.cpp's `OWNER/REPO:QUANT`, `hf://OWNER/REPO` (its default
-    model) or an http(s) URL (`urlmodels`) as an ad-hoc model entry.
-
-    None when `ref` is none of them; BadReferenceError when it is meant as one but is malformed."""
-    if is_url(ref):
-        return entry_from_url(ref)
-    if m := HF_REPO.match(ref):
-        _check_reference(ref, m["repo"])
-        return ModelEntry(ref, m["repo"], model_files(m["repo"], None))
-    if ref.startswith("hf://"):
-        m = HF_URL.match(ref)
-        if not m:
-            raise BadReferenceError(f"{ref!r} is not a hub file reference: use hf://OWNER/REPO/FILE.gguf (or "
-                                    f"hf://OWNER/REPO: its Q4_K_M, else Q8_0, else first model)")
-        _check_reference(ref, m["repo"], m["file"])
-        return ModelEntry(ref, m["repo"], _with_shards(m["repo"], m["file"]))
-    if m := HF_SHORTHAND.match(ref):
-        _check_reference(ref, m["repo"])
-        return ModelEntry(ref, m["repo"], model_files(m["repo"], m["quant"]))
-    if LOOKS_LIKE_SHORTHAND.match(ref):
-        raise BadReferenceError(f"{ref!r} is not a hub reference: use OWNER/REPO:QUANT (e.g. "
-                                f"bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M)")
-    return None
-
+# Parsing (entry_from_reference) and quant matching (in the hub's listing or the store's) live in
+# hubrefs, URLs in urlmodels.
 
 def resolve_model_arg(arg: str, progress: bool = True) -> str:
     """`run -m/-md`: a local path as is; a hub reference or URL pulled (verified) and its first shard

@@ -1,7 +1,8 @@
 """GGUF files from a plain URL (llama.cpp's -mu/--model-url), kept in the store beside the hub's.
 
-A URL's file goes to models/web-HOST[-PORT]/NAME, NAME the last segment of its path as llama.cpp
-names it (without query or fragment), checked as a hub's file names are. The folder's name holds no
+A URL's file goes to models/web-HOST[-PORT]-HASH/NAME, NAME the last segment of its path as llama.cpp
+names it (without query or fragment), checked as a hub's file names are, HASH a short hash of the
+folder path before it. The folder's name holds no
 "__", so `list` never takes it for a hub repository's. The store pulls it as any other file: into a
 partial download that the next pull resumes, its size checked against what the server announced,
 verified by sha256 where the server gives one (the hub's own URLs), else checked to begin as a GGUF
@@ -13,19 +14,24 @@ own URLs only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import os
 import re
+import sys
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from .errors import BadReferenceError, StoreError, UnsafeNameError
 from .huberrors import at_hub, hub_errors, origin
-from .hubnames import MAX_FILE_BYTES, MAX_SEGMENT, unsafe_file_reason
-from .hubrefs import with_shards
+from .hubnames import MAX_FILE_BYTES, MAX_SEGMENT, contained, models_dir, unsafe_file_reason, with_shards
 from .registry import ModelEntry
+from .verified import record_verified, verified_files
 
 URL_REFERENCE = re.compile(r"^https?://", re.IGNORECASE)
 WEB_FOLDER = re.compile(r"^web-[a-z0-9.-]+$")  # no "/" and no "__": no hub repository's folder
 HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_REDIRECTS = 5
+BLOB_PAGE = re.compile(r"^(?P<repo>/[^/]+/[^/]+)/blob/(?P<rest>[^/]+/.+)$")
 
 
 def is_url(ref: str) -> bool:
@@ -46,6 +52,7 @@ def entry_from_url(url: str) -> ModelEntry:
         raise BadReferenceError(f"{url!r}: the port is not a number") from None
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
         raise BadReferenceError(f"{url!r} is not a model URL: give http(s)://HOST/PATH/FILE.gguf")
+    url, parts = _download_link(url, parts)
     name = unquote(parts.path.rsplit("/", 1)[-1])
     reason = "a '/' in the name (%2F)" if "/" in name else unsafe_file_reason(name)
     if reason:
@@ -53,14 +60,52 @@ def entry_from_url(url: str) -> ModelEntry:
     if not name.lower().endswith(".gguf"):
         raise BadReferenceError(f"{_shown(url)}: its path ends in {name!r}, not a .gguf file name; give the URL "
                                 f"of the GGUF file itself")
-    folder = _folder(parts)
-    return ModelEntry(url, folder, with_shards(folder, name), revision=_shown(url))
+    entry = ModelEntry(url, _folder(parts), with_shards(_folder(parts), name), revision=_shown(url))
+    _adopt_old_layout(entry, _host_folder(parts))
+    return entry
+
+
+def _download_link(url: str, parts):
+    """The hub's download link for its web page of a file (/OWNER/REPO/blob/REV/FILE, what a browser's
+    address bar shows, is HTML): /resolve/ in place of /blob/, said on stderr. Other URLs as they are."""
+    m = BLOB_PAGE.match(parts.path)
+    if not m or not at_hub(url):  # another server's /blob/ (GitHub's) has another download path
+        return url, parts
+    resolved = urlunsplit(parts._replace(path=f"{m['repo']}/resolve/{m['rest']}"))
+    print(f"ggufspec: note: {_shown(url)} is the hub's web page of the file; downloading {_shown(resolved)}",
+          file=sys.stderr)
+    return resolved, urlsplit(resolved)
 
 
 def _folder(parts) -> str:
-    """web-HOST[-PORT]: the host lowercased, anything but letters, digits, dots and dashes a dash."""
+    """web-HOST[-PORT]-HASH, HASH 8 hex digits of the URL's folder path: the same file name under two paths
+    of a server (alice/.../ggml-model-Q4_K_M.gguf, bob/...) is two files of the store, a split's shards one folder."""
+    folder = unquote(parts.path).rsplit("/", 1)[0]
+    digest = hashlib.sha256(folder.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{_host_folder(parts)[:MAX_SEGMENT - 9]}-{digest}"
+
+
+def _host_folder(parts) -> str:
+    """web-HOST[-PORT]: the host lowercased, anything but letters, digits, dots and dashes a dash (the
+    folder of every URL of a host before the path was part of it)."""
     host = re.sub(r"[^a-z0-9.-]", "-", parts.hostname.lower())
     return f"web-{host}{f'-{parts.port}' if parts.port is not None else ''}"[:MAX_SEGMENT]
+
+
+def _adopt_old_layout(entry: ModelEntry, old_folder: str) -> None:
+    """A file an older ggufspec stored under web-HOST[-PORT]/ moved to this URL's folder, where its note says
+    it came from this very URL; another URL's file of that name stays (`list` shows it by its path)."""
+    old = dataclasses.replace(entry, repo=old_folder)
+    notes = verified_files(old)
+    for file, note in notes.items():
+        source, target = contained(models_dir(), old_folder, file), contained(models_dir(), entry.repo, file)
+        if note.get("revision") != entry.revision or None in (source, target) or not source.is_file() \
+                or target.exists():
+            continue
+        with contextlib.suppress(OSError):  # a store that cannot be written: the file is downloaded again
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, target)
+            record_verified(entry, file, note["size"], note["sha256"])
 
 
 def _shown(url: str) -> str:

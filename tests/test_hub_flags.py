@@ -173,7 +173,7 @@ def test_mu_downloads_into_the_store_and_runs_it_offline_after(web, tiny_pair, m
     url = f"{web.url}/models/tiny.gguf"
     fetched = tokens(run("-mu", url, "-md", str(draft), "-hft", "secret"))
     assert fetched == tokens(run("-m", str(target), "-md", str(draft)))
-    path = store.models_dir() / f"web-127.0.0.1-{web.server_address[1]}" / "tiny.gguf"
+    path = store.final_path(store.entry_from_reference(url), "tiny.gguf")
     assert path.read_bytes() == target.read_bytes()
     assert web.authorizations and set(web.authorizations) == {None}  # the hub's token goes to the hub only
     web.authorizations.clear()

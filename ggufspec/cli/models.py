@@ -24,8 +24,12 @@ def _model_entries(name: str):
         return [registry.models[name]]
     entry = entry_from_reference(name)
     if entry is None:
-        raise GgufspecError(f"unknown pair or model {name!r}: see `ggufspec list`, or give hf://OWNER/REPO/FILE.gguf, "
-                            f"OWNER/REPO:QUANT, hf://OWNER/REPO or a GGUF file's http(s) URL")
+        from ..hubrefs import hub_form_hint
+        from ..registry import did_you_mean
+        hint = (did_you_mean(name, [*registry.pairs, *registry.models]) or hub_form_hint(name)
+                or ": see `ggufspec list`, or give hf://OWNER/REPO/FILE.gguf, OWNER/REPO:QUANT, hf://OWNER/REPO or "
+                   "a GGUF file's http(s) URL")
+        raise GgufspecError(f"unknown pair or model {name!r}{hint}")
     return [entry]
 
 
