@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+import anthropic
 import httpx
 import pytest
 
@@ -178,8 +179,6 @@ def test_a_logit_bias_key_that_is_text_biases_each_of_its_tokens_as_llama_server
      "required"),
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"allOf": [{"$ref": 5}]}}}}, "response_format"),
-    ("/v1/chat/completions", {"messages": HI, "tools": [UNIT], "tool_choice": "required",
-                              "response_format": {"type": "json_object"}}, "tools"),
 ])
 def test_bad_values_name_their_field(server, path, body, message):
     for stream in (False, True):
@@ -392,3 +391,36 @@ def test_a_token_longer_than_32_bytes_is_detokenized_whole(tmp_path):
     with SpeculativeDecoder(path, n_ctx=256, n_threads=1) as decoder:
         assert detokenize_tokens(decoder, DetokenizeBody(tokens=[280, 280]))["content"].strip() == \
             "-" * 48 + " " + "-" * 48
+
+
+def test_tools_beside_a_response_format_answer_with_a_call_or_in_the_format(server):
+    """OpenAI's API takes both (Codex's exec --output-schema, the Agents SDK's output_type): each was a 400.
+    Under auto the answer is a valid call or JSON of the format; a forced call is a call (audit)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG, "strict": True}}
+    pieces = post(server, "/tokenize", {"content": "<tool_call>", "with_pieces": True}).json()["tokens"]
+    call_start = next(t["id"] for t in pieces if t["piece"] == "<")  # the tiny vocabulary writes it byte by byte
+    kinds = set()
+    for bias in ({}, {str(call_start): 30}):  # the tiny model answers in JSON; a bias makes it call
+        answer = server.client().chat.completions.create(
+            model="target", messages=HI, tools=[UNIT], response_format=fmt, max_tokens=96, logit_bias=bias,
+            parallel_tool_calls=False)
+        choice = answer.choices[0]
+        if choice.message.tool_calls:
+            assert json.loads(choice.message.tool_calls[0].function.arguments)["unit"] in ("celsius", "fahrenheit")
+            assert choice.finish_reason == "tool_calls"
+        else:
+            assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content)["ok"], bool)
+        kinds.add(bool(choice.message.tool_calls))
+    assert kinds == {True, False}
+    forced = server.client().chat.completions.create(model="target", messages=HI, tools=[UNIT], response_format=fmt,
+                                                      tool_choice="required", max_tokens=96, parallel_tool_calls=False)
+    assert forced.choices[0].finish_reason == "tool_calls"
+    flat = {"type": "function", "name": "set_unit", "parameters": UNIT["function"]["parameters"]}
+    response = server.client().responses.create(model="target", input="hi", tools=[flat], max_output_tokens=96,
+                                                text={"format": {"type": "json_schema", "name": "flag", "schema": FLAG}})
+    assert response.status == "completed" and response.output[-1].type in ("function_call", "message")
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    message = claude.messages.create(model="any", max_tokens=96, messages=HI, tools=[
+        {"name": "set_unit", "input_schema": UNIT["function"]["parameters"]}],
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": FLAG}}})
+    assert message.stop_reason in ("tool_use", "end_turn")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .. import tools as toolkit
 from ..errors import GgufspecError
+from ..gbnfmerge import either
 from ..thinking import CLOSE, OPEN, ReasoningControl
 from .errors import APIError
 from .schemas import ChatBody, CompletionBody, GenerationBody, NativeBody, template_variables
@@ -42,10 +43,11 @@ def shaping(body: GenerationBody, fmt: toolkit.ToolFormat, n_vocab: int, end_ids
     if not parse_calls or getattr(body, "parse_tool_calls", None) is False:  # the grammar, if any, still applies
         plan = dataclasses.replace(plan, parse=False)
     grammar, lazy, triggers = response_grammar(body)
-    if plan.grammar is not None:
-        if grammar is not None:
-            raise APIError(400, "tools cannot be combined with response_format, grammar or json_schema: "
-                                "send tool_choice \"none\" to answer in a format", code="invalid_value")
+    if plan.grammar is not None and grammar is not None and not plan.forced:
+        # tools and a format (OpenAI's API takes both: Codex's --output-schema, the Agents SDK's output_type):
+        # the answer is a call, or the format's; from its first token, so no prose before a call either
+        grammar, lazy, triggers = either(plan.grammar, grammar), False, ()
+    elif plan.grammar is not None:  # calls only where they are forced: the format is for a later answer
         grammar, lazy, triggers = plan.grammar, plan.lazy, plan.triggers
     bias = logit_bias(body.logit_bias, n_vocab, tokenize) if body.logit_bias else {}
     if body.ignore_eos:
