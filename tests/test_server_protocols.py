@@ -426,6 +426,8 @@ BAD_MESSAGES = [
     ({"max_tokens": 8, "messages": HI, "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
      "nope"),
     ({"max_tokens": 8, "messages": HI, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
+    ({"max_tokens": 8, "messages": HI, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "tool_choice": {"type": "tool", "name": "web_search"}}, "a server tool (web_search_20250305)"),
     ({"max_tokens": 8, "messages": HI, "output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#/x"}}}},
      "output_config.format"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "the cat " * 400}]}, "2048"),
@@ -559,3 +561,73 @@ def test_codex_s_loop_on_the_demo_pair(demo_server):
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         answer = stream.get_final_response()
     assert answer.status == "completed" and answer.output_text == "".join(deltas) and "18" in answer.output_text
+
+
+# ---------------------------------------------------------------- a session's history from elsewhere
+
+def claude_tokens(server, messages) -> int:
+    response = httpx.post(server.url + "/v1/messages/count_tokens", json={"messages": messages}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["input_tokens"]
+
+
+def test_what_a_tool_returns_that_is_no_text_is_a_placeholder_not_a_400_for_the_whole_session(server):
+    """Claude Code reading a picture, its tool search, a search's results; a web search Anthropic ran: each was a
+    400 that every later turn of the session got too (the history keeps it) (audit)."""
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {}}]}
+
+    def result(*blocks):
+        return [{"role": "user", "content": "read it"}, call,
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": list(blocks)}]}]
+    text = {"type": "text", "text": "a cat"}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    placeholder = {"type": "text", "text": "[an image not shown: this model reads text only]"}
+    assert claude_tokens(server, result(text, image)) == claude_tokens(server, result(text, placeholder))
+    found = {"type": "search_result", "source": "https://x.org", "title": "X",
+             "content": [{"type": "text", "text": "found"}]}
+    assert claude_tokens(server, result(found)) == claude_tokens(server, result(
+        {"type": "text", "text": "X (https://x.org)"}, {"type": "text", "text": "found"}))
+    assert claude_tokens(server, result({"type": "tool_reference", "tool_name": "grep"})) > 0
+    searched = [{"role": "user", "content": "news?"}, {"role": "assistant", "content": [
+        {"type": "server_tool_use", "id": "s1", "name": "web_search", "input": {"query": "news"}},
+        {"type": "web_search_tool_result", "tool_use_id": "s1", "content": []}, {"type": "text", "text": "none"}]},
+        {"role": "user", "content": "ok"}]
+    assert claude_tokens(server, searched) == claude_tokens(server, [
+        searched[0], {"role": "assistant", "content": "none"}, searched[2]])
+    answered = httpx.post(server.url + "/v1/messages", json={"max_tokens": 4, "messages": result(text, image)},
+                          timeout=60)
+    assert answered.status_code == 200, answered.text
+
+
+def responses_tokens(server, items) -> int:
+    response = httpx.post(server.url + "/v1/responses/input_tokens", json={"input": items}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["input_tokens"]
+
+
+def test_a_codex_session_a_hosted_model_began_goes_on_here(server):
+    """Codex's freeform apply_patch and local shell calls, a web search, a compacted history, an image a tool
+    returned: each item was a 400 (audit). Calls and results are rendered as function calls; what OpenAI's
+    servers did is dropped; an image is a placeholder."""
+    ask = {"role": "user", "content": "fix it"}
+    custom = [ask, {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"},
+              {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"}]
+    as_function = [ask, {"type": "function_call", "call_id": "c1", "name": "apply_patch",
+                         "arguments": json.dumps({"input": "*** Begin Patch"})},
+                   {"type": "function_call_output", "call_id": "c1", "output": "Done"}]
+    assert responses_tokens(server, custom) == responses_tokens(server, as_function)
+    shell = [ask, {"type": "local_shell_call", "call_id": "s1", "status": "completed",
+                   "action": {"type": "exec", "command": ["ls"]}},
+             {"type": "local_shell_call_output", "id": "s1", "output": "a.py"}]
+    assert responses_tokens(server, shell) > responses_tokens(server, [ask])
+    dropped = [{"type": "compaction", "encrypted_content": "xyz"}, ask,
+               {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}}]
+    assert responses_tokens(server, dropped) == responses_tokens(server, [ask])
+    image = [ask, {"type": "function_call", "call_id": "v1", "name": "view_image", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "v1",
+              "output": [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]
+    placeholder = [*image[:2], {"type": "function_call_output", "call_id": "v1",
+                                "output": "[an image not shown: this model reads text only]"}]
+    assert responses_tokens(server, image) == responses_tokens(server, placeholder)
+    answered = server.client().responses.create(model="target", input=custom + shell[1:] + dropped, max_output_tokens=4)
+    assert answered.status in ("completed", "incomplete")

@@ -29,7 +29,11 @@ from .reasoning import Thinking, splitter_for
 
 STOP_REASONS = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
-DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # the model's earlier reasoning: not rendered again
+# the model's earlier reasoning, and what Anthropic's servers did (a web search's call and results): not rendered
+DROPPED_BLOCKS = ("thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result",
+                  "web_fetch_tool_result", "code_execution_tool_result")
+# in a tool's result, where the whole session would otherwise be refused from then on (the history keeps it)
+NOT_SHOWN = "[{kind} not shown: this model reads text only]"
 # chat's field names in an error: this API's (a tool is {"name", "input_schema"}, not {"function": ...})
 NAMES = {"response_format": "output_config.format", "].function.parameters": "].input_schema",
          "].function.": "].", "thinking_budget_tokens": "thinking.budget_tokens"}
@@ -116,6 +120,9 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
         choice = body.tool_choice
         if choice.type == "tool" and not choice.name:
             raise APIError(400, "tool_choice.name is required when tool_choice.type is \"tool\"")
+        if choice.type == "tool" and any(t.name == choice.name and t.type not in (None, "custom") for t in body.tools or []):
+            raise APIError(400, f"tool_choice names {choice.name!r}, a server tool ({server_tool_type(body, choice.name)}) "
+                                "that Anthropic's servers run: a local model cannot run it, so it is not offered")
         translated["tool_choice"] = (TOOL_CHOICES[choice.type] if choice.type != "tool"
                                      else {"type": "function", "function": {"name": choice.name}})
         if choice.disable_parallel_tool_use:
@@ -129,6 +136,10 @@ def chat_request(body: CountTokensBody, serving: Serving) -> tuple[ChatBody, str
         if form is not None:
             translated["response_format"] = {"type": "json_schema", "json_schema": {"schema": form.schema_}}
     return serving.chat_body(translated, body.model_extra, names=request_names(body)), prefill
+
+
+def server_tool_type(body: CountTokensBody, name: str) -> str:
+    return next(t.type for t in body.tools or [] if t.name == name)
 
 
 def thinking_variables(body: CountTokensBody) -> dict:
@@ -212,8 +223,24 @@ def user_messages(blocks: list[Block], where: str) -> list[dict]:
 def result_text(block: Block, where: str) -> str:
     content = block.content
     text = content if isinstance(content, str) else joined_text(
-        [block_text(b, f"{where}.content[{k}]") for k, b in enumerate(content or [])])
+        [result_part(b, f"{where}.content[{k}]") for k, b in enumerate(content or [])])
     return f"Error: {text}" if block.is_error else text
+
+
+def result_part(block: Block, where: str) -> str:
+    """A tool result's block as text: an image or a document (Claude Code reading a picture) a placeholder, not
+    a 400 that every later turn of the session would get too; Claude Code's tool search (`tool_reference`)
+    and a `search_result` as what they say."""
+    extra = block.model_extra or {}
+    if block.type in ("image", "document"):
+        return NOT_SHOWN.format(kind="an image" if block.type == "image" else "a document")
+    if block.type == "tool_reference":
+        return f"Tool available: {extra.get('tool_name', '')}"
+    if block.type == "search_result":
+        texts = [block_text(b, f"{where}.content[{k}]") for k, b in enumerate(block.content or [])] \
+            if isinstance(block.content, list) else [block.content or ""]
+        return joined_text([f"{extra.get('title', '')} ({extra.get('source', '')})", *texts])
+    return block_text(block, where)
 
 
 def assistant_message(blocks: list[Block], where: str) -> dict:

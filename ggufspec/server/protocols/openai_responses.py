@@ -12,6 +12,7 @@ or json_object is structured output through the grammar path, as chat's `respons
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Annotated, Any
@@ -27,6 +28,11 @@ from .reasoning import Thinking, splitter_for
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 SYSTEM_ROLES = ("system", "developer")
+# a session a hosted model began (Codex's freeform apply_patch, its local shell) holds these: calls and results
+CALLS = ("function_call", "custom_tool_call", "local_shell_call")
+CALL_OUTPUTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
+# what OpenAI's servers did or keep (a web search, a compacted history's encrypted summary): not for this model
+DROPPED_ITEMS = ("reasoning", "web_search_call", "file_search_call", "image_generation_call", "compaction")
 
 
 class Part(Strict):
@@ -142,28 +148,42 @@ def conversation(body: ResponsesBody) -> list[dict]:
             if item.role not in ("user", "assistant"):
                 raise APIError(400, f"{where}.role must be user, assistant, system or developer, got {item.role!r}")
             messages.append({"role": item.role, "content": content_text(item.content, where)})
-        elif kind == "function_call":
+        elif kind in CALLS:
             add_call(messages, item, where)
-        elif kind == "function_call_output":
-            output = item.output if isinstance(item.output, str) else content_text(item.output, f"{where}.output")
-            messages.append({"role": "tool", "tool_call_id": item.call_id or "", "content": output})
-        elif kind != "reasoning":
+        elif kind in CALL_OUTPUTS:
+            output = item.output if isinstance(item.output, str) else output_text(item.output, f"{where}.output")
+            call_id = item.call_id or (item.model_extra or {}).get("id") or ""
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind not in DROPPED_ITEMS:
             raise APIError(400, f"{where}: items of type {kind!r} are not supported here (this server keeps no state)")
     return ([{"role": "system", "content": joined_text(system)}] if system else []) + messages
 
 
 def add_call(messages: list[dict], item: Item, where: str) -> None:
-    """A function_call item as a tool call of the assistant message before it (or of a new one)."""
-    if not item.name:
-        raise APIError(400, f"{where}.name: a function_call item needs the function's name")
-    call = {"id": item.call_id or "", "type": "function", "function": {"name": item.name,
-                                                                       "arguments": item.arguments or "{}"}}
+    """A function_call item (or a custom tool's or the local shell's, from a session a hosted model began) as a
+    tool call of the assistant message before it (or of a new one)."""
+    extra = item.model_extra or {}
+    name = "local_shell" if item.type == "local_shell_call" else item.name
+    if not name:
+        raise APIError(400, f"{where}.name: a {item.type} item needs the function's name")
+    arguments = (item.arguments or "{}" if item.type == "function_call" else
+                 json.dumps({"input": extra.get("input", "")}) if item.type == "custom_tool_call" else
+                 json.dumps(extra.get("action") or {}))
+    call = {"id": item.call_id or "", "type": "function", "function": {"name": name, "arguments": arguments}}
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant":
         last.setdefault("tool_calls", []).append(call)
         last["content"] = last["content"] or None
     else:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def output_text(content: list[Part] | None, where: str) -> str:
+    """A call's output parts as text: an image (Codex's view_image) a placeholder, not a 400 that every later
+    turn of the session would get too."""
+    return joined_text([f"[{'an image' if part.type == 'input_image' else 'a file'} not shown: this model reads "
+                        "text only]" if part.type in ("input_image", "input_file") else content_text([part], where)
+                        for part in content or []])
 
 
 def content_text(content: str | list[Part] | None, where: str) -> str:
