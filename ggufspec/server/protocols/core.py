@@ -340,11 +340,14 @@ async def with_heartbeats(events, seconds: float):
     pending = None
     try:
         while True:
-            pending = pending or asyncio.ensure_future(anext(events))
-            done, _ = await asyncio.wait({pending}, timeout=seconds if seconds > 0 else None)
-            if not done:
-                yield HEARTBEAT
-                continue
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+                await asyncio.sleep(0)  # where the next event is ready, one turn of the loop brings it: no timer
+            if not pending.done():
+                done, _ = await asyncio.wait({pending}, timeout=seconds if seconds > 0 else None)
+                if not done:
+                    yield HEARTBEAT
+                    continue
             finished, pending = pending, None
             try:
                 event = finished.result()
