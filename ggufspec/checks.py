@@ -50,7 +50,10 @@ def check_options(options: dict, fields_of, *calls) -> None:
     for name in options:
         if name not in fields:
             parameters = {name for call in calls for name in inspect.signature(call).parameters}
+            if name in parameters:  # another layer's (`stop` is stream()'s, not steps()'s)
+                owner = next(call.__name__ for call in calls if name in inspect.signature(call).parameters)
+                raise GgufspecError(f"{calls[0].__name__}() does not take {name!r}: {owner}() does")
             known = sorted(set(fields) | parameters - {"self", "filters", "prompt", "options"})
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            close = difflib.get_close_matches(name, [k for k in known if k != name], n=1, cutoff=0.75)
             raise GgufspecError(f"unknown generation option {name!r}" + (f": did you mean {close[0]!r}?" if close else
                                                                           f" (options: {', '.join(known)})"))

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import re
 
-# what is not a rule's name: literals, character classes and comments, taken whole (a `#` in a literal is text)
-NOT_NAMES = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
+# what is not a rule's name, taken whole: literals, character classes, comments (a `#` in a literal is text),
+# repetition counts (`{0,4}`: a schema's property "4" makes a rule named 4) and token references (`<think>`, `!<[5]>`)
+NOT_NAMES = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*|\{[^}]*\}|<[^>]*>')
 WORD = re.compile(r"(?<![a-zA-Z0-9-])[a-zA-Z0-9-]+(?![a-zA-Z0-9-])")  # llama.cpp's name characters
 DEFINED = re.compile(r"^[ \t]*([a-zA-Z0-9-]+)[ \t]*::=", re.M)
 
 
 def prefixed(gbnf: str, prefix: str) -> str:
-    """`gbnf` with each rule it defines renamed `prefix` + name, where defined and where used (a repetition's
-    counts, `{0,4}`, are no rule's names and stay)."""
+    """`gbnf` with each rule it defines renamed `prefix` + name, where defined and where used."""
     names = set(DEFINED.findall(gbnf))
 
     def rename(text: str) -> str:

@@ -49,8 +49,9 @@ def pieces(target, steps: Iterator) -> Iterator[Piece]:
 
 
 def stop_strings(stop) -> list[str]:
-    """`stop` (a string or a list of them) as a list; empty strings stop nothing (as in the server)."""
-    stops = [stop] if isinstance(stop, str) else stop
+    """`stop` (a string or a list of them; None: none, as llama-cpp-python's) as a list; empty strings stop
+    nothing (as in the server)."""
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
         raise GgufspecError(f"stop must be a string or a list of strings, got {stop!r}"[:200])
     return [s for s in stops if s]

@@ -377,7 +377,7 @@ def _download_once(entry: ModelEntry, remote: RemoteFile, progress: bool) -> Pat
         partial.unlink()  # not a prefix of this file: start again
     with _no_empty_partial(partial), partial.open("ab") as out, \
             hub_errors(label, transfer=True, where=origin(remote.url), hub=not web), \
-            _progress_bars(progress), _refused_link(remote.url):
+            _progress_bars(progress), (contextlib.nullcontext() if web else _refused_link(remote.url)):
         resume = out.tell()
         if remote.size is None or resume < remote.size:
             http_get(remote.url, out, resume_size=resume, headers=download_headers(remote.url),

@@ -80,8 +80,10 @@ def _download_link(url: str, parts):
 def _folder(parts) -> str:
     """web-HOST[-PORT]-HASH, HASH 8 hex digits of the URL's folder path: the same file name under two paths
     of a server (alice/.../ggml-model-Q4_K_M.gguf, bob/...) is two files of the store, a split's shards one folder."""
-    folder = unquote(parts.path).rsplit("/", 1)[0]
-    digest = hashlib.sha256(folder.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    # the scheme, host, port and folder as sent (not unquoted): http://x:80/m/ and http://x-80/m/, or /a%FF/ and
+    # /a%FE/, share a readable folder name but not this
+    where = f"{parts.scheme.lower()}://{(parts.hostname or '').lower()}:{parts.port}{parts.path.rsplit('/', 1)[0]}"
+    digest = hashlib.sha256(where.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     return f"{_host_folder(parts)[:MAX_SEGMENT - 9]}-{digest}"
 
 

@@ -29,6 +29,16 @@ def test_rules_are_renamed_where_defined_and_used_never_in_literals_classes_coun
                                     'p-space ::= " "?\np-item ::= "[" p-space "]" | [\\]root]\n')
 
 
+def test_counts_and_token_references_stay_though_rules_are_named_like_them(tiny_vocab):
+    """A schema's property "4" makes a rule named 4: `{0,4}` was renamed `{0,answer-4}` (a review)."""
+    gbnf = 'root ::= a{0,4} 4 <think> !<[5]>\n4 ::= "x"\na ::= "y"\nthink ::= "z"\n'
+    assert prefixed(gbnf, "p-") == 'p-root ::= p-a{0,4} p-4 <think> !<[5]>\np-4 ::= "x"\np-a ::= "y"\np-think ::= "z"\n'
+    schema = {"type": "object", "properties": {"4": {"enum": ["a", "b"]}, "s": {"type": "string", "maxLength": 4}},
+              "required": ["4", "s"]}
+    fmt = toolkit.detect_format("{{ '<tool_call>' }}")
+    grammar(tiny_vocab, either(toolkit.plan_tools(WRITE, "auto", None, fmt).grammar, toolkit.schema_grammar(schema))).close()
+
+
 def walk(vocab, merged: Grammar, parts: list[Grammar], rng: random.Random, n_vocab: int) -> bytes:
     """One random walk: at every position the merged grammar allows what the parts still alive allow."""
     ids, text, alive = np.arange(n_vocab), b"", [True] * len(parts)

@@ -329,6 +329,12 @@ def test_stop_in_generate_many_applies_to_each_prompt(decoder):
         assert many.text == one.text[:min(i for s in stops if (i := one.text.find(s)) >= 0)]
 
 
+def test_stop_none_is_no_stop_and_steps_says_it_takes_none(decoder):
+    assert decoder.generate("once upon a time", n_predict=8, stop=None).stats.stop_reason != "stop"
+    with pytest.raises(GgufspecError, match=r"steps\(\) does not take 'stop': stream\(\) does"):
+        decoder.steps("the cat", n_predict=2, stop=["x"])
+
+
 @pytest.mark.parametrize("stop", [5, [b"x"], {"x": 1}, ["x", None]])
 def test_a_stop_that_is_not_strings_is_one_line_error(decoder, stop):
     with pytest.raises(GgufspecError, match="stop must be a string or a list of strings"):

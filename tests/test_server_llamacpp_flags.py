@@ -342,7 +342,7 @@ def test_one_slot_counts_its_decodes_alone(bare):
     (["--api-prefix", "/a//b"], "no empty, . or .. segment"),
     (["--api-prefix", "/a/../b"], "no empty, . or .. segment"),
     (["--slot-save-path", "/nonexistent/folder"], "not a directory"),
-    (["-to", "0"], "0 is not in the range x>=1"),
+    (["-to", "0"], "0 is not in the range 1<=x<=2147483647"),
     (["-sps", "1.5"], "1.5 is not in the range 0<=x<=1"),
 ])
 def test_bad_or_refused_flags_are_one_line(flags, words):

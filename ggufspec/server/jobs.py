@@ -292,6 +292,9 @@ class Engine:
             while part.choices and part.choices[0] // job.n == prompt_index and not job.cancelled.is_set():
                 index = part.choices[0]
                 choice_options = dict(options)
+                room = decoder.n_ctx - len(tokens)  # a max_tokens the context lowers: this prompt's room, not another's
+                if job.fit_to_context and choice_options.get("n_predict", -1) > room > 0:
+                    choice_options["n_predict"] = room
                 if job.options.get("seed") is not None:  # each of a prompt's choices its own seed
                     choice_options["seed"] = job.options["seed"] + index % job.n
                 self._choice(decoder, job, tokens, choice_options, index, pieces)
@@ -337,27 +340,31 @@ class Engine:
             tokens = tokenize_within(decoder, prompt, -1 if job.fit_to_context else n_predict)
         else:
             tokens = decoder.tokenize(prompt)
-        if job.fit_to_context and n_predict > decoder.n_ctx - len(tokens) > 0:
-            job.options = {**job.options, "n_predict": decoder.n_ctx - len(tokens)}
-        check_fits(len(tokens), job.options.get("n_predict", -1), decoder.n_ctx)
+        check_fits(len(tokens), -1 if job.fit_to_context else n_predict, decoder.n_ctx)  # (lowered per prompt: _choices)
         check_token_ids(tokens, decoder.target.n_vocab)  # the engine's own check, before a slot is chosen
         return tokens
 
     def _single_tokens(self, texts) -> tuple[int, ...]:
         """The ids of those `texts` that are one token (special tokens included): lazy grammar triggers."""
-        found = []
+        return tuple(self._one_token_each(texts))
+
+    def _one_token_each(self, texts) -> dict[int, str]:
+        """{id: text} for those `texts` that are one token (special tokens included)."""
+        found = {}
         for text in texts:
             ids = self.decoder.target_llm.tokenize(text.encode(), add_bos=False, special=True)
             if len(ids) == 1:
-                found.append(ids[0])
-        return tuple(found)
+                found[ids[0]] = text
+        return found
 
     def _marker_texts(self, shape: Shaping) -> dict[int, str]:
         """Control tokens that start a tool call ([TOOL_CALLS], <|python_tag|>) print nothing: their
         text, so that the call can be parsed (and shows, if it cannot)."""
         if not (shape.plan.parse or shape.plan.tools):  # parsed, or left as text (parse_tool_calls false)
             return {}
-        return {token: text for token, text in zip(self._single_tokens(shape.triggers), shape.triggers)
+        # the format's call openers, whether a lazy grammar waits for them or not (a forced call, a call or a
+        # format under one grammar: `shape.triggers` is empty there, and a Mistral call lost its [TOOL_CALLS])
+        return {token: text for token, text in self._one_token_each(shape.plan.triggers).items()
                 if not self.decoder.target.piece(token)}
 
     def stop(self) -> None:
