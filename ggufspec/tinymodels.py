@@ -86,8 +86,9 @@ def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
 
 
 def write_model(path: Path, shape: Shape, weights: dict[str, np.ndarray],
-                chat_template: str | None = None, tokens: list[str] | None = None) -> Path:
-    vocab, types = vocabulary(shape.extra_words, shape.fim, shape.thinking)
+                chat_template: str | None = None, tokens: list[str] | None = None, types: list | None = None) -> Path:
+    vocab, default_types = vocabulary(shape.extra_words, shape.fim, shape.thinking)
+    types = default_types if types is None else types
     if tokens is not None:
         vocab = tokens
     writer = gguf.GGUFWriter(str(path), "llama")

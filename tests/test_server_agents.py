@@ -424,3 +424,36 @@ def test_tools_beside_a_response_format_answer_with_a_call_or_in_the_format(serv
         {"name": "set_unit", "input_schema": UNIT["function"]["parameters"]}],
         extra_body={"output_config": {"format": {"type": "json_schema", "schema": FLAG}}})
     assert message.stop_reason in ("tool_use", "end_turn")
+
+
+@pytest.fixture(scope="module")
+def mistral_target(tmp_path_factory):
+    """The tiny target with Mistral's [TOOL_CALLS] as a control token (it prints nothing) and a template naming it."""
+    import gguf
+    from ggufspec.tinymodels import CHAT_TEMPLATE, vocabulary
+    shape = Shape(eos_bias=4.0)
+    tokens, types = vocabulary()
+    tokens[-1], types[-1] = "[TOOL_CALLS]", gguf.TokenType.CONTROL
+    template = CHAT_TEMPLATE + "{% if false %}{{ tools }}[TOOL_CALLS]{% endif %}"
+    return write_model(tmp_path_factory.mktemp("mistral") / "mistral.gguf", shape, make_weights(shape, 0),
+                       chat_template=template, tokens=tokens, types=types)
+
+
+def test_a_call_opened_by_a_control_token_is_parsed_forced_or_beside_a_format(mistral_target, tmp_path):
+    """[TOOL_CALLS] prints nothing: its text is put back so the call parses. It was only where a lazy grammar
+    waited for it; a forced call, or a call under a format's grammar, came back as content (a review)."""
+    running = start_server(tmp_path, "-m", str(mistral_target), "--no-draft", "-c", "1024")
+    try:
+        marker = post(running, "/tokenize", {"content": "[TOOL_CALLS]"}).json()["tokens"]
+        assert len(marker) == 1 and httpx.get(running.url + "/props", timeout=10).json()[
+            "chat_template_tool_format"] == "mistral"
+        fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}
+        for extra in ({"tool_choice": "required"}, {"response_format": fmt}):
+            answer = running.client().chat.completions.create(
+                model="mistral", messages=HI, tools=[UNIT], max_tokens=64, parallel_tool_calls=False,
+                logit_bias={str(marker[0]): 100}, **extra)  # the control token, not "[" written byte by byte
+            choice = answer.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (extra, choice)
+            assert json.loads(choice.message.tool_calls[0].function.arguments)["unit"] in ("celsius", "fahrenheit")
+    finally:
+        stop_server(running)
