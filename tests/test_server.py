@@ -251,6 +251,18 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, referenc
     assert server.health()["status"] == "ok"
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "the cat", "top_p": 5}, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": "the cat", "speculative": {"p_min": 2}}, "speculative.p_min"),
+    ("/v1/responses", {"input": "hi", "top_p": 5}, "top_p"),
+])
+def test_a_value_out_of_range_names_its_field_in_param_as_the_readme_says(server, path, body, param):
+    """The message named the field, `param` was null (README audit); a type error already filled it."""
+    error = post(server, path, body).json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
 def test_after_errors_answers_are_still_exact(server, reference):
     post(server, "/v1/completions", {"prompt": "the dog", "top_p": 5})
     post(server, "/v1/completions", {"prompt": "the dog " * 300})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -51,12 +52,18 @@ def error_body(path: str, status: int, message: str, type: str = "invalid_reques
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+FIELD_FIRST = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*|\[\d+\])*) must\b")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
                  headers: dict | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.headers = status, message, type, code, headers
-        self.param = param  # the body's field at fault (OpenAI's `param`), where one is
+        # the body's field at fault (OpenAI's `param`), where one is: given, or the one a message begins with
+        # ("top_p must be in (0, 1], got 5.0": the engine's checks name the field first)
+        field = FIELD_FIRST.match(message) if param is None and status == 400 else None
+        self.param = param if field is None else field[1]
 
     def body(self, path: str = "") -> dict:
         """In OpenAI's shape, or in that of the API `path` belongs to (`error_body`)."""

@@ -215,6 +215,7 @@ def renamed(exc: APIError, names: dict | None) -> APIError:
     """The error with the request fields it names renamed from chat's to the protocol's."""
     for chat_name, name in (names or {}).items():
         exc.message = exc.message.replace(chat_name, name)
+        exc.param = exc.param and exc.param.replace(chat_name, name)
     return exc
 
 
