@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from ggufspec.server.protocols.openai_responses import COMPACTED
 from serverproc import pair_server_fixture, serving
 
 N_CTX = 2048  # the tiny models write text byte by byte: a tool list is a few hundred tokens
@@ -620,14 +621,19 @@ def test_a_codex_session_a_hosted_model_began_goes_on_here(server):
                    "action": {"type": "exec", "command": ["ls"]}},
              {"type": "local_shell_call_output", "id": "s1", "output": "a.py"}]
     assert responses_tokens(server, shell) > responses_tokens(server, [ask])
-    dropped = [{"type": "compaction", "encrypted_content": "xyz"}, ask,
-               {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}}]
+    dropped = [ask, {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}},
+               {"type": "mcp_call", "id": "mcp_1", "name": "x", "arguments": "{}", "server_label": "s"}]
     assert responses_tokens(server, dropped) == responses_tokens(server, [ask])
+    # a compacted history cannot be read here: the model is told so, in the system message
+    compacted = [{"type": "compaction", "encrypted_content": "xyz"}, ask]
+    told = [{"role": "system", "content": COMPACTED}, ask]
+    assert responses_tokens(server, compacted) == responses_tokens(server, told) > responses_tokens(server, [ask])
     image = [ask, {"type": "function_call", "call_id": "v1", "name": "view_image", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "v1",
               "output": [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]
     placeholder = [*image[:2], {"type": "function_call_output", "call_id": "v1",
                                 "output": "[an image not shown: this model reads text only]"}]
     assert responses_tokens(server, image) == responses_tokens(server, placeholder)
-    answered = server.client().responses.create(model="target", input=custom + shell[1:] + dropped, max_output_tokens=4)
+    answered = server.client().responses.create(model="target", input=compacted + custom[1:] + shell[1:] + dropped[1:],
+                                                max_output_tokens=4)
     assert answered.status in ("completed", "incomplete")

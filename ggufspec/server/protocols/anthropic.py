@@ -31,7 +31,8 @@ STOP_REASONS = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # the model's earlier reasoning, and what Anthropic's servers did (a web search's call and results): not rendered
 DROPPED_BLOCKS = ("thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result",
-                  "web_fetch_tool_result", "code_execution_tool_result")
+                  "web_fetch_tool_result", "code_execution_tool_result", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result")
 # in a tool's result, where the whole session would otherwise be refused from then on (the history keeps it)
 NOT_SHOWN = "[{kind} not shown: this model reads text only]"
 # chat's field names in an error: this API's (a tool is {"name", "input_schema"}, not {"function": ...})

@@ -31,8 +31,12 @@ SYSTEM_ROLES = ("system", "developer")
 # a session a hosted model began (Codex's freeform apply_patch, its local shell) holds these: calls and results
 CALLS = ("function_call", "custom_tool_call", "local_shell_call")
 CALL_OUTPUTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
-# what OpenAI's servers did or keep (a web search, a compacted history's encrypted summary): not for this model
-DROPPED_ITEMS = ("reasoning", "web_search_call", "file_search_call", "image_generation_call", "compaction")
+# what OpenAI's servers did or keep (a web search, a hosted MCP server's calls): not for this model
+DROPPED_ITEMS = ("reasoning", "web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
+                 "mcp_list_tools", "mcp_call", "mcp_approval_request", "mcp_approval_response", "compaction")
+# a compacted history's summary is encrypted for OpenAI's models: the model here is told it is missing
+COMPACTED = ("The conversation before this point was compacted by another server; its summary cannot be read "
+             "here, so earlier details may be missing.")
 
 
 class Part(Strict):
@@ -154,6 +158,8 @@ def conversation(body: ResponsesBody) -> list[dict]:
             output = item.output if isinstance(item.output, str) else output_text(item.output, f"{where}.output")
             call_id = item.call_id or (item.model_extra or {}).get("id") or ""
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "compaction" and COMPACTED not in system:
+            system.append(COMPACTED)
         elif kind not in DROPPED_ITEMS:
             raise APIError(400, f"{where}: items of type {kind!r} are not supported here (this server keeps no state)")
     return ([{"role": "system", "content": joined_text(system)}] if system else []) + messages
