@@ -133,3 +133,18 @@ def wait_idle(server: Server, seconds: float = 10) -> dict:
         assert time.monotonic() < deadline, health
         time.sleep(0.05)
     return health
+
+
+def raw_events(server: Server, path: str, body: dict) -> list[tuple[str, dict]]:
+    """A streamed answer's SSE events as (event name, data), with the server's key if it has one."""
+    events, name = [], None
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, headers=server.auth,
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+                name = None
+    return events

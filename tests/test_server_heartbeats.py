@@ -5,13 +5,11 @@ sent the request again (audit; openai/codex#31539)."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import anthropic
-import httpx
 
 from ggufspec.server.protocols.core import HEARTBEAT, with_heartbeats
-from serverproc import slow_server_fixture
+from serverproc import raw_events, slow_server_fixture
 
 KEY = "heartbeat-key"
 slow_server = slow_server_fixture(KEY, "--sse-ping-interval", "1")
@@ -64,20 +62,8 @@ def test_a_consumer_that_leaves_mid_silence_stops_the_source():
     assert stopped == [True]
 
 
-def sse_events(server, path: str, body: dict) -> list[tuple[str, dict]]:
-    events, name = [], None
-    with httpx.stream("POST", server.url + path, json=body, headers=server.auth, timeout=120) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line[len("data: "):])))
-    return events
-
-
 def test_responses_keep_alive_is_a_numbered_in_progress_event(slow_server):
-    events = sse_events(slow_server, "/v1/responses", RESPONSES_BODY)
+    events = raw_events(slow_server, "/v1/responses", RESPONSES_BODY)
     names = [name for name, _ in events]
     assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.incomplete"
     assert names.count("response.in_progress") >= 2, names  # beats while the call was held back
@@ -91,7 +77,7 @@ def test_responses_keep_alive_is_a_numbered_in_progress_event(slow_server):
 
 
 def test_messages_keep_alive_is_anthropics_ping_event(slow_server):
-    events = sse_events(slow_server, "/v1/messages", MESSAGES_BODY)
+    events = raw_events(slow_server, "/v1/messages", MESSAGES_BODY)
     names = [name for name, _ in events]
     assert names.count("ping") >= 2 and names[-1] == "message_stop", names
     assert all(data == {"type": "ping"} for name, data in events if name == "ping")

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ggufspec.server.protocols.openai_responses import COMPACTED
-from serverproc import pair_server_fixture, serving
+from serverproc import pair_server_fixture, raw_events, serving
 
 N_CTX = 2048  # the tiny models write text byte by byte: a tool list is a few hundred tokens
 SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
@@ -40,20 +40,6 @@ def chat(server, messages, **fields):
     """The same conversation through /v1/chat/completions: (text, prompt tokens)."""
     answer = server.client().chat.completions.create(model="target", messages=messages, **fields)
     return answer.choices[0].message.content, answer.usage.prompt_tokens
-
-
-def raw_events(server, path, body) -> list[tuple[str, dict]]:
-    """A streamed answer's SSE events as (event name, data)."""
-    events, name = [], None
-    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line[len("data: "):])))
-                name = None
-    return events
 
 
 # ---------------------------------------------------------------- Anthropic: answers
