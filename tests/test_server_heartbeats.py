@@ -1,10 +1,12 @@
-"""A stream's keep-alives through a silence (a long prompt, a tool call held back until it is whole) are the
+"""A stream's keep-alives through a silence (a long prompt, a tool call held back until it is whole: formats
+other than Hermes) are the
 protocol's own events, which clients' event parsers see: Anthropic's `ping`, a numbered
 `response.in_progress`. SSE comments alone left Codex's idle timer running: it gave up after 300 s of them and
 sent the request again (audit; openai/codex#31539)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import anthropic
 
@@ -12,7 +14,10 @@ from ggufspec.server.protocols.core import HEARTBEAT, with_heartbeats
 from serverproc import raw_events, slow_server_fixture
 
 KEY = "heartbeat-key"
-slow_server = slow_server_fixture(KEY, "--sse-ping-interval", "1")
+# Mistral's call format: its calls are held back until whole (a Hermes call streams as it is written,
+# test_callstream), the silence the beats fill
+MISTRAL = Path(__file__).parent / "fixtures" / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja"
+slow_server = slow_server_fixture(KEY, "--sse-ping-interval", "1", "--chat-template-file", str(MISTRAL))
 
 WRITE = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 # the slow target never ends a string on its own: the call is held back until max tokens cut it (seconds)

@@ -133,6 +133,10 @@ def test_a_forced_call_in_every_protocol_whole_and_streamed(family_server, proto
     for kind, choice in CHOICES[protocol].items():
         for max_tokens in (300, 8):
             answers = [ASK[protocol](family_server, choice, stream, max_tokens) for stream in (False, True)]
+            (_, _, whole_calls), (finish, text, calls) = answers
+            if family_server.family == "hermes" and finish == CUT[protocol] and len(calls) == len(whole_calls) + 1:
+                # a Hermes call streams as it is written (test_callstream): the one cut off was shown in part
+                answers[1] = (finish, text, calls[:-1])
             for finish, text, calls in answers:
                 where = (family_server.family, protocol, kind, max_tokens, finish, text, calls)
                 assert not text or not any(marker in text for marker in MARKERS), where
@@ -145,7 +149,8 @@ def test_a_forced_call_in_every_protocol_whole_and_streamed(family_server, proto
                 else:  # a random model may write parallel calls until max_tokens: the protocol's "length",
                     # with the calls completed before the cut one (llama-server's finish_reason)
                     assert finish == CALLED[protocol] and calls or finish == CUT[protocol], where
-            whole, streamed = ((finish, text, [c[1:] for c in calls]) for finish, text, calls in answers)
+            # the same calls; a streamed Hermes call's arguments as the model spaced them, a whole one's as json.dumps
+            whole, streamed = ((finish, text, [(c[1], json.loads(c[2])) for c in calls]) for finish, text, calls in answers)
             assert whole == streamed, (family_server.family, protocol, kind, max_tokens)
     assert family_server.health()["status"] == "ok"
 
@@ -273,14 +278,17 @@ def played(family: str, text: str, finish: str) -> dict:
 
     async def chunks():
         return [e["data"] async for e in stream_events(FakeJob(shape, text, finish), Reply("m", True, shape), False)]
-    content, calls, reason = None, [], None
+    content, calls, reason = None, {}, None
     for data in asyncio.run(chunks())[1:-1]:
         choice = json.loads(data)["choices"][0]
         if choice["delta"].get("content") is not None:
             content = (content or "") + choice["delta"]["content"]
-        calls += [(c["function"]["name"], c["function"]["arguments"]) for c in choice["delta"].get("tool_calls") or []]
+        for call in choice["delta"].get("tool_calls") or []:  # as a client adds them up, by index
+            entry = calls.setdefault(call["index"], ["", ""])
+            entry[0] += call["function"].get("name") or ""
+            entry[1] += call["function"].get("arguments") or ""
         reason = choice["finish_reason"] or reason
-    answers["chat streamed"] = (reason, content, calls)
+    answers["chat streamed"] = (reason, content, [tuple(calls[i]) for i in sorted(calls)])
     for protocol, state in (("messages", MessageState(FakeServing(fmt), 5)),
                             ("responses", ResponseState(FakeServing(fmt), ResponsesBody(input="x")))):
         async def play():
@@ -324,6 +332,9 @@ def test_each_answer_shape_in_every_protocol(family, case):
     answers = played(family, text, finish)
     for protocol, (reason, shown, got) in answers.items():
         where = (family, case, protocol, reason, shown, got)
+        if protocol == "chat streamed" and family == "hermes" and finish == "length" and len(got) > len(expected):
+            # a Hermes call streams as it is written (test_callstream): the one cut short was shown in part
+            got = got[:len(expected)]
         assert got == expected, where
         assert (shown or None) == (answers["chat streamed"][1] or None), where  # what a stream showed, whole too
         assert (shown or None) == content, where  # no markup

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from .. import tools as toolkit
+from .callstream import MARKER, CallStream, streams_calls
 from .constraints import Shaping
 
 PIECE_FIELDS = ("text", "token", "from_draft", "step", "drafted")  # what ggufspec.pieces shows
@@ -58,7 +59,7 @@ def with_calls(finish: str, called: bool) -> str:
 class ChoiceState:
     """One choice's pieces so far, and what of them may go out as content."""
 
-    def __init__(self, index: int, shape: Shaping, chat: bool, new_reasoning=None):
+    def __init__(self, index: int, shape: Shaping, chat: bool, new_reasoning=None, stream_calls: bool = False):
         self.index, self.shape, self.chat = index, shape, chat
         self.pieces: list[dict] = []
         self.held: list[dict] = []   # pieces not yet sent: a tool call may have begun in them
@@ -69,6 +70,9 @@ class ChoiceState:
         self.new_reasoning = new_reasoning
         self.reasoning = None        # made at the first piece: the prompt (which may open <think>) is rendered by then
         self.thinking = ""           # thinking not yet sent (reasoning_content)
+        # a call's name and arguments sent as written (callstream), and what of them is not yet sent
+        self.call_stream = CallStream() if stream_calls and chat and streams_calls(self.shape) else None
+        self.call_events: list[tuple] = []
 
     @property
     def parsing(self) -> bool:
@@ -90,7 +94,19 @@ class ChoiceState:
             position += len(self.held[0]["text"])
             released.append(self.held.pop(0))
         self.sent_text += "".join(p["text"] for p in released)
+        if self.call_stream is not None and held_text[cut:].startswith(MARKER):
+            self.call_events += self.call_stream.push(held_text[cut:])
         return released
+
+    def take_call_events(self) -> list[tuple]:
+        """("call", name) and ("arguments", delta) of the calls being written, since the last take."""
+        events, self.call_events = self.call_events, []
+        return events
+
+    @property
+    def streamed_calls(self) -> list[list]:
+        """The calls whose name (and some arguments) went out as they were written: [name, arguments, whole]."""
+        return self.call_stream.calls if self.call_stream is not None else []
 
     def content_pieces(self, pieces: list[dict]) -> list[dict]:
         """The pieces with the thinking taken out of their text (into `thinking`)."""

@@ -10,6 +10,7 @@ import uuid
 from fastapi import Request
 
 from ..stats import Stats
+from ..tools import new_call_id
 from .choices import ChoiceState, shown_pieces, with_calls
 from .constraints import Shaping
 from .errors import engine_error
@@ -57,7 +58,8 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         # new_reasoning: a reasoning model's thinking as reasoning_content (reasoning.reasoning_content_for)
-        self.choices = [ChoiceState(i, shape or Shaping(), chat, new_reasoning) for i in range(n)]
+        # a stream's calls go out as they are written where they can (callstream); whole answers parse at the end
+        self.choices = [ChoiceState(i, shape or Shaping(), chat, new_reasoning, stream_calls=True) for i in range(n)]
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -85,8 +87,8 @@ class Reply:
             delta = {"role": "assistant", "content": text} if role else {} if text is None else {"content": text}
             if reasoning:  # llama-server's field for a reasoning model's thinking
                 delta["reasoning_content"] = reasoning
-            if tool_calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            if tool_calls:  # each with its "index"
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
@@ -99,14 +101,15 @@ class Reply:
         state = self.choices[index]
         released = state.push(pieces)
         thinking = state.take_thinking()
-        if not released and not prompt and not thinking:
+        calls = call_deltas(state, state.take_call_events())
+        if not released and not prompt and not thinking and not calls:
             return []
         extra = {"pieces": shown_pieces(released), **({"prompt": prompt} if prompt else {})}
         text = "".join(p["text"] for p in released) if released else None  # the prompt's figures alone: no content
         if thinking and not text:  # thinking alone: no content key
             text = None
         return [self.chunk(text, index=index, logprobs=self.logprobs(state, released), reasoning=thinking,
-                           ggufspec=extra)]
+                           tool_calls=calls, ggufspec=extra)]
 
     def choice_end_chunks(self, index: int, stats: Stats, finish: str, estimate: dict | None) -> list[dict]:
         """What the choice held back (content, or its tool calls), then its finish_reason."""
@@ -116,7 +119,9 @@ class Reply:
         chunks = []
         if held or thinking:
             text = content if content is not None or calls or thinking else ""
-            chunks.append(self.chunk(text, index=index, logprobs=self.logprobs(state, held), tool_calls=calls,
+            streamed = len(state.streamed_calls)  # sent as they were written: not again
+            rest = [{"index": streamed + i, **call} for i, call in enumerate(calls[streamed:])]
+            chunks.append(self.chunk(text, index=index, logprobs=self.logprobs(state, held), tool_calls=rest,
                                      reasoning=thinking, ggufspec={"pieces": shown_pieces(held)}))
         finish = with_calls(finish, bool(calls))
         chunks.append(self.chunk(None, finish, index=index, timings=timings(stats),
@@ -134,6 +139,23 @@ class Reply:
     def usage_chunk(self, stats: Stats) -> dict:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [],
                             usage=usage(stats), timings=timings(stats))
+
+
+def call_deltas(state: ChoiceState, events: list[tuple]) -> list[dict]:
+    """The calls being written (`ChoiceState.take_call_events`) as OpenAI's tool_calls deltas: a call's
+    index, id, type and name in its first, with the arguments so far; then more of them."""
+    index = len(state.streamed_calls) - sum(kind == "call" for kind, _ in events) - 1  # the call open before
+    deltas: list[dict] = []
+    for kind, value in events:
+        if kind == "call":
+            index += 1
+            deltas.append({"index": index, "id": new_call_id(state.shape.fmt), "type": "function",
+                           "function": {"name": value, "arguments": ""}})
+        elif deltas and deltas[-1]["index"] == index:
+            deltas[-1]["function"]["arguments"] += value
+        else:
+            deltas.append({"index": index, "function": {"arguments": value}})
+    return deltas
 
 
 async def whole_answer(job: Job, reply: Reply, request: Request) -> dict:

@@ -24,7 +24,7 @@ from pydantic import ConfigDict, Field
 from ..errors import APIError
 from ..responses import timings
 from ..schemas import ChatBody, Strict
-from .core import Calls, End, Evaluated, Serving, Text, arguments_object, joined_text, respond, sse
+from .core import CallArguments, CallBegun, Calls, End, Evaluated, Serving, Text, arguments_object, joined_text, respond, sse
 from .reasoning import Thinking, splitter_for
 
 STOP_REASONS = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -270,7 +270,8 @@ class MessageState:
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model, self.n_prompt, self.call_id = serving.model_name, n_prompt, serving.call_id
         self.content: list[dict] = []
-        self.open_kind: str | None = None   # "text" or "thinking": the last block, which more of it extends
+        self.open_kind: str | None = None   # "text", "thinking" or "tool_use": the last block, still open
+        self.streamed: list[int] = []       # the blocks of the calls sent as they were written
         self.started = False                # message_start sent
         self.ending: dict = {}
 
@@ -301,9 +302,28 @@ class MessageState:
             return self.extend("text", event.text)
         if isinstance(event, Thinking):
             return self.extend("thinking", event.text)
+        if isinstance(event, CallBegun):
+            events = self.close() + self.open({"type": "tool_use", "id": self.call_id("toolu_"), "name": event.name,
+                                                "input": {}})
+            self.open_kind = "tool_use"
+            self.streamed.append(len(self.content) - 1)
+            return events
+        if isinstance(event, CallArguments):
+            delta = {"type": "input_json_delta", "partial_json": event.delta}
+            return [sse("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
+                                                "delta": delta})]
         if isinstance(event, Calls):
-            return [e for call in event.calls for e in self.tool_use(call.name, call.arguments)]
+            return self.calls_end(event)
         return self.end(event)
+
+    def calls_end(self, event: Calls) -> list[dict]:
+        """The calls sent as written get their parsed input (one cut short: what was sent of it); the
+        others go out whole."""
+        events = self.close()
+        for i, (block, (_, sent, _)) in enumerate(zip(self.streamed, event.streamed)):
+            self.content[block]["input"] = arguments_object(event.calls[i].arguments if i < len(event.calls) else sent)
+        rest = event.calls[len(event.streamed):]
+        return events + [e for call in rest for e in self.tool_use(call.name, call.arguments)]
 
     def extend(self, kind: str, text: str) -> list[dict]:
         """More text of a text or thinking block (a new block when the last one is another kind)."""

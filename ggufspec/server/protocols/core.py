@@ -8,8 +8,9 @@ statistics are the same whichever API a client speaks.
 
 The answer is a sequence of `Text` (and a reasoning model's `Thinking`), `Calls` and `End`: the
 job's pieces with the text a tool call may have begun in held back (`ChoiceState`, as chat streams
-do), then the parsed calls, then why it ended. Each protocol renders that sequence whole or as its
-own stream events."""
+do), then the parsed calls, then why it ended. Where a call can go out as it is written
+(server.callstream), `CallBegun` and `CallArguments` come first, and `Calls` says which of its calls
+they were. Each protocol renders that sequence whole or as its own stream events."""
 from __future__ import annotations
 
 import asyncio
@@ -63,6 +64,20 @@ class Call:
 @dataclass(frozen=True)
 class Calls:
     calls: list[Call]
+    # the calls sent as they were written (CallBegun, CallArguments), the first of `calls`, each
+    # (name, its arguments as sent, whether they were whole); one cut short may be missing from `calls`
+    streamed: tuple = ()
+
+
+@dataclass(frozen=True)
+class CallBegun:
+    """A call being written (server.callstream): its name; its arguments follow as CallArguments."""
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    delta: str  # more of the arguments' JSON text, as written
 
 
 @dataclass(frozen=True)
@@ -238,10 +253,12 @@ class PlainText:
         return []
 
 
-async def answer_events(job: Job, request: Request | None = None, splitter=None):
+async def answer_events(job: Job, request: Request | None = None, splitter=None, stream_calls: bool = False):
     """The job's answer as Text (and, through `splitter`, Thinking), Calls and End; an error from
-    the engine raises APIError. With a `request`, a client that leaves cancels the job (ClientGone)."""
-    state, splitter = ChoiceState(0, job.shape, chat=True), splitter or PlainText()
+    the engine raises APIError. With a `request`, a client that leaves cancels the job (ClientGone).
+    `stream_calls`: a call goes out as it is written where it can (CallBegun, CallArguments)."""
+    state = ChoiceState(0, job.shape, chat=True, stream_calls=stream_calls)
+    splitter = splitter or PlainText()
     logprobs: list[dict] = []  # of pieces whose text has not gone out yet
     while True:
         kind, value = await (job.next_event(request) if request is not None else job.events.get())
@@ -252,6 +269,8 @@ async def answer_events(job: Job, request: Request | None = None, splitter=None)
             if text:  # a token that ends mid-character has no text: nothing to send yet
                 for event in with_logprobs(splitter.push(text), logprobs):
                     yield event
+            for event in call_events(state.take_call_events()):
+                yield event
         elif kind == "choice":
             _, stats, _, estimate = value
             # the text held back: content, or the calls and what is not them
@@ -259,8 +278,9 @@ async def answer_events(job: Job, request: Request | None = None, splitter=None)
             logprobs += [p["logprobs"] for p in held if "logprobs" in p and not calls]
             for event in with_logprobs((splitter.push(content) if content else []) + splitter.flush(), logprobs):
                 yield event
-            if calls:
-                yield Calls([Call(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+            streamed = tuple(tuple(call) for call in state.streamed_calls)
+            if calls or streamed:
+                yield Calls([Call(c["function"]["name"], c["function"]["arguments"]) for c in calls], streamed)
             yield End(end_reason(stats, bool(calls)), stats, job.stop_sequence, estimate)
         elif kind == "prompt":
             yield Evaluated(value[1]["n_prompt"], value[1]["cache_n"])
@@ -268,6 +288,17 @@ async def answer_events(job: Job, request: Request | None = None, splitter=None)
             raise engine_error(value)
         elif kind == "done":
             return
+
+
+def call_events(events: list[tuple]) -> list:
+    """ChoiceState's call events as the answer's, a push's arguments in one CallArguments."""
+    made = []
+    for kind, value in events:
+        if kind == "arguments" and made and isinstance(made[-1], CallArguments):
+            made[-1] = CallArguments(made[-1].delta + value)
+        else:
+            made.append(CallBegun(value) if kind == "call" else CallArguments(value))
+    return made
 
 
 def with_logprobs(events: list, logprobs: list[dict]) -> list:
@@ -317,7 +348,7 @@ async def respond(job: Job, request: Request, stream: bool, new_state, new_split
         try:
             for event in state.start():
                 yield event
-            async for answer_event in with_heartbeats(answer_events(job, splitter=new_splitter()),
+            async for answer_event in with_heartbeats(answer_events(job, splitter=new_splitter(), stream_calls=True),
                                                       job.sse_ping_interval):
                 for event in state.heartbeat() if answer_event is HEARTBEAT else state.on(answer_event):
                     yield event

@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field
 from ..errors import APIError
 from ..responses import timings
 from ..schemas import ChatBody, Strict
-from .core import Calls, End, Evaluated, Serving, Text, joined_text, respond, sse
+from .core import CallArguments, CallBegun, Calls, End, Evaluated, Serving, Text, joined_text, respond, sse
 from .reasoning import Thinking, splitter_for
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -218,6 +218,7 @@ class ResponseState:
         self.model, self.body, self.call_id = serving.model_name, body, serving.call_id
         self.output: list[dict] = []
         self.open: dict | None = None   # the message or reasoning item that more text extends
+        self.calling: dict | None = None  # the function call being written (callstream), its arguments growing
         self.sequence = 0
         self.status, self.extra = "in_progress", {}
 
@@ -241,9 +242,33 @@ class ResponseState:
             return self.text(event.text, "message", event.logprobs)
         if isinstance(event, Thinking):
             return self.text(event.text, "reasoning")
+        if isinstance(event, CallBegun):
+            return self.close() + self.call_done() + self.call_begun(event.name)
+        if isinstance(event, CallArguments):
+            self.calling["arguments"] += event.delta
+            return [self.event("response.function_call_arguments.delta", item_id=self.calling["id"],
+                               output_index=self.output.index(self.calling), delta=event.delta)]
         if isinstance(event, Calls):
-            return self.close() + [e for call in event.calls for e in self.function_call(call.name, call.arguments)]
+            # the last call sent as written is whole unless the answer was cut short in it
+            events = self.close() + self.call_done(whole=len(event.calls) >= len(event.streamed))
+            rest = event.calls[len(event.streamed):]
+            return events + [e for call in rest for e in self.function_call(call.name, call.arguments)]
         return self.end(event)
+
+    def call_begun(self, name: str) -> list[dict]:
+        self.calling = {"type": "function_call", "id": new_id("fc_"), "call_id": self.call_id("call_"), "name": name,
+                        "arguments": "", "status": "in_progress"}
+        return [self.add(self.calling)]
+
+    def call_done(self, whole: bool = True) -> list[dict]:
+        """The call being written, done: its arguments as they were sent ("incomplete" where cut short)."""
+        item, self.calling = self.calling, None
+        if item is None:
+            return []
+        item["status"], index = "completed" if whole else "incomplete", self.output.index(item)
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           name=item["name"], arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
 
     def add(self, item: dict) -> dict:
         self.output.append(item)
