@@ -1,4 +1,4 @@
-"""A Hermes tool call sent as it is written (server.callstream): its name once whole, then its arguments'
+"""A Hermes (or named Mistral) tool call sent as it is written (server.callstream): its name once whole, then its arguments'
 text as it grows, in each protocol's own stream events; their concatenation is the call's JSON and the
 stream's final answer (the SDK's) is the whole answer's. Other formats, and whole answers, as before.
 
@@ -13,14 +13,14 @@ import anthropic
 import pytest
 
 from ggufspec import tools as toolkit
-from ggufspec.server.callstream import CallStream, streams_calls
+from ggufspec.server.callstream import OPENINGS, CallStream, streams_calls
 from ggufspec.server.constraints import Shaping
 from ggufspec.server.protocols import core
 from ggufspec.server.protocols.anthropic import MessageState
 from ggufspec.server.protocols.openai_responses import ResponsesBody, ResponseState
 from ggufspec.server.responses import Reply, stream_events
 from serverproc import serving
-from test_tool_protocols import (ANTHROPIC_TOOLS, CHAT_TOOLS, FORMATS, HI, RESPONSES_TOOLS, UNIT_TOOLS, FakeJob,
+from test_tool_protocols import (ANTHROPIC_TOOLS, CHAT_TOOLS, FORMATS, HI, RESPONSES_TOOLS, STREAMED, UNIT_TOOLS, FakeJob,
                                  FakeServing, family_model, written)
 
 FILE = {"path": "a.py", "content": 'def f(x):\n    return {"a": [x, "}"]}  # a brace in a string: \\" too\n'}
@@ -32,6 +32,14 @@ def fed(text: str, step: int = 1) -> list[tuple]:
     for end in range(step, len(text) + step, step):
         events += stream.push(text[:end])
     return events
+
+
+def test_a_named_mistral_call_too():
+    for family, opening in (("mistral-args", OPENINGS["[ARGS]"]), ("mistral-call-id", OPENINGS["[CALL_ID]"])):
+        stream, text = CallStream(*opening), written(family, [WRITE, ("g", {"s": "hi"})])
+        events = [e for end in range(1, len(text) + 1) for e in stream.push(text[:end])]
+        assert [value for kind, value in events if kind == "call"] == ["write", "g"], family
+        assert "".join(v for k, v in events if k == "arguments") == json.dumps(FILE) + json.dumps({"s": "hi"})
 
 
 def test_the_name_once_whole_then_the_arguments_as_written():
@@ -58,9 +66,9 @@ def shape_for(family: str, choice="auto") -> Shaping:
     return Shaping(plan=toolkit.plan_tools(UNIT_TOOLS, choice, None, fmt), fmt=fmt)
 
 
-def test_only_hermes_calls_under_the_grammar():
-    assert streams_calls(shape_for("hermes"))
-    assert not any(streams_calls(shape_for(family)) for family in FORMATS if family != "hermes")
+def test_only_hermes_and_named_mistral_calls_under_the_grammar():
+    assert all(streams_calls(shape_for(family)) for family in STREAMED)
+    assert not any(streams_calls(shape_for(family)) for family in FORMATS if family not in STREAMED)
     fmt = toolkit.detect_format(FORMATS["hermes"])
     assert not streams_calls(Shaping(plan=toolkit.plan_tools(None, None, None, fmt), fmt=fmt))
 
@@ -95,10 +103,11 @@ def argument_deltas(protocol: str, events: list[dict]) -> dict[int, list[str]]:
     return deltas
 
 
+@pytest.mark.parametrize("family", STREAMED)
 @pytest.mark.parametrize("protocol", ["chat", "messages", "responses"])
-def test_each_protocol_streams_the_arguments_as_written(protocol):
-    text = "Writing it. " + written("hermes", [WRITE, ("g", {"s": "hi"})])
-    deltas = argument_deltas(protocol, stream_of(protocol, text, "stop"))
+def test_each_protocol_streams_the_arguments_as_written(protocol, family):
+    text = "Writing it. " + written(family, [WRITE, ("g", {"s": "hi"})])
+    deltas = argument_deltas(protocol, stream_of(protocol, text, "stop", family=family))
     assert ["".join(d) for d in deltas.values()] == [json.dumps(FILE), json.dumps({"s": "hi"})], deltas
     assert all(len(d) > 10 for d in deltas.values())  # as the pieces came, not once whole
     other = argument_deltas(protocol, stream_of(protocol, written("mistral", [WRITE]), "stop", family="mistral"))

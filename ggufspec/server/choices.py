@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from .. import tools as toolkit
-from .callstream import MARKER, CallStream, streams_calls
+from .callstream import CallStream, opening_for
 from .constraints import Shaping
 
 PIECE_FIELDS = ("text", "token", "from_draft", "step", "drafted")  # what ggufspec.pieces shows
@@ -71,7 +71,8 @@ class ChoiceState:
         self.reasoning = None        # made at the first piece: the prompt (which may open <think>) is rendered by then
         self.thinking = ""           # thinking not yet sent (reasoning_content)
         # a call's name and arguments sent as written (callstream), and what of them is not yet sent
-        self.call_stream = CallStream() if stream_calls and chat and streams_calls(self.shape) else None
+        opening = opening_for(self.shape) if stream_calls and chat else None
+        self.call_stream = CallStream(*opening) if opening is not None else None
         self.call_events: list[tuple] = []
 
     @property
@@ -94,7 +95,7 @@ class ChoiceState:
             position += len(self.held[0]["text"])
             released.append(self.held.pop(0))
         self.sent_text += "".join(p["text"] for p in released)
-        if self.call_stream is not None and held_text[cut:].startswith(MARKER):
+        if self.call_stream is not None and held_text[cut:].startswith(self.call_stream.marker):
             self.call_events += self.call_stream.push(held_text[cut:])
         return released
 
